@@ -1,0 +1,234 @@
+"""Shared fixtures. Paths to the shared reference material sit beside the repository."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    if not SHARED.is_dir():
+        pytest.skip("the shared reference folder is not beside the repository")
+    return SHARED
+
+
+# --- Data stages (corpus, tokenizer, prepare) -------------------------------------------
+
+DATA_DEMO_CORPUS = REPO / "data" / "demo" / "gutenberg_1mb.jsonl"
+DATA_MULTILINGUAL = (
+    "Ça déjà vu: naïve café in Zürich, São Paulo, Kraków. Η γρήγορη καφέ αλεπού. "
+    "Съешь же ещё этих мягких булок. 我能吞下玻璃而不伤身体。ガラスを食べられます。유리를 먹을 수 있어요. "
+    "🚀🎉👍🏽 def f(x): return {'k': [x[0]]}  # @a_b = 1 2 3 4 5 6 7 8 9 0"
+)
+
+
+@pytest.fixture(scope="session")
+def data_demo_corpus() -> Path:
+    return DATA_DEMO_CORPUS
+
+
+@pytest.fixture(scope="session")
+def data_bytefallback_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small tokenizer with the project's recipe (byte fallback on), trained once per session."""
+    from windowgpt_cli.corpus import iter_documents
+    from windowgpt_cli.tokenizer import train_sentencepiece
+
+    texts = [DATA_MULTILINGUAL, *iter_documents(DATA_DEMO_CORPUS)]
+    path = tmp_path_factory.mktemp("tokenizer") / "bf512.model"
+    path.write_bytes(train_sentencepiece(texts, 512, max_bytes=300_000))
+    return path
+
+
+@pytest.fixture(scope="session")
+def data_fineweb_tokenizer(shared_dir: Path) -> Path:
+    """The shared third-party sp1024 tokenizer, which has no byte fallback."""
+    path = shared_dir / "data" / "tokenizers" / "fineweb_1024_bpe.model"
+    if not path.is_file():
+        pytest.skip(f"{path} is missing")
+    return path
+
+
+# --- Evaluation fixtures ------------------------------------------------------------------
+
+EVAL_SEQS = 4  # validation sequences of the tiny preset's 128 tokens
+
+
+@pytest.fixture(scope="session")
+def eval_tokenizer(shared_dir: Path) -> Path:
+    """The Parameter Golf 1024-token SentencePiece model (the tiny preset's vocabulary)."""
+    path = shared_dir / "data" / "tokenizers" / "fineweb_1024_bpe.model"
+    if not path.is_file():
+        pytest.skip(f"{path} is missing")
+    return path
+
+
+@pytest.fixture(scope="session")
+def eval_luts(eval_tokenizer: Path):
+    from windowgpt_cli.tokenizer import load_byte_luts
+
+    return load_byte_luts(eval_tokenizer, None, 1024)
+
+
+@pytest.fixture
+def eval_model():
+    """The tiny preset's model (CPU, float32) with every weight moved off its initialization."""
+    import torch
+
+    from windowgpt_cli.config import tiny_preset
+    from windowgpt_cli.model import build_model
+
+    torch.manual_seed(0)
+    model = build_model(tiny_preset().model, torch.device("cpu"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture
+def eval_val_tokens():
+    """EVAL_SEQS sequences of 128 random tokens, plus the one the last target needs, plus a
+    few that the reference's truncation drops."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 1024, (EVAL_SEQS * 128 + 1 + 37,), generator=g).to(torch.uint16)
+
+
+@pytest.fixture
+def eval_data_dir(tmp_path: Path, eval_tokenizer: Path, eval_val_tokens) -> Path:
+    """A data directory: one validation shard (eval_val_tokens) and tokenizer.model."""
+    import shutil
+
+    from windowgpt_cli.shards import shard_name, write_shard
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_shard(data / shard_name("val", 0), eval_val_tokens.numpy())
+    shutil.copyfile(eval_tokenizer, data / "tokenizer.model")
+    return data
+
+
+@pytest.fixture
+def eval_run_dir(tmp_path: Path, eval_model, eval_tokenizer: Path) -> Path:
+    """A training run directory whose EMA weights are eval_model's, trained with eval_tokenizer."""
+    from windowgpt_cli.artifacts import sha256_file
+    from windowgpt_cli.checkpoint import Checkpoint, save_checkpoint
+    from windowgpt_cli.config import tiny_preset
+
+    cfg = tiny_preset().resolved()
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg.save(run / "config.json")
+    weights = {k: v.detach().clone() for k, v in eval_model.state_dict().items()}
+    save_checkpoint(run / "checkpoint.pt", Checkpoint(
+        config=cfg, model=weights, ema={k: v.clone() for k, v in weights.items()}, swa=None, swa_count=0,
+        step=1, training_time_ms=0.0, tokenizer_sha256=sha256_file(eval_tokenizer), state={}))
+    return run
+
+
+# --- Quantization, export and .ptz fixtures ---------------------------------------------
+
+def quant_small_config():
+    """The tiny preset widened to 264 so that its attention and MLP matrices (69,696
+    elements) and embedding (1024 x 264) are above the 65,536-element passthrough limit."""
+    import dataclasses
+
+    from windowgpt_cli.config import tiny_preset
+
+    cfg = tiny_preset()
+    model = dataclasses.replace(cfg.model, num_layers=2, model_dim=264, num_heads=4, num_kv_heads=4, mlp_mult=1.0,
+                                xsa_last_n=1, ve_layers=(1,), window_attn_layers=(1,))
+    train = dataclasses.replace(cfg.train, train_seq_len=64, train_batch_tokens=8 * 2 * 64)
+    quant = dataclasses.replace(cfg.quant, gptq_calib_samples=2)
+    return dataclasses.replace(cfg, model=model, train=train, quant=quant).resolved()
+
+
+@pytest.fixture
+def quant_single_thread():
+    """One torch thread: on a small shared machine two threads spin against each other."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def quant_config():
+    return quant_small_config()
+
+
+@pytest.fixture
+def quant_run_dir(tmp_path: Path, quant_config) -> Path:
+    """A run directory whose last, EMA and SWA weights all differ (SWA: a sum of 2 snapshots)."""
+    import torch
+
+    from windowgpt_cli.checkpoint import Checkpoint, save_checkpoint
+    from windowgpt_cli.model import build_model
+
+    torch.manual_seed(0)
+    model = build_model(quant_config.model, torch.device("cpu"))
+    last = {k: v.detach() + 0.02 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    ema = {k: v + 0.01 * torch.randn_like(v) for k, v in last.items()}
+    swa = {k: 2 * v + 0.01 * torch.randn_like(v) for k, v in last.items()}
+    run = tmp_path / "run"
+    run.mkdir()
+    quant_config.save(run / "config.json")
+    save_checkpoint(run / "checkpoint.pt", Checkpoint(
+        config=quant_config, model=last, ema=ema, swa=swa, swa_count=2, step=7, training_time_ms=1.0,
+        tokenizer_sha256="ab" * 32, state={}))
+    return run
+
+
+@pytest.fixture
+def quant_data_dir(tmp_path: Path) -> Path:
+    """One training shard of random tokens, for GPTQ calibration."""
+    import torch
+
+    from windowgpt_cli.shards import shard_name, write_shard
+
+    data = tmp_path / "data"
+    data.mkdir()
+    g = torch.Generator().manual_seed(2)
+    write_shard(data / shard_name("train", 0), torch.randint(0, 1024, (4096,), generator=g).to(torch.uint16).numpy())
+    return data
+
+
+@pytest.fixture
+def eval_single_thread():
+    """One intra-op thread: the tiny model's small matrices run far faster without
+    contending for the cores (use with pytest.mark.usefixtures)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def tiny_data_dir(tmp_path_factory) -> Path:
+    """The shipped demo corpus, prepared once: shards, tokenizer and metadata."""
+    from windowgpt_cli.stages.prepare import prepare
+
+    out = tmp_path_factory.mktemp("tiny-data")
+    prepare([REPO / "data" / "demo" / "gutenberg_1mb.jsonl"], out, vocab_size=1024, val_fraction=0.05)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_run_dir(tmp_path_factory, tiny_data_dir) -> Path:
+    """A finished tiny training run (30 steps), shared by the tests of later stages."""
+    from windowgpt_cli.config import apply_overrides, tiny_preset
+    from windowgpt_cli.stages.train import train
+
+    out = tmp_path_factory.mktemp("tiny-run") / "run"
+    cfg = apply_overrides(tiny_preset(), {"data": {"data_path": str(tiny_data_dir)}, "train": {"iterations": 30}})
+    train(cfg, out)
+    return out

@@ -1,0 +1,160 @@
+"""`windowgpt eval` and `windowgpt eval-ttt`: the numbers of the plain functions, JSON and
+tables, artifacts of every kind, and one-line errors."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from windowgpt_cli import ptz
+from windowgpt_cli.cli import app
+from windowgpt_cli.config import tiny_preset
+from windowgpt_cli.evaluation import evaluate_sliding, evaluate_standard, evaluate_ttt
+from windowgpt_cli.model import build_model, rebank_state_dict
+from windowgpt_cli.shards import shard_name, write_shard
+from windowgpt_cli.stages.quantize import quantize
+
+pytestmark = pytest.mark.usefixtures("eval_single_thread")
+
+WIDE = {"COLUMNS": "200"}
+CPU = torch.device("cpu")
+TINY = tiny_preset()  # the run's saved settings: seq_len 128, stride 32, batch 16
+JSON_KEYS = {"mode", "val_loss", "val_bpb", "tokens", "bytes", "seconds", "tokens_per_second", "seq_len", "stride",
+             "artifact", "artifact_kind", "artifact_sha256"}
+
+
+def run_cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], env=WIDE)
+
+
+def run_json(*args) -> dict:
+    result = run_cli(*args, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def truncated(tokens: torch.Tensor, seq_len: int = 128) -> torch.Tensor:
+    return tokens[: ((tokens.numel() - 1) // seq_len) * seq_len + 1]
+
+
+def test_eval_defaults_to_the_runs_sliding_settings(eval_run_dir, eval_data_dir, eval_model, eval_val_tokens,
+                                                   eval_luts):
+    out = run_json("eval", eval_run_dir, "--data", eval_data_dir)
+    assert JSON_KEYS <= set(out)
+    assert (out["mode"], out["seq_len"], out["stride"]) == ("sliding", TINY.eval.eval_seq_len, TINY.eval.eval_stride)
+    assert out["artifact_kind"] == "run" and len(out["artifact_sha256"]) == 64
+    want = evaluate_sliding(eval_model, truncated(eval_val_tokens), eval_luts, seq_len=128, stride=32, batch_seqs=16,
+                            device=CPU)
+    assert (out["tokens"], out["bytes"]) == (want.tokens, want.bytes)
+    assert out["val_bpb"] == pytest.approx(want.val_bpb, rel=1e-9)
+
+
+def test_eval_with_the_sequence_length_as_stride_is_standard(eval_run_dir, eval_data_dir, eval_model,
+                                                             eval_val_tokens, eval_luts):
+    out = run_json("eval", eval_run_dir, "--data", eval_data_dir, "--stride", 128, "--batch-seqs", 3)
+    want = evaluate_standard(eval_model, truncated(eval_val_tokens), eval_luts, seq_len=128, batch_tokens=3 * 128,
+                             device=CPU)
+    assert out["mode"] == "standard" and out["tokens"] == want.tokens == 4 * 128
+    assert out["val_bpb"] == pytest.approx(want.val_bpb, rel=1e-9)
+    assert run_json("eval", eval_run_dir, "--data", eval_data_dir, "--stride", 0)["val_bpb"] == \
+        pytest.approx(want.val_bpb, rel=1e-6)
+
+
+def test_eval_score_once_counts_each_target_once(eval_run_dir, eval_data_dir):
+    out = run_json("eval", eval_run_dir, "--data", eval_data_dir, "--score-once")
+    assert out["tokens"] == 4 * 128 and out["score_once"] is True
+
+
+def test_eval_prints_a_table(eval_run_dir, eval_data_dir):
+    result = run_cli("eval", eval_run_dir, "--data", eval_data_dir, "--seq-len", 64, "--stride", 16)
+    assert result.exit_code == 0, result.output
+    assert "val_bpb" in result.stdout and "sliding" in result.stdout and "64 / 16" in result.stdout
+
+
+def test_ptz_scores_as_its_dequantized_weights(eval_run_dir, eval_data_dir, eval_val_tokens, eval_luts, tmp_path):
+    artifact = tmp_path / "model.ptz"
+    quantize(eval_run_dir, artifact, device="cpu")
+    model = build_model(TINY.model, CPU)
+    loaded = ptz.load(artifact)
+    model.load_state_dict(rebank_state_dict(loaded.dequantized(), TINY.model.num_layers), strict=True)
+    want = evaluate_sliding(model, truncated(eval_val_tokens), eval_luts, seq_len=128, stride=32, batch_seqs=16,
+                            device=CPU)
+    out = run_json("eval", artifact, "--data", eval_data_dir)
+    assert out["artifact_kind"] == "ptz"
+    assert out["val_bpb"] == pytest.approx(want.val_bpb, rel=1e-9)
+    assert out["val_bpb"] != run_json("eval", eval_run_dir, "--data", eval_data_dir)["val_bpb"]
+
+
+def test_eval_ttt_reports_parameters_chunks_and_results(eval_run_dir, eval_data_dir, eval_model, eval_val_tokens,
+                                                        eval_luts):
+    args = ("eval-ttt", eval_run_dir, "--data", eval_data_dir, "--ttt-chunk-tokens", 256, "--ttt-epochs", 1,
+            "--ttt-batch-seqs", 2, "--ttt-lr", 0.01, "--batch-seqs", 8)
+    result = run_cli(*args, "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["mode"] == "ttt" and len(out["per_chunk"]) == 2
+    assert out["ttt"]["ttt_chunk_tokens"] == 256 and out["ttt"]["ttt_freeze_bank_slices"] is True
+    assert sum(c["tokens"] for c in out["per_chunk"]) == out["tokens"]
+    # The run's freeze_blocks=1: block 0's scalars and (by default) its bank slices.
+    m = eval_model
+    scalars = sum(p.numel() for name, p in m.named_parameters() if name.startswith("blocks.0."))
+    slices = 2 * m.qo_bank[0].numel() + 2 * m.kv_bank[0].numel() + m.mlp_up_bank[0].numel() \
+        + m.mlp_down_bank[0].numel()
+    assert f"frozen={scalars + slices}" in result.stderr
+    ttt = TINY.ttt.__class__(**{**out["ttt"]})
+    want = evaluate_ttt(m, truncated(eval_val_tokens), eval_luts, ttt, seq_len=128, stride=32, batch_seqs=8,
+                        device=CPU)
+    assert out["val_bpb"] == pytest.approx(want.val_bpb, rel=1e-9)
+
+    reference_freezing = run_cli(*args, "--no-ttt-freeze-bank-slices")
+    assert reference_freezing.exit_code == 0, reference_freezing.output
+    assert f"ttt_sliding:params unfrozen={sum(p.numel() for p in m.parameters()) - scalars} frozen={scalars}" \
+        in reference_freezing.stdout
+    assert "val_bpb" in reference_freezing.stdout
+
+
+# --- One-line errors ------------------------------------------------------------------------
+
+def assert_one_line_error(result, *fragments: str) -> None:
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_data_without_validation_shards(eval_run_dir, eval_data_dir):
+    for shard in eval_data_dir.glob("fineweb_val_*.bin"):
+        shard.unlink()
+    write_shard(eval_data_dir / shard_name("train", 0), truncated(torch.zeros(300, dtype=torch.long)).numpy())
+    assert_one_line_error(run_cli("eval", eval_run_dir, "--data", eval_data_dir), "no val shards")
+    assert_one_line_error(run_cli("eval-ttt", eval_run_dir, "--data", eval_data_dir), "no val shards")
+
+
+def test_tokenizer_other_than_the_runs(eval_run_dir, eval_data_dir, tmp_path):
+    other = tmp_path / "other.model"
+    shutil.copyfile(eval_data_dir / "tokenizer.model", other)
+    with open(other, "ab") as f:
+        f.write(b"\0")
+    assert_one_line_error(run_cli("eval", eval_run_dir, "--data", eval_data_dir, "--tokenizer", other),
+                          "sha256", str(other))
+    assert_one_line_error(run_cli("eval-ttt", eval_run_dir, "--data", eval_data_dir, "--tokenizer", other), "sha256")
+
+
+def test_stride_longer_than_the_sequence(eval_run_dir, eval_data_dir):
+    assert_one_line_error(run_cli("eval", eval_run_dir, "--data", eval_data_dir, "--stride", 129), "--stride 129")
+    assert_one_line_error(run_cli("eval-ttt", eval_run_dir, "--data", eval_data_dir, "--stride", 200), "--stride")
+    assert_one_line_error(run_cli("eval-ttt", eval_run_dir, "--data", eval_data_dir, "--stride", 0), "--stride")
+
+
+def test_unknown_artifact(eval_data_dir, tmp_path):
+    assert_one_line_error(run_cli("eval", tmp_path / "missing", "--data", eval_data_dir), "missing")
+    not_a_model = tmp_path / "notes.ptz"
+    not_a_model.write_bytes(b"hello")
+    assert_one_line_error(run_cli("eval", not_a_model, "--data", eval_data_dir), "notes.ptz")
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    assert_one_line_error(run_cli("eval-ttt", empty_dir, "--data", eval_data_dir), "empty")

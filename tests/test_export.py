@@ -1,0 +1,143 @@
+"""export and quantize, end to end on a small CPU model, and the one weight loader."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from windowgpt_cli import model_io, ptz, tensorfile
+from windowgpt_cli.artifacts import sha256_file
+from windowgpt_cli.checkpoint import load_checkpoint
+from windowgpt_cli.cli import app
+from windowgpt_cli.errors import ArtifactError, ConfigError
+from windowgpt_cli.model import unbank_state_dict
+from windowgpt_cli.stages.export import export
+from windowgpt_cli.stages.quantize import code_bytes, quantize, report_path
+
+pytestmark = pytest.mark.usefixtures("quant_single_thread")
+WIDE = {"COLUMNS": "200"}
+CPU = torch.device("cpu")
+
+
+def logits_of(artifact: Path) -> torch.Tensor:
+    _, model = model_io.build_model(artifact, CPU)
+    tokens = torch.randint(0, 1024, (2, 48), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return model.forward_logits(tokens)
+
+
+def test_export_then_load_gives_the_checkpoints_logits(quant_run_dir: Path, tmp_path: Path):
+    out = tmp_path / "export"
+    info = export(quant_run_dir, out)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "export.json", "model.safetensors"]
+    assert json.loads((out / "export.json").read_text()) == info
+    ckpt = load_checkpoint(quant_run_dir)
+    expected = unbank_state_dict(ckpt.weights("ema"), ckpt.config.model.num_layers)
+    tensors, _ = tensorfile.load(out / "model.safetensors")
+    assert list(tensors) == list(expected)
+    assert all(torch.equal(tensors[k], expected[k]) for k in expected)
+    assert info["weights"] == "ema" and info["step"] == 7 and info["tokenizer_sha256"] == "ab" * 32
+    assert info["source_sha256"] == sha256_file(quant_run_dir / "checkpoint.pt")
+    assert info["tensor_count"] == len(expected)
+    assert info["parameter_count"] == sum(t.numel() for t in expected.values())
+
+    run, exported = model_io.load_weights(quant_run_dir), model_io.load_weights(out)
+    assert (run.kind, exported.kind) == ("run", "export")
+    assert exported.sha256 == sha256_file(out / "model.safetensors") and exported.tokenizer_sha256 == "ab" * 32
+    assert exported.config.to_dict() == run.config.to_dict()
+    assert torch.equal(logits_of(quant_run_dir), logits_of(out))
+    assert torch.equal(logits_of(out / "model.safetensors"), logits_of(out))
+
+
+@pytest.mark.parametrize("which", ["last", "swa"])
+def test_export_other_weights(quant_run_dir: Path, tmp_path: Path, which: str):
+    info = export(quant_run_dir, tmp_path / which, weights=which)
+    ckpt = load_checkpoint(quant_run_dir)
+    source = ckpt.model if which == "last" else {k: v / 2 for k, v in ckpt.swa.items()}  # a sum of 2 snapshots
+    loaded = model_io.load_weights(tmp_path / which).state_dict
+    assert info["weights"] == which
+    assert all(torch.allclose(loaded[k], source[k].float()) for k in source)
+    assert not torch.equal(loaded["qo_bank"], ckpt.ema["qo_bank"])
+    with pytest.raises(ConfigError):
+        export(quant_run_dir, tmp_path / "bad", weights="best")
+
+
+def test_loader_refuses_what_is_not_an_artifact(tmp_path: Path, quant_run_dir: Path):
+    with pytest.raises(ArtifactError, match="neither a run directory"):
+        model_io.load_weights(tmp_path)
+    with pytest.raises(ArtifactError, match="no such file"):
+        model_io.load_weights(tmp_path / "missing.ptz")
+    out = tmp_path / "export"
+    export(quant_run_dir, out)
+    (out / "config.json").unlink()
+    with pytest.raises(ArtifactError, match="config.json"):
+        model_io.load_weights(out)
+
+
+def test_quantize_writes_the_artifact_and_its_budget_report(quant_run_dir: Path, tmp_path: Path):
+    out_dir = tmp_path / "export"
+    export(quant_run_dir, out_dir)
+    artifact = tmp_path / "model.ptz"
+    report = quantize(out_dir, artifact)
+    assert json.loads(report_path(artifact).read_text()) == report
+    assert report["sha256"] == sha256_file(artifact) and report["model_bytes"] == artifact.stat().st_size
+    assert report["code_bytes"] == code_bytes() > 10_000
+    assert report["total_bytes"] == report["model_bytes"] + report["code_bytes"]
+    assert report["within_budget"] and report["headroom_bytes"] == 16_000_000 - report["total_bytes"]
+    groups = report["groups"]
+    assert sum(g["params"] for g in groups.values()) == json.loads((out_dir / "export.json").read_text())["parameter_count"]
+    assert groups["attn"]["quantized_bytes"] < groups["attn"]["raw_bytes"] / 3  # int6 in int8 bytes vs float32
+    assert groups["control"]["tensors"] > 0 and report["schemes"]["int6_rtn"] == 12 and report["schemes"]["int8"] == 1
+    assert set(report["timings_s"]) >= {"load", "quantize", "compress", "total"}
+
+    loaded = model_io.load_weights(artifact)
+    assert loaded.kind == "ptz" and loaded.tokenizer_sha256 == "ab" * 32
+    restored = ptz.load(artifact)
+    assert restored.source["sha256"] == sha256_file(out_dir / "model.safetensors")
+    deq = unbank_state_dict(loaded.state_dict, loaded.config.model.num_layers)
+    assert all(torch.equal(deq[k], v) for k, v in restored.dequantized().items())
+    exact, quantized = logits_of(out_dir), logits_of(artifact)
+    assert not torch.equal(exact, quantized)
+    # Coarse: the reference's smallest int6 step is 1/31, large for these small random weights.
+    assert torch.nn.functional.cosine_similarity(exact.flatten(), quantized.flatten(), dim=0) > 0.9
+
+
+def test_quantize_with_gptq_calibrates_and_times_each_phase(quant_run_dir: Path, quant_data_dir: Path, tmp_path: Path):
+    artifact = tmp_path / "gptq.ptz"
+    report = quantize(quant_run_dir, artifact, gptq=True, data_dir=quant_data_dir, calib_batches=2, device="cpu")
+    assert report["gptq"] and report["calib_batches"] == 2 and report["schemes"]["int6_gptq"] == 12
+    assert report["timings_s"]["hessians"] > 0 and 0 < report["timings_s"]["gptq"] <= report["timings_s"]["quantize"]
+    restored = ptz.load(artifact)
+    assert restored.config.quant.use_gptq and restored.config.quant.gptq_calib_samples == 2
+    assert restored.tensors["blocks.1.mlp.proj.weight"].method == "gptq"
+    with pytest.raises(ConfigError, match="--data"):
+        quantize(quant_run_dir, tmp_path / "x.ptz", gptq=True)
+
+
+def test_cli_export_and_quantize_report_and_enforce_the_budget(quant_run_dir: Path, tmp_path: Path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["export", str(quant_run_dir), "--out", str(tmp_path / "e")], env=WIDE)
+    assert result.exit_code == 0, result.output
+    assert "parameter_count" in result.output
+
+    artifact = tmp_path / "m.ptz"
+    result = runner.invoke(app, ["quantize", str(tmp_path / "e"), "--out", str(artifact), "--compressor", "rans"],
+                           env=WIDE)
+    assert result.exit_code == 0, result.output
+    report = json.loads(report_path(artifact).read_text())
+    for label in ("attn", "mlp", "embed", "control", "compressed model", "code", "total", "16,000,000"):
+        assert label in result.output
+    assert f"{report['total_bytes']:,}" in result.output and report["compressor"] == "rans"
+
+    too_small = report["model_bytes"]  # leaves nothing for the code
+    result = runner.invoke(app, ["quantize", str(tmp_path / "e"), "--out", str(artifact), "--budget", str(too_small),
+                                 "--compressor", "rans", "--json"], env=WIDE)
+    assert result.exit_code == 1
+    assert artifact.is_file()  # written, then refused
+    assert "exceed the budget" in result.output and result.output.count("error:") == 1
+
+    result = runner.invoke(app, ["quantize", str(artifact), "--out", str(tmp_path / "again.ptz")], env=WIDE)
+    assert result.exit_code == 1 and "already quantized" in result.output

@@ -1,0 +1,115 @@
+"""The model: shapes, causality, and compatibility with the reference's state dicts."""
+import dataclasses
+import importlib
+import sys
+
+import pytest
+import torch
+
+from windowgpt_cli.config import ModelConfig, tiny_preset
+from windowgpt_cli.model import GPT, build_model, rebank_state_dict, unbank_state_dict
+
+
+def perturbed_tiny(**changes) -> GPT:
+    """The tiny model with every weight moved off its (partly zero) initialization."""
+    torch.manual_seed(0)
+    model = build_model(dataclasses.replace(tiny_preset().model, **changes), torch.device("cpu"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model.eval()
+
+
+def test_shapes_and_finite_loss():
+    model = perturbed_tiny()
+    x = torch.randint(0, 1024, (3, 40))
+    assert model.forward_logits(x).shape == (3, 40, 1024)
+    assert model.token_nll(x, x).shape == (3, 40)
+    loss = model(x, x)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    assert torch.allclose(loss, model.token_nll(x, x).mean(), atol=1e-6)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(window_attn_size=0, num_sink_tokens=0),  # full causal everywhere
+    dict(window_attn_size=8, num_sink_tokens=0),  # sliding windows
+    dict(window_attn_size=8, num_sink_tokens=3),  # windows with sinks
+])
+def test_changing_a_later_token_never_changes_earlier_logits(changes):
+    model = perturbed_tiny(**changes)
+    assert model.cfg.xsa_last_n > 0 and model.bigram is not None and model.ve_shared is not None
+    x = torch.randint(0, 1024, (2, 48))
+    base = model.forward_logits(x)
+    for pos in (5, 20, 47):
+        changed = x.clone()
+        changed[:, pos] = (changed[:, pos] + 17) % 1024
+        out = model.forward_logits(changed)
+        assert torch.equal(out[:, :pos], base[:, :pos])
+        assert not torch.allclose(out[:, pos:], base[:, pos:])
+
+
+def test_window_limits_what_a_query_sees():
+    """With windows on every layer the receptive field is bounded: a token far in the past
+    (outside layers x window, and not a sink) cannot influence the last logits."""
+    cfg = dict(num_layers=2, window_attn_size=4, window_attn_layers=(0, 1), num_sink_tokens=2,
+               ve_layers=(1,), xsa_last_n=1, bigram_vocab_size=0)
+    model = perturbed_tiny(**cfg)
+    x = torch.randint(0, 1024, (1, 40))
+    changed = x.clone()
+    changed[0, 10] += 1  # 29 positions before the last; the field spans 2 layers x 4 + smear
+    assert torch.equal(model.forward_logits(changed)[0, -1], model.forward_logits(x)[0, -1])
+    sink_changed = x.clone()
+    sink_changed[0, 1] += 1  # a sink token is always seen
+    assert not torch.equal(model.forward_logits(sink_changed)[0, -1], model.forward_logits(x)[0, -1])
+
+
+def test_unbank_rebank_round_trip():
+    model = perturbed_tiny()
+    sd = model.state_dict()
+    flat = unbank_state_dict(sd, model.num_layers)
+    assert "blocks.3.mlp.proj.weight" in flat and "qo_bank" not in flat
+    assert flat["blocks.1.attn.proj.weight"].shape == (64, 64)
+    back = rebank_state_dict(flat, model.num_layers)
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_ntk_rescaling_beyond_training_length_changes_rotary():
+    model = perturbed_tiny(rope_train_seq_len=32)
+    x = torch.randint(0, 1024, (1, 64))
+    long = model.forward_logits(x)
+    model.cfg.rope_train_seq_len = 64
+    assert not torch.allclose(long, model.forward_logits(x))
+
+
+def _reference_module(shared_dir):
+    sys.path[:0] = [str(shared_dir / "seed" / "shim"), str(shared_dir / "seed")]
+    try:
+        return importlib.import_module("train_gpt_window")
+    except ImportError as exc:
+        pytest.skip(f"reference not importable: {exc}")
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_reference_state_dict_loads_strictly_and_gives_same_logits(shared_dir, tie):
+    ref = _reference_module(shared_dir)
+    cfg = ModelConfig(num_layers=5, model_dim=128, num_heads=4, num_kv_heads=2, mlp_mult=2.0, rope_dims=16,
+                      xsa_last_n=2, bigram_vocab_size=256, bigram_dim=64, ve_dim=64, ve_layers=(3, 4),
+                      rope_train_seq_len=32, tie_embeddings=tie)
+    torch.manual_seed(0)
+    reference = ref.GPT(vocab_size=1024, num_layers=5, model_dim=128, num_heads=4, num_kv_heads=2, mlp_mult=2.0,
+                        tie_embeddings=tie, tied_embed_init_std=0.005, logit_softcap=30.0, rope_base=10000.0,
+                        qk_gain_init=1.5, bigram_vocab_size=256, bigram_dim=64, xsa_last_n=2, rope_dims=16,
+                        ln_scale=True, ve_enabled=True, ve_dim=64, ve_layers="3,4", neg_slope=0.5, train_seq_len=32)
+    torch.manual_seed(0)
+    ours = GPT(cfg)
+    ref_sd = reference.state_dict()
+    assert list(ref_sd) == list(ours.state_dict())
+    assert all(torch.equal(v, ours.state_dict()[k]) for k, v in ref_sd.items()), "initialization differs"
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ours.load_state_dict(reference.state_dict(), strict=True)
+    for length in (32, 48):  # 48 exercises the NTK-rescaled rotary tables
+        x = torch.randint(0, 1024, (2, length))
+        assert torch.allclose(ours.forward_logits(x), reference.forward_logits(x), atol=1e-6)
+        assert torch.allclose(ours(x, x), reference(x, x), atol=1e-6)

@@ -1,0 +1,110 @@
+"""Newton-Schulz, Muon, the optimizer table, the schedule and the weight averages."""
+import dataclasses
+
+import torch
+
+from windowgpt_cli.config import OptimConfig, TrainConfig, tiny_preset
+from windowgpt_cli.model import build_model
+from windowgpt_cli.optim import (WeightAverages, build_optimizers, lr_scale, muon_momentum_at, newton_schulz5)
+
+
+def test_newton_schulz_output_is_close_to_orthogonal():
+    g = torch.randn(3, 32, 96)  # wide, batched
+    x = newton_schulz5(g, steps=5).float()
+    singular = torch.linalg.svdvals(x)
+    # The quintic iteration pushes singular values into a band around 1, not exactly onto it.
+    assert singular.min() > 0.5 and singular.max() < 1.3
+    tall = newton_schulz5(torch.randn(80, 24)).float()
+    assert tall.shape == (80, 24)
+    s = torch.linalg.svdvals(tall)
+    assert s.min() > 0.5 and s.max() < 1.3
+    # Orthogonalization keeps the direction: the update correlates with the gradient.
+    g2 = torch.randn(40, 40)
+    assert (newton_schulz5(g2).float() * g2).sum() > 0.5 * g2.norm() * newton_schulz5(g2).float().norm()
+
+
+def test_every_parameter_has_exactly_one_optimizer():
+    model = build_model(tiny_preset().model, torch.device("cpu"))
+    opts = build_optimizers(model, OptimConfig())
+    owned = [p for opt in opts.all for g in opt.param_groups for p in g["params"]]
+    assert len(owned) == len({id(p) for p in owned}) == len(list(model.parameters()))
+    assert {id(p) for p in opts.muon.param_groups[0]["params"]} == {
+        id(model.qo_bank), id(model.kv_bank), id(model.mlp_up_bank), id(model.mlp_down_bank)}
+
+
+def test_untied_head_gets_its_own_adam():
+    model = build_model(dataclasses.replace(tiny_preset().model, tie_embeddings=False), torch.device("cpu"))
+    opts = build_optimizers(model, OptimConfig())
+    assert len(opts.all) == 4
+    assert opts.all[-1].param_groups[0]["params"][0] is model.lm_head.weight
+
+
+def test_muon_step_moves_banks_by_scaled_orthogonal_update():
+    model = build_model(tiny_preset().model, torch.device("cpu"))
+    opts = build_optimizers(model, OptimConfig(muon_wd=0.0))
+    before = model.mlp_up_bank.detach().clone()
+    model.mlp_up_bank.grad = torch.randn_like(model.mlp_up_bank)
+    opts.muon.step()
+    delta = (before - model.mlp_up_bank.detach()) / OptimConfig().matrix_lr
+    rows, cols = model.mlp_up_bank.shape[1:]
+    expected_scale = max(1.0, rows / cols) ** 0.5
+    # Update = scale * NS(g + momentum * g) for a first step: its singular values sit near scale.
+    s = torch.linalg.svdvals(delta)
+    assert 0.5 * expected_scale < s.mean() < 1.3 * expected_scale
+
+
+def test_step_based_warmdown_and_wallclock_warmdown():
+    t = TrainConfig(iterations=100, warmdown_iters=20)
+    assert lr_scale(0, 0.0, t, None) == 1.0
+    assert lr_scale(79, 0.0, t, None) == 1.0
+    assert lr_scale(80, 0.0, t, None) == 1.0
+    assert abs(lr_scale(90, 0.0, t, None) - 0.5) < 1e-12
+    # Wallclock: 10 ms per step, 20 warm-down steps = 200 ms before the 1000 ms cap.
+    t.warmdown_max_fraction = 1.0
+    assert lr_scale(50, 500.0, t, 1000.0) == 1.0
+    assert abs(lr_scale(90, 900.0, t, 1000.0) - 0.5) < 1e-12
+    assert lr_scale(100, 1000.0, t, 1000.0) == 0.0
+
+
+def test_muon_momentum_warmup():
+    cfg = OptimConfig(muon_momentum_warmup_start=0.9, muon_momentum=0.99, muon_momentum_warmup_steps=10)
+    assert muon_momentum_at(0, cfg) == 0.9
+    assert abs(muon_momentum_at(5, cfg) - 0.945) < 1e-12
+    assert muon_momentum_at(50, cfg) == 0.99
+
+
+def test_ema_and_swa_average_the_weights():
+    model = build_model(tiny_preset().model, torch.device("cpu"))
+    avg = WeightAverages(model, ema_decay=0.5, warmup=False)
+    start = model.smear.gate.detach().clone()
+    with torch.no_grad():
+        model.smear.gate.add_(2.0)
+    avg.update_ema(model, step=100)
+    idx = avg.names.index("smear.gate")
+    assert torch.allclose(avg.ema[idx], start + 1.0)
+    avg.add_swa_snapshot(model)
+    with torch.no_grad():
+        model.smear.gate.add_(2.0)
+    avg.add_swa_snapshot(model)
+    assert avg.swa_count == 2
+    assert torch.allclose(avg.swa_state()["smear.gate"] / 2, start + 3.0)
+
+
+def test_wallclock_warmdown_is_capped_to_a_fraction_of_the_budget():
+    t = TrainConfig(iterations=10_000, warmdown_iters=3500, warmdown_max_fraction=0.5)
+    # 700 ms per step: 3500 steps would outlast a 600 s budget, so the reference decays from step 0.
+    assert lr_scale(10, 7000.0, t, 600_000.0) == 1.0
+    assert abs(lr_scale(500, 450_000.0, t, 600_000.0) - 0.5) < 1e-12
+    t.warmdown_max_fraction = 1.0
+    assert lr_scale(10, 7000.0, t, 600_000.0) < 1.0
+
+
+def test_ema_warmup_follows_early_weights():
+    model = build_model(tiny_preset().model, torch.device("cpu"))
+    avg = WeightAverages(model, ema_decay=0.997, warmup=True)
+    assert avg.decay_at(0) == 0.1 and avg.decay_at(10_000) == 0.997
+    with torch.no_grad():
+        model.smear.gate.fill_(1.0)
+    for step in range(50):
+        avg.update_ema(model, step)
+    assert avg.ema[avg.names.index("smear.gate")].min() > 0.99

@@ -1,0 +1,270 @@
+"""The .ptz container and the safetensors reader/writer: exact round trips, strict
+validation, and no loader that ever runs code from a file."""
+from __future__ import annotations
+
+import io
+import json
+import lzma
+import pickle
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from windowgpt_cli import model_io, ptz, tensorfile
+from windowgpt_cli.checkpoint import load_checkpoint
+from windowgpt_cli.cli import app
+from windowgpt_cli.config import tiny_preset
+from windowgpt_cli.errors import ArtifactError
+from windowgpt_cli.quant import quantize_state_dict
+
+pytestmark = pytest.mark.usefixtures("quant_single_thread")
+WIDE = {"COLUMNS": "200"}
+
+
+def one_line_error(excinfo: pytest.ExceptionInfo) -> str:
+    message = str(excinfo.value)
+    assert message and "\n" not in message
+    return message
+
+
+# --- Safetensors ---------------------------------------------------------------------------
+
+def test_tensor_file_round_trips_every_dtype():
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "f32": torch.randn(3, 4, generator=g), "bf16": torch.randn(5, generator=g).bfloat16(),
+        "f16": torch.randn(2, 2, generator=g).half(), "i8": torch.randint(-128, 128, (7,), dtype=torch.int8),
+        "i16": torch.tensor([-300, 300], dtype=torch.int16), "i32": torch.tensor([[1 << 30]], dtype=torch.int32),
+        "i64": torch.tensor([-(1 << 40)]), "u8": torch.tensor([0, 255], dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
+    }
+    data = tensorfile.dumps(tensors, {"note": "x"})
+    assert struct.unpack("<Q", data[:8])[0] % 8 == 0
+    back, meta = tensorfile.loads(data)
+    assert meta == {"note": "x"} and list(back) == list(tensors)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t)
+
+
+def _with_header(header: dict, payload: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + payload
+
+
+@pytest.mark.parametrize("data", [
+    b"\x01\x02",  # shorter than the length field
+    struct.pack("<Q", 1 << 40) + b"{}",  # header length past the end
+    struct.pack("<Q", 3) + b"{x}",  # not JSON
+    _with_header({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4),  # truncated data
+    _with_header({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 12),  # trailing bytes
+    _with_header({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8),  # size mismatch
+    _with_header({"a": {"dtype": "Q9", "shape": [1], "data_offsets": [0, 1]}}, b"\0"),  # unknown dtype
+    _with_header({"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
+                  "b": {"dtype": "U8", "shape": [2], "data_offsets": [1, 3]}}, b"\0" * 3),  # overlap
+    _with_header({"a": {"dtype": "BOOL", "shape": [1], "data_offsets": [0, 1]}}, b"\x02"),  # not a bool
+    _with_header({"a": {"dtype": "U8", "shape": [-1], "data_offsets": [0, 0]}}, b""),  # negative shape
+    _with_header({"__metadata__": {"k": 1}}, b""),  # metadata value not a string
+    struct.pack("<Q", 47) + b'{"a":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},"a":1}',  # duplicate key
+])
+def test_malformed_tensor_files_raise_one_line_artifact_errors(data: bytes):
+    with pytest.raises(ArtifactError) as excinfo:
+        tensorfile.loads(data, source="x.safetensors")
+    assert one_line_error(excinfo).startswith("x.safetensors")
+
+
+# --- .ptz round trip ---------------------------------------------------------------------
+
+def _artifact() -> ptz.PtzArtifact:
+    g = torch.Generator().manual_seed(1)
+    sd = {
+        "tok_emb.weight": (torch.randn(1024, 80, generator=g) * 0.02).bfloat16(),
+        "blocks.0.attn.c_q.weight": torch.randn(300, 240, generator=g) * 0.05,
+        "blocks.0.mlp.proj.weight": torch.randn(240, 300, generator=g) * 0.05,
+        "blocks.0.attn_scale": torch.rand(240, generator=g),
+        "skip_weights": torch.rand(300, 240, generator=g),  # a large control tensor: kept in float32
+        "bigram.scale": torch.tensor(0.05),
+        "ids": torch.arange(5),
+    }
+    cfg = tiny_preset().resolved()
+    return ptz.PtzArtifact(cfg, quantize_state_dict(sd), "cd" * 32, {"kind": "export", "sha256": "ef" * 32})
+
+
+@pytest.mark.parametrize("compressor", list(ptz.COMPRESSORS))
+def test_ptz_round_trip_restores_dequantized_tensors_and_config(tmp_path: Path, compressor: str):
+    artifact = _artifact()
+    path = tmp_path / "m.ptz"
+    size = ptz.save(path, artifact, compressor)
+    assert size == path.stat().st_size
+    assert path.read_bytes()[:7] == b"WGPTZ" + bytes([ptz.FORMAT_VERSION, ptz.COMPRESSORS[compressor].id])
+    back = ptz.load(path)
+    assert back.config.to_dict() == artifact.config.to_dict()
+    assert back.tokenizer_sha256 == artifact.tokenizer_sha256 and back.source == artifact.source
+    assert list(back.tensors) == list(artifact.tensors)
+    expected, got = artifact.dequantized(), back.dequantized()
+    for name in expected:
+        assert got[name].dtype == expected[name].dtype and torch.equal(got[name], expected[name]), name
+        assert back.tensors[name].scheme == artifact.tensors[name].scheme
+        assert back.tensors[name].method == artifact.tensors[name].method
+
+
+def test_loading_a_ptz_gives_banked_weights_for_the_model(tmp_path: Path):
+    from windowgpt_cli.model import build_model, unbank_state_dict
+
+    cfg = tiny_preset().resolved()
+    torch.manual_seed(0)
+    sd = build_model(cfg.model, torch.device("cpu")).state_dict()
+    artifact = ptz.PtzArtifact(cfg, quantize_state_dict(unbank_state_dict(sd, cfg.model.num_layers)), None, {})
+    ptz.save(tmp_path / "m.ptz", artifact)
+    loaded = model_io.load_weights(tmp_path / "m.ptz")
+    assert loaded.kind == "ptz" and set(loaded.state_dict) == set(sd)
+    assert all(loaded.state_dict[k].shape == sd[k].shape for k in sd)
+    _, model = model_io.build_model(tmp_path / "m.ptz", torch.device("cpu"))
+    assert not model.training
+
+
+# --- Files that are not a .ptz of this version -------------------------------------------
+
+def _broken_files(tmp_path: Path) -> dict[str, Path]:
+    good = ptz.encode(_artifact())
+    files = {
+        "truncated": good[: len(good) // 2],
+        "other version": good[:5] + bytes([ptz.FORMAT_VERSION + 1]) + good[6:],
+        "not a ptz": b"hello, world\n" * 10,
+        "empty": b"",
+        "header only": good[:7],
+        "unknown compressor": good[:6] + b"\xee" + good[7:],
+        "trailing garbage": good + b"extra",
+        "payload not safetensors": ptz.MAGIC + bytes([ptz.FORMAT_VERSION, 1]) + lzma.compress(b"plain text"),
+    }
+    out = {}
+    for name, data in files.items():
+        path = tmp_path / (name.replace(" ", "_") + ".ptz")
+        path.write_bytes(data)
+        out[name] = path
+    return out
+
+
+def test_broken_ptz_files_raise_one_line_errors(tmp_path: Path):
+    for name, path in _broken_files(tmp_path).items():
+        with pytest.raises(ArtifactError) as excinfo:
+            ptz.load(path)
+        assert str(path) in one_line_error(excinfo), name
+        with pytest.raises(ArtifactError):
+            model_io.load_weights(path)
+
+
+@pytest.mark.parametrize("command", ["eval", "quantize"])
+def test_broken_ptz_files_exit_1_with_one_line_through_the_cli(tmp_path: Path, command: str):
+    runner = CliRunner()
+    files = _broken_files(tmp_path)
+    for name in ("truncated", "other version", "not a ptz"):
+        args = [command, str(files[name])] + (["--data", str(tmp_path)] if command == "eval" else
+                                               ["--out", str(tmp_path / "out.ptz")])
+        result = runner.invoke(app, args, env=WIDE)
+        assert result.exit_code == 1, (name, result.output)
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in result.output, lines
+    assert "version" in runner.invoke(app, ["quantize", str(files["other version"]), "--out",
+                                            str(tmp_path / "o.ptz")], env=WIDE).output
+
+
+# --- A planted pickle never runs --------------------------------------------------------
+
+class _WritesMarker:
+    """Unpickling this calls open(marker, "w"), creating the file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def _planted_files(tmp_path: Path, marker: Path) -> dict[str, Path]:
+    raw = pickle.dumps({"w": _WritesMarker(marker), "m": {}})
+    zipped = io.BytesIO()
+    torch.save({"format": "windowgpt.checkpoint", "payload": _WritesMarker(marker)}, zipped)
+    files = {"pickle": raw, "lzma pickle": lzma.compress(raw, preset=6), "torch.save zip": zipped.getvalue()}
+    out = {}
+    for name, data in files.items():
+        folder = tmp_path / name.replace(" ", "_")
+        folder.mkdir()
+        (folder / "x.ptz").write_bytes(data)
+        out[name] = folder / "x.ptz"
+    return out
+
+
+def test_the_planted_pickle_does_run_when_unpickled(tmp_path: Path):
+    marker = tmp_path / "control_marker"
+    pickle.loads(pickle.dumps(_WritesMarker(marker))).close()
+    assert marker.exists()  # so the absence of the marker below means something
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_no_loader_runs_a_planted_pickle(tmp_path: Path):
+    marker = tmp_path / "marker"
+    loaders = {
+        "ptz.load": ptz.load,
+        "model_io.load_weights": model_io.load_weights,
+        "model_io.build_model": lambda p: model_io.build_model(p, torch.device("cpu")),
+        "checkpoint.load_checkpoint": load_checkpoint,
+    }
+    for kind, path in _planted_files(tmp_path, marker).items():
+        for name, load in loaders.items():
+            with pytest.raises(ArtifactError) as excinfo:
+                load(path)
+            one_line_error(excinfo)
+            assert not marker.exists(), f"{name} ran the code in a {kind}"
+        # a run directory whose checkpoint.pt is the planted file
+        (path.parent / "checkpoint.pt").write_bytes(path.read_bytes())
+        with pytest.raises(ArtifactError):
+            model_io.load_weights(path.parent)
+        assert not marker.exists()
+
+
+def test_the_cli_refuses_a_planted_pickle_with_one_line(tmp_path: Path):
+    marker = tmp_path / "marker"
+    runner = CliRunner()
+    for path in _planted_files(tmp_path, marker).values():
+        for args in (["eval", str(path), "--data", str(tmp_path)], ["quantize", str(path), "--out", str(tmp_path / "o.ptz")]):
+            result = runner.invoke(app, args, env=WIDE)
+            assert result.exit_code == 1, result.output
+            assert len([line for line in result.output.splitlines() if line.strip()]) == 1, result.output
+    assert not marker.exists()
+
+
+# --- The rANS compressor ----------------------------------------------------------------
+
+def test_rans_codes_int8_tensors_near_their_entropy_and_below_lzma():
+    g = torch.Generator().manual_seed(9)
+    codes = torch.clamp(torch.round(torch.randn(400, 500, generator=g) * 4), -31, 31).to(torch.int8)
+    payload = tensorfile.dumps({"a.q": codes, "small.q": codes[:2, :10].contiguous(), "b": torch.randn(50, generator=g)})
+    counts = torch.bincount(codes.flatten().long() + 128).double()
+    p = counts[counts > 0] / codes.numel()
+    entropy_bytes = float(-(p * p.log2()).sum()) * codes.numel() / 8
+    coded = ptz.compress_payload(payload, "rans")
+    overhead = 4 * ptz.RANS_LANES + 1_000  # lane states, header, table, the lzma-coded rest
+    assert len(coded) <= entropy_bytes * 1.002 + overhead
+    assert len(coded) < len(ptz.compress_payload(payload, "lzma"))
+    assert ptz.decompress_payload(coded, "x") == payload
+
+
+def test_rans_refuses_altered_or_truncated_streams(tmp_path: Path):
+    good = ptz.encode(_artifact(), "rans")
+    header = ptz.HEADER_BYTES + ptz._RANS_HEADER.size
+    variants = {
+        "truncated": good[:-3],
+        "padded": good + b"\0\0",
+        "word flipped": good[:-100] + bytes([good[-100] ^ 0x40]) + good[-99:],
+        "state flipped": good[:header + 200] + bytes([good[header + 200] ^ 1]) + good[header + 201:],
+        "header only": good[:header - 5],
+    }
+    for name, data in variants.items():
+        path = tmp_path / f"{name.replace(' ', '_')}.ptz"
+        path.write_bytes(data)
+        with pytest.raises(ArtifactError) as excinfo:
+            ptz.load(path)
+        assert one_line_error(excinfo).startswith(str(path)), name

@@ -1,0 +1,90 @@
+"""The train stage on the CPU: it learns, it logs, it checkpoints, it resumes exactly."""
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from windowgpt_cli.checkpoint import load_checkpoint
+from windowgpt_cli.cli import app
+from windowgpt_cli.config import RunConfig, apply_overrides, tiny_preset
+from windowgpt_cli.stages.train import train
+
+runner = CliRunner()
+WIDE = {"COLUMNS": "200"}
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def tiny_cfg(data_dir, **train_settings):
+    return apply_overrides(tiny_preset(), {"data": {"data_path": str(data_dir)}, "train": train_settings})
+
+
+def test_tiny_run_learns_and_writes_its_artifacts(tiny_run_dir):
+    names = {p.name for p in tiny_run_dir.iterdir()}
+    assert {"config.json", "train.log", "metrics.jsonl", "checkpoint.pt", "summary.json"} <= names
+    rows = [r for r in metrics(tiny_run_dir) if "train_loss" in r]
+    first, last = rows[0]["train_loss"], rows[-1]["train_loss"]
+    assert first > 6.5  # about ln(1024): an untrained model
+    assert last < first - 1.5, (first, last)
+    summary = json.loads((tiny_run_dir / "summary.json").read_text())
+    assert summary["step"] == 30 and summary["val_bpb"] < 3.0
+    assert summary["post_ema_val_bpb"] < 3.2  # EMA warm-up: the average follows the weights
+    log = (tiny_run_dir / "train.log").read_text()
+    assert "step:30/30 val_loss:" in log and "DIAGNOSTIC post_ema" in log
+    saved = RunConfig.load(tiny_run_dir / "config.json")
+    assert saved.model.num_layers == 4 and saved.train.iterations == 30
+    ckpt = load_checkpoint(tiny_run_dir)
+    assert ckpt.step == 30 and ckpt.swa_count > 0 and ckpt.tokenizer_sha256
+
+
+def test_interrupted_then_resumed_run_matches_an_uninterrupted_one(tiny_data_dir, tmp_path):
+    cfg = tiny_cfg(tiny_data_dir, iterations=12, train_log_every=1)
+    train(cfg, tmp_path / "straight")
+    paused = train(cfg, tmp_path / "paused", stop_at_step=5)
+    assert not paused.finished and paused.step == 5
+    assert load_checkpoint(tmp_path / "paused").step == 5
+    train(cfg, tmp_path / "paused", resume=True)
+    straight = {r["step"]: r["train_loss"] for r in metrics(tmp_path / "straight") if "train_loss" in r}
+    resumed = {r["step"]: r["train_loss"] for r in metrics(tmp_path / "paused") if "train_loss" in r}
+    assert sorted(resumed) == list(range(1, 13))
+    assert all(straight[s] == resumed[s] for s in range(1, 13)), (straight, resumed)
+    a, b = load_checkpoint(tmp_path / "straight"), load_checkpoint(tmp_path / "paused")
+    assert all(torch.equal(a.model[k], b.model[k]) for k in a.model)
+    assert all(torch.equal(a.ema[k], b.ema[k]) for k in a.ema)
+
+
+def test_refuses_to_overwrite_a_run(tiny_run_dir):
+    result = runner.invoke(app, ["train", "--preset", "tiny", "--data", "x", "--out", str(tiny_run_dir)], env=WIDE)
+    assert result.exit_code == 1 and "already holds a checkpoint" in result.output
+
+
+def test_help_lists_the_settings_as_kebab_case_flags():
+    result = runner.invoke(app, ["train", "--help"], env=WIDE)
+    assert result.exit_code == 0
+    for flag in ("--window-attn-size", "--num-sink-tokens", "--matrix-lr", "--max-wallclock-seconds",
+                 "--attn-backend", "--resume", "--stop-at-step", "--ve-layers", "--no-tie-embeddings"):
+        assert flag in result.output
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--num-heads", "3"], "does not divide model_dim"),
+    (["--window-attn-size", "16", "--window-attn-layers", "1,9"], "window_attn_layers names layer 9"),
+    (["--vocab-size", "2048"], "has 1024 tokens but vocab_size=2048"),
+    (["--matrix-lr", "fast"], "not a valid float"),
+])
+def test_invalid_settings_are_one_line_errors(tiny_data_dir, tmp_path, flags, message):
+    args = ["train", "--preset", "tiny", "--data", str(tiny_data_dir), "--out", str(tmp_path / "r"), *flags]
+    result = runner.invoke(app, args, env=WIDE)
+    assert result.exit_code != 0
+    assert message in result.output
+    if result.exit_code == 1:
+        assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_missing_data_is_a_one_line_error(tmp_path):
+    result = runner.invoke(app, ["train", "--preset", "tiny", "--data", str(tmp_path / "nope"), "--out",
+                                 str(tmp_path / "r")], env=WIDE)
+    assert result.exit_code == 1 and "no such data directory" in result.output

@@ -1,0 +1,42 @@
+"""The `windowgpt` command: one subcommand per stage, each a thin edge over plain Python."""
+from __future__ import annotations
+
+import typer
+
+from . import __version__
+from .stages import eval_ttt, evaluate, export, prepare, quantize, tokenizer_meta, train
+
+app = typer.Typer(
+    name="windowgpt",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="Train, compress and score tiny language models under a 16 MB artifact budget.",
+)
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"windowgpt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """Stages pass checkpoints and artifacts on disk, so each can be rerun on its own."""
+
+
+app.command("prepare")(prepare.command)
+app.command("tokenizer-meta")(tokenizer_meta.command)
+app.command("train", context_settings={"max_content_width": 120})(train.command)
+app.command("export")(export.command)
+app.command("quantize")(quantize.command)
+app.command("eval")(evaluate.command)
+app.command("eval-ttt")(eval_ttt.command)
+
+
+def main() -> None:
+    app()

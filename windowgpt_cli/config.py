@@ -1,0 +1,371 @@
+"""One typed configuration for every stage, with the reference script's defaults.
+
+Field names are the reference's `Hyperparameters` attributes in lower case, so a reference
+setting `TTT_LR=0.004` is the flag `--ttt-lr 0.004` here. The whole `RunConfig` is saved as
+JSON next to every artifact, and each stage rebuilds the model from it alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """The model's shape and the features it uses."""
+
+    vocab_size: int = 1024
+    num_layers: int = 11
+    model_dim: int = 512
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    mlp_mult: float = 3.0
+    tie_embeddings: bool = True
+    tied_embed_init_std: float = 0.005
+    logit_softcap: float = 30.0
+    rope_base: float = 10000.0
+    rope_dims: int = 16  # rotary dimensions per head; 0 rotates the whole head
+    qk_gain_init: float = 1.5
+    ln_scale: bool = True  # scale each block's normed input by 1/sqrt(layer + 1)
+    negative_slope: float = 0.5  # LeakyReLU slope before the square in the MLP
+    xsa_last_n: int = 4  # exclusive self-attention on the last N layers
+    bigram_vocab_size: int = 2048  # 0 disables the BigramHash embedding
+    bigram_dim: int = 128
+    ve_enabled: bool = True
+    ve_dim: int = 128
+    ve_layers: tuple[int, ...] = (9, 10)  # layers whose values get the value embedding
+    window_attn_size: int = 0  # 0 = full causal attention everywhere
+    window_attn_layers: tuple[int, ...] = (2, 4, 6, 8, 10)
+    num_sink_tokens: int = 0  # windowed layers also always see the first N tokens
+    # Rotary tables are exact up to this length and NTK-rescaled beyond it; training sets
+    # it to its longest sequence length.
+    rope_train_seq_len: int = 2048
+
+    @property
+    def head_dim(self) -> int:
+        return self.model_dim // self.num_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(self.mlp_mult * self.model_dim)
+
+
+@dataclass
+class DataConfig:
+    """Where tokens and the tokenizer come from."""
+
+    data_path: str = ""
+    tokenizer_path: str = ""  # default: DATA_PATH/tokenizer.model when it exists
+    tokenizer_meta_path: str = ""  # default: the tokenizer's .meta.npz when it exists
+    tokenizer_meta_validate: bool = False
+
+
+@dataclass
+class OptimConfig:
+    """Muon for the parameter banks, AdamW for embeddings and control tensors."""
+
+    embed_lr: float = 0.6
+    head_lr: float = 0.008
+    tied_embed_lr: float = 0.035
+    matrix_lr: float = 0.025
+    scalar_lr: float = 0.025
+    muon_momentum: float = 0.99
+    muon_backend_steps: int = 5
+    muon_momentum_warmup_start: float = 0.92
+    muon_momentum_warmup_steps: int = 1500
+    muon_wd: float = 0.04
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    adam_wd: float = 0.04
+    grad_clip_norm: float = 0.3
+
+
+@dataclass
+class TrainConfig:
+    """The training loop, its schedule and its bookkeeping."""
+
+    seed: int = 1337
+    data_seed: int = -1  # seed of the batch sampler; -1 = seed
+    iterations: int = 20000
+    warmdown_iters: int = 3500
+    warmup_steps: int = 20  # compile/warm-up steps whose updates are then undone
+    train_batch_tokens: int = 786_432  # global tokens per optimizer step
+    train_seq_len: int = 2048
+    train_seq_len_long: int = 0  # 0 = every rank trains at train_seq_len
+    num_gpus_long: int = 0  # the last N ranks train at train_seq_len_long
+    grad_accum_steps: int = 0  # 0 = 8 // world_size, as the reference
+    max_wallclock_seconds: float = 600.0  # 0 = no cap
+    val_loss_every: int = 4000
+    train_log_every: int = 500
+    val_batch_size: int = 524_288
+    ema_decay: float = 0.997
+    # Decay min(ema_decay, (1 + step) / (10 + step)): a short run's EMA then follows its
+    # weights instead of averaging mostly the initialization. Off reproduces the reference.
+    ema_warmup: bool = True
+    # Under a wallclock cap the warm-down lasts warmdown_iters steps at the current pace, but
+    # at most this fraction of the budget (1.0 = the reference, whose warm-down starts at
+    # step 0 when the budget is short).
+    warmdown_max_fraction: float = 0.5
+    swa_enabled: bool = True
+    swa_every: int = 50
+    checkpoint_every: int = 0  # 0 = only at the end
+    device: str = "auto"  # auto | cpu | cuda
+    attn_backend: str = "auto"  # auto | fa3 | flex | sdpa
+    compile: bool = True  # torch.compile on CUDA
+
+
+@dataclass
+class EvalConfig:
+    eval_seq_len: int = 2048
+    eval_stride: int = 64
+    eval_batch_seqs: int = 32
+
+
+@dataclass
+class QuantConfig:
+    quant_clip_range: int = 31  # int6 values lie in [-clip, clip]
+    use_gptq: bool = False
+    gptq_calib_samples: int = 64  # calibration batches of train_batch_tokens
+    gptq_block_size: int = 128
+    gptq_percdamp: float = 0.01
+
+
+@dataclass
+class TTTConfig:
+    """Score-first test-time training during evaluation."""
+
+    ttt_lr: float = 0.002
+    ttt_epochs: int = 3
+    ttt_chunk_tokens: int = 32768
+    ttt_freeze_blocks: int = 2
+    # The reference freezes only the frozen blocks' scalars (their matrices live in the
+    # shared banks); True also freezes those blocks' bank slices.
+    ttt_freeze_bank_slices: bool = True
+    ttt_momentum: float = 0.9
+    ttt_batch_seqs: int = 32
+    ttt_grad_clip: float = 1.0
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    ttt: TTTConfig = field(default_factory=TTTConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {g.name: _group_to_dict(getattr(self, g.name)) for g in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "configuration") -> "RunConfig":
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a JSON object")
+        groups = {g.name: g for g in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - set(groups))
+        if unknown:
+            raise ConfigError(f"{source}: unknown section(s) {', '.join(unknown)}")
+        cfg = cls()
+        for name, values in raw.items():
+            setattr(cfg, name, _group_from_dict(GROUP_TYPES[name], values, f"{source}: [{name}]"))
+        return cfg
+
+    def save(self, path: Path) -> Path:
+        from .artifacts import atomic_write_json
+
+        return atomic_write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: Path) -> "RunConfig":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such configuration file") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{path}: not a readable JSON configuration ({exc})") from None
+        return cls.from_dict(raw, source=str(path))
+
+    def resolved(self) -> "RunConfig":
+        """A copy with derived fields filled in and every setting checked."""
+        cfg = dataclasses.replace(self, model=dataclasses.replace(self.model))
+        longest = max(cfg.train.train_seq_len, cfg.train.train_seq_len_long)
+        cfg.model.rope_train_seq_len = longest
+        validate(cfg)
+        return cfg
+
+
+GROUP_TYPES: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+    "eval": EvalConfig,
+    "quant": QuantConfig,
+    "ttt": TTTConfig,
+}
+
+
+def group_fields(group: str) -> list[dataclasses.Field]:
+    return list(dataclasses.fields(GROUP_TYPES[group]))
+
+
+def field_type(group: str, name: str) -> Any:
+    return typing.get_type_hints(GROUP_TYPES[group])[name]
+
+
+def _group_to_dict(group: Any) -> dict[str, Any]:
+    return {f.name: _jsonable(getattr(group, f.name)) for f in dataclasses.fields(group)}
+
+
+def _jsonable(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _group_from_dict(kind: type, values: Any, source: str) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source} must be an object")
+    hints = typing.get_type_hints(kind)
+    unknown = sorted(set(values) - set(hints))
+    if unknown:
+        raise ConfigError(f"{source}: unknown setting(s) {', '.join(unknown)}")
+    return kind(**{k: coerce(hints[k], v, f"{source} {k}") for k, v in values.items()})
+
+
+def coerce(hint: Any, value: Any, what: str) -> Any:
+    """Convert a JSON or command-line value to the field's type, or raise ConfigError."""
+    try:
+        if hint is bool:
+            if isinstance(value, str):
+                lowered = value.strip().lower()
+                if lowered not in {"1", "0", "true", "false", "yes", "no"}:
+                    raise ValueError(value)
+                return lowered in {"1", "true", "yes"}
+            if isinstance(value, (bool, int)):
+                return bool(value)
+            raise ValueError(value)
+        if hint is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if hint is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if hint is str:
+            if not isinstance(value, str):
+                raise ValueError(value)
+            return value
+        if typing.get_origin(hint) is tuple:
+            if isinstance(value, str):
+                value = [v for v in value.split(",") if v.strip()]
+            return tuple(int(v) for v in value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what}: {value!r} is not a valid {_type_name(hint)}") from None
+    raise ConfigError(f"{what}: unsupported setting type {hint}")
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is tuple:
+        return "comma-separated list of integers"
+    return getattr(hint, "__name__", str(hint))
+
+
+def apply_overrides(cfg: RunConfig, overrides: dict[str, dict[str, Any]]) -> RunConfig:
+    """Set the given fields ({group: {field: value}}) on a copy of cfg."""
+    groups = {name: dataclasses.replace(getattr(cfg, name)) for name in GROUP_TYPES}
+    for group, values in overrides.items():
+        for name, value in values.items():
+            setattr(groups[group], name, coerce(field_type(group, name), value, f"--{name.replace('_', '-')}"))
+    return RunConfig(**groups)
+
+
+# --- Presets ----------------------------------------------------------------------------
+
+def tiny_preset() -> RunConfig:
+    """A model that trains in seconds on a CPU and visibly learns, for demos and tests.
+
+    Every feature of the full model stays on (windows with sinks, XSA, BigramHash, value
+    embeddings, SmearGate, U-Net skips); the schedule is scaled to 60 steps.
+    """
+    return RunConfig(
+        model=ModelConfig(
+            num_layers=4, model_dim=64, num_heads=4, num_kv_heads=2, mlp_mult=2.0,
+            rope_dims=8, xsa_last_n=2, bigram_vocab_size=256, bigram_dim=32,
+            ve_dim=32, ve_layers=(2, 3), window_attn_size=32, window_attn_layers=(1, 3),
+            num_sink_tokens=4, rope_train_seq_len=128,
+        ),
+        optim=OptimConfig(muon_momentum_warmup_steps=20, tied_embed_lr=0.05, scalar_lr=0.02, matrix_lr=0.03),
+        train=TrainConfig(
+            iterations=60, warmdown_iters=20, warmup_steps=2, train_batch_tokens=8 * 8 * 128,
+            train_seq_len=128, max_wallclock_seconds=0.0, val_loss_every=0, train_log_every=10,
+            val_batch_size=8 * 8 * 128, swa_every=5, compile=False,
+        ),
+        eval=EvalConfig(eval_seq_len=128, eval_stride=32, eval_batch_seqs=16),
+        quant=QuantConfig(gptq_calib_samples=4),
+        ttt=TTTConfig(ttt_chunk_tokens=2048, ttt_batch_seqs=8, ttt_freeze_blocks=1, ttt_epochs=1),
+    )
+
+
+PRESETS = {"default": RunConfig, "tiny": tiny_preset}
+
+
+def preset(name: str) -> RunConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    return PRESETS[name]()
+
+
+# --- Validation -------------------------------------------------------------------------
+
+def validate(cfg: RunConfig) -> None:
+    """Raise ConfigError naming the first invalid setting or combination."""
+    m, t = cfg.model, cfg.train
+    checks: list[tuple[bool, str]] = [
+        (m.vocab_size > 0 and m.vocab_size <= 65536, f"vocab_size={m.vocab_size} must be in 1..65536 (tokens are stored as uint16)"),
+        (m.num_layers > 0, f"num_layers={m.num_layers} must be positive"),
+        (m.num_heads > 0 and m.num_kv_heads > 0, "num_heads and num_kv_heads must be positive"),
+        (m.model_dim % m.num_heads == 0, f"num_heads={m.num_heads} does not divide model_dim={m.model_dim}"),
+        (m.num_heads % m.num_kv_heads == 0, f"num_kv_heads={m.num_kv_heads} does not divide num_heads={m.num_heads}"),
+        (m.head_dim % 2 == 0, f"head_dim={m.head_dim} (model_dim/num_heads) must be even for rotary embeddings"),
+        (0 <= m.rope_dims <= m.head_dim and m.rope_dims % 2 == 0, f"rope_dims={m.rope_dims} must be even and at most head_dim={m.head_dim}"),
+        (m.rope_dims != 2, "rope_dims=2 leaves nothing to rescale beyond the training length; use 0 or at least 4"),
+        (m.mlp_dim > 0, f"mlp_mult={m.mlp_mult} gives an empty MLP"),
+        (m.logit_softcap > 0, f"logit_softcap={m.logit_softcap} must be positive"),
+        (0 <= m.xsa_last_n <= m.num_layers, f"xsa_last_n={m.xsa_last_n} must be in 0..num_layers={m.num_layers}"),
+        (m.bigram_vocab_size == 0 or m.bigram_vocab_size >= 2, "bigram_vocab_size must be 0 (off) or at least 2"),
+        (m.window_attn_size >= 0 and m.num_sink_tokens >= 0, "window_attn_size and num_sink_tokens must not be negative"),
+        (m.num_sink_tokens == 0 or m.window_attn_size > 0, "num_sink_tokens needs window_attn_size > 0"),
+        (t.train_batch_tokens > 0 and t.train_seq_len > 0, "train_batch_tokens and train_seq_len must be positive"),
+        (t.iterations >= 0 and t.warmup_steps >= 0 and t.warmdown_iters >= 0, "iterations, warmup_steps and warmdown_iters must not be negative"),
+        (t.train_seq_len_long == 0 or t.num_gpus_long > 0, "train_seq_len_long needs num_gpus_long > 0"),
+        (t.device in {"auto", "cpu", "cuda"}, f"device={t.device!r} must be auto, cpu or cuda"),
+        (t.attn_backend in {"auto", "fa3", "flex", "sdpa"}, f"attn_backend={t.attn_backend!r} must be auto, fa3, flex or sdpa"),
+        (0.0 <= t.ema_decay < 1.0, f"ema_decay={t.ema_decay} must be in [0, 1)"),
+        (t.swa_every > 0, "swa_every must be positive"),
+        (0.0 < t.warmdown_max_fraction <= 1.0, f"warmdown_max_fraction={t.warmdown_max_fraction} must be in (0, 1]"),
+        (cfg.eval.eval_stride >= 0 and cfg.eval.eval_seq_len > 0, "eval_stride must not be negative and eval_seq_len must be positive"),
+        (cfg.ttt.ttt_chunk_tokens > 0 and cfg.ttt.ttt_batch_seqs > 0, "ttt_chunk_tokens and ttt_batch_seqs must be positive"),
+        (1 <= cfg.quant.quant_clip_range <= 127, f"quant_clip_range={cfg.quant.quant_clip_range} must be in 1..127"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    for name, layers in (("ve_layers", m.ve_layers if m.ve_enabled else ()),
+                         ("window_attn_layers", m.window_attn_layers if m.window_attn_size else ())):
+        bad = [i for i in layers if not 0 <= i < m.num_layers]
+        if bad:
+            raise ConfigError(f"{name} names layer {bad[0]}, but the model has layers 0..{m.num_layers - 1}")

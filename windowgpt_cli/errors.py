@@ -1,0 +1,17 @@
+"""The errors a user can cause. The CLI prints them as one line and exits with code 1."""
+
+
+class WindowGPTError(Exception):
+    """Base class: a problem with the user's input, not a bug."""
+
+
+class ConfigError(WindowGPTError):
+    """An invalid setting or combination of settings."""
+
+
+class DataError(WindowGPTError):
+    """Unreadable, malformed or inconsistent data, tokenizer or metadata files."""
+
+
+class ArtifactError(WindowGPTError):
+    """A checkpoint, export or .ptz that is missing, truncated or of another format."""

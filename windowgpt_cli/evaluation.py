@@ -1,0 +1,503 @@
+"""Scoring a model on the validation tokens: val_loss (nats per token) and val_bpb.
+
+Three evaluations, each with the reference's arithmetic (bf16 autocast forward, float32
+cross-entropy, float64 sums of nats, tokens and bytes; bpb = nats / ln 2 / bytes):
+
+- standard: consecutive non-overlapping sequences (the reference's `eval_val`). It takes
+  any `loss_fn(x, y) -> mean loss`, so the training loop can pass its compiled model.
+- sliding: a window of seq_len tokens every `stride` tokens; the first window scores all
+  its tokens, every later one only its last `stride` (`eval_val_sliding`).
+- ttt: the sliding windows grouped into chunks by the first token they score; each chunk
+  is scored, then trained on (score-first test-time training, `eval_val_sliding_ttt`).
+
+Positions: the validation tokens t[0..N] give N targets; target p is t[p + 1], predicted
+from t[..p]. A window starting at ws reads t[ws .. ws + len - 1] and predicts the targets
+ws .. ws + len - 1.
+
+Sliding scoring has no Python loop over windows. `plan_windows` lists the windows and
+the part of each that is scored (a pure function, tested on its own); every window becomes
+rows of `stride` scored positions (the first window, which scores everything, several
+rows); fixed-size batches of rows are gathered from the tokens on the device, the trunk runs
+over whole windows and the output layer only at the scored positions, and the sums stay on
+the device until the end.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import TTTConfig
+from .distributed import all_reduce_, is_initialized
+from .errors import ConfigError, DataError
+from .model import GPT, bank_slots
+from .runtime import autocast, compiled, synchronize
+from .shards import check_vocab, list_shards, load_tokens
+from .tokenizer import ByteLuts
+
+LN2 = math.log(2.0)
+NATS, TOKENS, BYTES = 0, 1, 2  # the three float64 sums every evaluation accumulates
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+BatchProgress = Callable[[int, int], None]  # (batches done, batches in all)
+Log = Callable[[str], None]
+
+
+# --- Results ----------------------------------------------------------------------------
+
+def bits_per_byte(nats: float, tokens: float, n_bytes: float) -> tuple[float, float]:
+    """(val_loss, val_bpb) from the sums, in the reference's order of operations."""
+    val_loss = nats / tokens
+    return val_loss, val_loss / LN2 * (tokens / n_bytes)
+
+
+@dataclass
+class ChunkScore:
+    """What one TTT chunk contributed (summed over ranks), scored before training on it."""
+
+    loss_sum: float
+    tokens: int
+    bytes: int
+
+    @property
+    def val_bpb(self) -> float | None:
+        """None for a chunk that scored nothing."""
+        return bits_per_byte(self.loss_sum, self.tokens, self.bytes)[1] if self.tokens and self.bytes else None
+
+
+@dataclass
+class EvalResult:
+    mode: str  # standard | sliding | ttt
+    val_loss: float
+    val_bpb: float
+    loss_sum: float  # nats over all scored tokens
+    tokens: int  # scored tokens (with multiplicity)
+    bytes: int
+    seconds: float
+    seq_len: int
+    stride: int  # 0 for standard
+    per_chunk: list[ChunkScore] = field(default_factory=list)  # ttt only
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+def _result(mode: str, sums: Tensor, seconds: float, seq_len: int, stride: int,
+            per_chunk: list[ChunkScore] | None = None) -> EvalResult:
+    nats, tokens, n_bytes = sums.tolist()
+    if tokens <= 0 or n_bytes <= 0:
+        raise DataError("nothing was scored: the validation tokens stand for no bytes")
+    val_loss, val_bpb = bits_per_byte(nats, tokens, n_bytes)
+    return EvalResult(mode, val_loss, val_bpb, nats, int(tokens), int(n_bytes), seconds, seq_len, stride,
+                      per_chunk or [])
+
+
+# --- Validation tokens ------------------------------------------------------------------
+
+def load_validation_tokens(data_dir: Path, seq_len: int, vocab_size: int) -> Tensor:
+    """All val shards concatenated, cut to a whole number of seq_len sequences plus the one
+    token the last target needs (the reference's truncation); uint16."""
+    files = list_shards(data_dir, "val")
+    tokens = load_tokens(files)
+    usable = ((tokens.numel() - 1) // seq_len) * seq_len
+    if usable <= 0:
+        raise DataError(f"{data_dir}: the validation shards hold {tokens.numel()} tokens, too few for one "
+                        f"sequence of {seq_len} (+1)")
+    tokens = tokens[: usable + 1].contiguous()
+    check_vocab(tokens.numpy(), vocab_size, f"{data_dir} (validation shards)")
+    return tokens
+
+
+def rank_share(count: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The [begin, end) of `count` items that one rank takes, as the reference splits them."""
+    return count * rank // world_size, count * (rank + 1) // world_size
+
+
+# --- Standard evaluation ----------------------------------------------------------------
+
+def evaluate_standard(loss_fn: LossFn, val_tokens: Tensor, luts: ByteLuts, *, seq_len: int, batch_tokens: int,
+                      device: torch.device, rank: int = 0, world_size: int = 1,
+                      progress: BatchProgress | None = None) -> EvalResult:
+    """The reference's `eval_val`: consecutive sequences of seq_len, each token scored once.
+
+    loss_fn(x, y) returns the mean cross-entropy of a [B, seq_len] batch (a GPT, or the
+    same compiled); its sum is taken as mean * B * seq_len. batch_tokens is this rank's batch
+    (the reference: val_batch_size // (world_size * grad_accum_steps)), in whole sequences.
+    The rank scores sequences [total * rank // world, total * (rank + 1) // world); sums are
+    all-reduced when torch.distributed is initialized. The module's train/eval mode is left
+    alone: the model behaves the same in both.
+    """
+    if batch_tokens < seq_len:
+        raise ConfigError(f"the evaluation batch ({batch_tokens} tokens per rank) must hold at least one "
+                          f"sequence of {seq_len}")
+    start = _sync_clock(device)
+    batch_seqs = batch_tokens // seq_len
+    total_seqs = (val_tokens.numel() - 1) // seq_len
+    first, last = rank_share(total_seqs, rank, world_size)
+    tokens = val_tokens[first * seq_len: last * seq_len + 1].to(device=device, dtype=torch.int64)
+    luts = luts.to(device)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    batches = range(0, last - first, batch_seqs)
+    with torch.inference_mode():
+        for done, begin in enumerate(batches, 1):
+            end = min(begin + batch_seqs, last - first)
+            local = tokens[begin * seq_len: end * seq_len + 1]
+            x, y = local[:-1].view(-1, seq_len), local[1:].view(-1, seq_len)
+            with autocast(device):
+                loss = loss_fn(x, y).detach()
+            sums[NATS] += loss.to(torch.float64) * y.numel()
+            sums[TOKENS] += y.numel()
+            sums[BYTES] += luts.count_bytes(x, y).sum()
+            if progress is not None:
+                progress(done, len(batches))
+    all_reduce_(sums)
+    return _result("standard", sums, _sync_clock(device) - start, seq_len, 0)
+
+
+def _sync_clock(device: torch.device) -> float:
+    synchronize(device)
+    return time.perf_counter()
+
+
+# --- Which windows score what -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """Sliding windows over the targets 0..total-1 (int64 tensors, one entry per window):
+    window w reads starts[w] .. starts[w] + lengths[w] - 1 and scores the targets at window
+    offsets scored_from[w] .. lengths[w] - 1."""
+
+    starts: Tensor
+    lengths: Tensor
+    scored_from: Tensor
+
+    def __len__(self) -> int:
+        return int(self.starts.numel())
+
+    @property
+    def scored_begin(self) -> Tensor:
+        return self.starts + self.scored_from
+
+    @property
+    def scored_end(self) -> Tensor:
+        return self.starts + self.lengths
+
+    def select(self, index: Tensor | slice) -> "WindowPlan":
+        return WindowPlan(self.starts[index], self.lengths[index], self.scored_from[index])
+
+
+def plan_windows(total_tokens: int, seq_len: int, stride: int, *, min_length: int = 1,
+                 score_once: bool = False) -> WindowPlan:
+    """The reference's windows: starts range(0, total, stride), each seq_len long or cut at
+    the end; kept when at least min_length long or first (plain sliding evaluation keeps all,
+    min_length=1; TTT uses min_length=stride). The first window scores all of itself, every
+    other its last `stride` targets.
+
+    Like the reference, the windows that start after the last full one all end at the end,
+    so they score the final targets again (each with less context); and min_length=stride
+    can drop a short last window that alone scores the final targets (when the stride does
+    not divide the token count). score_once=True trims each window to what earlier windows
+    left unscored, drops those left with nothing, and keeps short windows that still score
+    something, so that every target is scored exactly once.
+    """
+    if total_tokens < 1:
+        raise DataError("no validation targets to score")
+    if not 0 < stride <= seq_len:
+        raise ConfigError(f"the stride ({stride}) must be in 1..seq_len ({seq_len})")
+    starts = torch.arange(0, total_tokens, stride, dtype=torch.int64)
+    lengths = (starts + seq_len).clamp(max=total_tokens) - starts
+    keep = (lengths >= (1 if score_once else min_length)) | (starts == 0)
+    starts, lengths = starts[keep], lengths[keep]
+    scored_from = torch.where(starts == 0, 0, (lengths - stride).clamp(min=0))
+    if score_once:
+        ends = starts + lengths  # non-decreasing
+        scored_so_far = torch.cat([ends.new_zeros(1), ends[:-1]])
+        scored_from = torch.maximum(scored_from, scored_so_far - starts)
+        keep = scored_from < lengths
+        starts, lengths, scored_from = starts[keep], lengths[keep], scored_from[keep]
+    return WindowPlan(starts, lengths, scored_from)
+
+
+def chunk_windows(plan: WindowPlan, chunk_tokens: int, total_tokens: int) -> list[Tensor]:
+    """For each TTT chunk of chunk_tokens targets, the indices of the windows whose first
+    scored target falls in it (a window past the last chunk goes to the last)."""
+    num_chunks = (total_tokens + chunk_tokens - 1) // chunk_tokens
+    chunk_of = (plan.scored_begin // chunk_tokens).clamp(max=num_chunks - 1)
+    order = torch.argsort(chunk_of, stable=True)
+    counts = torch.bincount(chunk_of, minlength=num_chunks).tolist()
+    return list(torch.split(order, counts))
+
+
+# --- Sliding scoring on the device ------------------------------------------------------
+
+class WindowScorer:
+    """Scores the windows of a plan in batches of `batch_rows` rows of `width` positions.
+
+    A window scoring n targets takes ceil(n / width) rows (so the first window, which
+    scores a whole window, takes several rows of the same input). The last batch is padded
+    with empty rows, so a compiled scorer sees one shape only.
+    """
+
+    def __init__(self, model: GPT, tokens: Tensor, luts: ByteLuts, *, seq_len: int, width: int, batch_rows: int,
+                 device: torch.device, compile_model: bool):
+        if batch_rows < 1:
+            raise ConfigError(f"the evaluation batch ({batch_rows} windows) must hold at least one window")
+        self.model, self.tokens, self.luts = model, tokens, luts
+        self.seq_len, self.width, self.batch_rows, self.device = seq_len, width, batch_rows, device
+        self.score_fn = compiled(model.scored_nll, compile_model)
+        self.window_offsets = torch.arange(seq_len, device=device)
+        self.row_offsets = torch.arange(width, device=device)
+
+    def rows(self, plan: WindowPlan) -> tuple[Tensor, Tensor, Tensor]:
+        """(window start, first scored window offset, window length) of every row, padded to
+        whole batches with rows of length 0."""
+        counts = plan.lengths - plan.scored_from
+        per_window = (counts + self.width - 1) // self.width
+        window = torch.repeat_interleave(torch.arange(len(plan)), per_window)
+        first_row = torch.repeat_interleave(torch.cumsum(per_window, 0) - per_window, per_window)
+        first = plan.scored_from[window] + (torch.arange(window.numel()) - first_row) * self.width
+        rows = torch.stack([plan.starts[window], first, plan.lengths[window]])
+        padding = -rows.size(1) % self.batch_rows
+        return F.pad(rows, (0, padding)).to(self.device).unbind(0)
+
+    def score(self, plan: WindowPlan, progress: BatchProgress | None = None) -> Tensor:
+        """float64 [nats, tokens, bytes] of the plan's scored targets (this rank's, not reduced)."""
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        starts, first, lengths = self.rows(plan)
+        num_batches = starts.numel() // self.batch_rows
+        with torch.inference_mode():
+            for b in range(num_batches):
+                batch = slice(b * self.batch_rows, (b + 1) * self.batch_rows)
+                sums += self._score_batch(starts[batch], first[batch], lengths[batch])
+                if progress is not None:
+                    progress(b + 1, num_batches)
+        return sums
+
+    def _score_batch(self, starts: Tensor, first: Tensor, lengths: Tensor) -> Tensor:
+        last_index = self.tokens.numel() - 1
+        inside = self.window_offsets < lengths[:, None]
+        window_index = (starts[:, None] + self.window_offsets).clamp(max=last_index)
+        inputs = torch.where(inside, self.tokens[window_index], 0)  # padded with 0 as the reference
+        positions = first[:, None] + self.row_offsets
+        scored = positions < lengths[:, None]
+        positions = positions.clamp(max=self.seq_len - 1)
+        absolute = starts[:, None] + positions
+        targets = self.tokens[(absolute + 1).clamp(max=last_index)]
+        previous = self.tokens[absolute.clamp(max=last_index)]
+        with autocast(self.device):
+            nll = self.score_fn(inputs, positions, targets)
+        zero = nll.new_zeros((), dtype=torch.float64)
+        return torch.stack([
+            torch.where(scored, nll.to(torch.float64), zero).sum(),
+            scored.sum().to(torch.float64),
+            torch.where(scored, self.luts.count_bytes(previous, targets), zero).sum(),
+        ])
+
+
+def _device_tokens(val_tokens: Tensor, device: torch.device) -> Tensor:
+    return val_tokens.to(device=device, dtype=torch.int64)
+
+
+def _should_compile(compile_model: bool | None, device: torch.device) -> bool:
+    return device.type == "cuda" if compile_model is None else compile_model
+
+
+def evaluate_sliding(model: GPT, val_tokens: Tensor, luts: ByteLuts, *, seq_len: int, stride: int, batch_seqs: int,
+                     device: torch.device, rank: int = 0, world_size: int = 1, score_once: bool = False,
+                     compile_model: bool | None = None, progress: BatchProgress | None = None) -> EvalResult:
+    """The reference's `eval_val_sliding` (windows from `plan_windows`, min_length=1).
+
+    The rank scores windows [W * rank // world, W * (rank + 1) // world); sums are
+    all-reduced when torch.distributed is initialized. batch_seqs windows (rows) go through
+    the model at once; compile_model (default: on CUDA) runs it through torch.compile.
+    """
+    start = _sync_clock(device)
+    total_tokens = val_tokens.numel() - 1
+    plan = plan_windows(total_tokens, seq_len, stride, score_once=score_once)
+    plan = plan.select(slice(*rank_share(len(plan), rank, world_size)))
+    scorer = WindowScorer(model, _device_tokens(val_tokens, device), luts.to(device), seq_len=seq_len, width=stride,
+                          batch_rows=batch_seqs, device=device,
+                          compile_model=_should_compile(compile_model, device))
+    sums = scorer.score(plan, progress)
+    all_reduce_(sums)
+    return _result("sliding", sums, _sync_clock(device) - start, seq_len, stride)
+
+
+# --- Score-first test-time training -----------------------------------------------------
+
+@dataclass
+class TTTParameters:
+    """What TTT trains: `trainable` go to SGD; of those, the bank slices in `frozen_slices`
+    get their gradient zeroed (with SGD, momentum and no weight decay, they never move).
+    The other parameters are frozen by being left out of SGD (and of the gradient norm):
+    they keep requires_grad, so graphs compiled before TTT (the scorer's) stay valid."""
+
+    trainable: list[nn.Parameter]
+    frozen_slices: list[tuple[nn.Parameter, Tensor]]  # (bank, slot indices)
+    unfrozen_count: int
+    frozen_count: int
+
+
+def frozen_bank_slots(num_layers: int, frozen_layers: int) -> dict[str, list[int]]:
+    """The bank slots that hold the matrices of layers 0..frozen_layers-1."""
+    prefixes = tuple(f"blocks.{i}." for i in range(frozen_layers))
+    return {bank: sorted(slot for slot, name in slots if name.startswith(prefixes))
+            for bank, slots in bank_slots(num_layers).items()}
+
+
+def select_ttt_parameters(model: GPT, freeze_blocks: int, freeze_bank_slices: bool) -> TTTParameters:
+    """Freeze the parameters of the first freeze_blocks blocks (their scalars, as the
+    reference) and, with freeze_bank_slices, also those blocks' slices of the banks (the
+    reference leaves them trainable)."""
+    frozen_layers = min(freeze_blocks, model.num_layers)
+    prefixes = tuple(f"blocks.{i}." for i in range(frozen_layers))
+    trainable: list[nn.Parameter] = []
+    frozen_count = 0
+    for name, p in model.named_parameters():
+        if name.startswith(prefixes):
+            frozen_count += p.numel()
+        else:
+            trainable.append(p)
+    frozen_slices = []
+    if freeze_bank_slices and frozen_layers:
+        for bank, slots in frozen_bank_slots(model.num_layers, frozen_layers).items():
+            param = getattr(model, bank)
+            frozen_slices.append((param, torch.tensor(slots, dtype=torch.int64, device=param.device)))
+            frozen_count += len(slots) * param[0].numel()
+    total = sum(p.numel() for p in model.parameters())
+    return TTTParameters(trainable, frozen_slices, total - frozen_count, frozen_count)
+
+
+def _average_gradients(params: list[nn.Parameter], world_size: int) -> None:
+    """AVG over ranks as the reference (gloo has no AVG: sum, then divide)."""
+    nccl = dist.get_backend() == "nccl"
+    for p in params:
+        if p.grad is not None:
+            if nccl:
+                all_reduce_(p.grad, "avg")
+            else:
+                all_reduce_(p.grad, "sum").div_(world_size)
+
+
+@dataclass
+class ChunkProgress:
+    chunk: int  # 1-based
+    num_chunks: int
+    loss_sum: float  # running sums over chunks 1..chunk, this rank
+    tokens: float
+    bytes: float
+
+    @property
+    def val_bpb(self) -> float:
+        return bits_per_byte(self.loss_sum, self.tokens, self.bytes)[1] if self.tokens and self.bytes else float("nan")
+
+
+class _ChunkTrainer:
+    """SGD with momentum on the chunk's whole sequences, the reference's TTT step."""
+
+    def __init__(self, model: GPT, params: TTTParameters, ttt: TTTConfig, tokens: Tensor, *, seq_len: int,
+                 device: torch.device, rank: int, world_size: int, compile_model: bool):
+        self.model, self.params, self.ttt, self.tokens = model, params, ttt, tokens
+        self.seq_len, self.device, self.rank, self.world_size = seq_len, device, rank, world_size
+        self.loss_fn = compiled(model, compile_model)
+        self.optimizer = torch.optim.SGD(params.trainable, lr=ttt.ttt_lr, momentum=ttt.ttt_momentum)
+
+    def train_chunk(self, chunk_start: int, chunk_end: int, lr: float) -> None:
+        chunk_seqs = (chunk_end - chunk_start) // self.seq_len
+        if chunk_seqs <= 0:
+            return
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        first, last = rank_share(chunk_seqs, self.rank, self.world_size)
+        bs = self.ttt.ttt_batch_seqs
+        # Every rank takes the same number of steps (gradients are all-reduced each step);
+        # a rank without sequences for a step contributes a zero gradient.
+        steps = math.ceil(math.ceil(chunk_seqs / self.world_size) / bs)
+        for _ in range(self.ttt.ttt_epochs):
+            for step in range(steps):
+                begin, end = min(first + step * bs, last), min(first + (step + 1) * bs, last)
+                self._step(chunk_start + begin * self.seq_len, end - begin)
+
+    def _step(self, token_start: int, num_seqs: int) -> None:
+        self.model.zero_grad(set_to_none=True)  # frozen parameters get gradients too: drop them
+        if num_seqs > 0:
+            local = self.tokens[token_start: token_start + num_seqs * self.seq_len + 1]
+            x, y = local[:-1].view(num_seqs, self.seq_len), local[1:].view(num_seqs, self.seq_len)
+            with autocast(self.device):
+                loss = self.loss_fn(x, y)
+            loss.backward()
+        else:
+            for p in self.params.trainable:
+                p.grad = torch.zeros_like(p)
+        if self.world_size > 1 and is_initialized():
+            _average_gradients(self.params.trainable, self.world_size)
+        for bank, slots in self.params.frozen_slices:
+            if bank.grad is not None:
+                bank.grad.index_fill_(0, slots, 0.0)
+        torch.nn.utils.clip_grad_norm_(self.params.trainable, self.ttt.ttt_grad_clip)
+        self.optimizer.step()
+
+
+def ttt_learning_rate(base_lr: float, chunk: int, num_chunks: int) -> float:
+    """Cosine decay across chunks, from base_lr at the first to 0 at the last."""
+    return base_lr * 0.5 * (1.0 + math.cos(math.pi * chunk / max(num_chunks - 1, 1)))
+
+
+def evaluate_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTConfig, *, seq_len: int, stride: int,
+                 batch_seqs: int, device: torch.device, rank: int = 0, world_size: int = 1,
+                 score_once: bool = False, compile_model: bool | None = None, compile_training: bool | None = None,
+                 on_chunk: Callable[[ChunkProgress], None] | None = None, log: Log | None = None) -> EvalResult:
+    """The reference's `eval_val_sliding_ttt`: score-first test-time training.
+
+    Windows (`plan_windows` with min_length=stride) go to the chunk of ttt_chunk_tokens
+    targets holding the first target they score. For each chunk in order: its windows are
+    scored under inference mode (split over ranks), then, except for the last chunk, the
+    model trains on the chunk's whole sequences of seq_len for ttt_epochs epochs (batches of
+    ttt_batch_seqs split over ranks, gradients averaged) with SGD and momentum at a cosine-
+    decayed learning rate. Every target is therefore scored before any update that could have
+    seen it. The model's weights are changed. compile_model (default: on CUDA) compiles the
+    scoring forward, compile_training (default: as compile_model) the training step's.
+    `result.per_chunk` holds each chunk's sums; on_chunk sees running sums after each chunk.
+    """
+    start = _sync_clock(device)
+    log = log or (lambda message: None)
+    compile_model = _should_compile(compile_model, device)
+    compile_training = compile_model if compile_training is None else compile_training
+    total_tokens = val_tokens.numel() - 1
+    plan = plan_windows(total_tokens, seq_len, stride, min_length=stride, score_once=score_once)
+    chunks = chunk_windows(plan, ttt.ttt_chunk_tokens, total_tokens)
+    num_chunks = len(chunks)
+    log(f"ttt_sliding:start chunks={num_chunks} chunk_tokens={ttt.ttt_chunk_tokens} total_windows={len(plan)} "
+        f"stride={stride} ttt_lr={ttt.ttt_lr} ttt_epochs={ttt.ttt_epochs} freeze_blocks={ttt.ttt_freeze_blocks}")
+    params = select_ttt_parameters(model, ttt.ttt_freeze_blocks, ttt.ttt_freeze_bank_slices)
+    log(f"ttt_sliding:params unfrozen={params.unfrozen_count} frozen={params.frozen_count}")
+    tokens = _device_tokens(val_tokens, device)
+    scorer = WindowScorer(model, tokens, luts.to(device), seq_len=seq_len, width=stride, batch_rows=batch_seqs,
+                          device=device, compile_model=compile_model)
+    trainer = _ChunkTrainer(model, params, ttt, tokens, seq_len=seq_len, device=device, rank=rank,
+                            world_size=world_size, compile_model=compile_training)
+    chunk_sums = torch.zeros(num_chunks, 3, dtype=torch.float64, device=device)
+    try:
+        for ci, windows in enumerate(chunks):
+            if windows.numel() == 0:
+                continue  # as the reference: no windows, no training either
+            mine = windows[slice(*rank_share(windows.numel(), rank, world_size))]
+            chunk_sums[ci] = scorer.score(plan.select(mine))
+            if ci < num_chunks - 1 and ttt.ttt_epochs > 0:
+                chunk_start, chunk_end = ci * ttt.ttt_chunk_tokens, min((ci + 1) * ttt.ttt_chunk_tokens, total_tokens)
+                trainer.train_chunk(chunk_start, chunk_end, ttt_learning_rate(ttt.ttt_lr, ci, num_chunks))
+            if on_chunk is not None:
+                on_chunk(ChunkProgress(ci + 1, num_chunks, *chunk_sums[: ci + 1].sum(0).tolist()))
+    finally:
+        model.zero_grad(set_to_none=True)
+    all_reduce_(chunk_sums)
+    per_chunk = [ChunkScore(nats, int(n), int(b)) for nats, n, b in chunk_sums.tolist()]
+    return _result("ttt", chunk_sums.sum(0), _sync_clock(device) - start, seq_len, stride, per_chunk)

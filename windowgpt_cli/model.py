@@ -1,0 +1,434 @@
+"""The GPT of the reference, with one trunk shared by the loss and the logits.
+
+Matrices of all blocks live in four parameter banks (3-D tensors) so that Muon
+orthogonalizes every layer in one batched call. Names, shapes and initialization follow
+the reference, so its state dicts load with `strict=True`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import attention, resolve_backend
+from .config import ModelConfig
+
+# Control tensors stay float32 and go to the scalar optimizer; quantization keeps them exact.
+CONTROL_TENSOR_NAME_PATTERNS = (
+    "attn_scale", "attn_scales", "mlp_scale", "mlp_scales", "resid_mix", "resid_mixes", "q_gain",
+    "skip_weight", "skip_weights", "smear", "dtg_gate", "ve_layer_scales", "ve_shared.scale",
+    "attn_gate", "vr_lambda",
+)
+BANK_NAMES = ("qo_bank", "kv_bank", "mlp_up_bank", "mlp_down_bank")
+
+LinearObserver = Callable[[tuple[str, ...], Tensor], None]
+
+
+def is_control_tensor(name: str) -> bool:
+    return any(pattern in name for pattern in CONTROL_TENSOR_NAME_PATTERNS)
+
+
+class CastedLinear(nn.Linear):
+    """A linear layer whose float32 weight is cast to the activations' dtype."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, self.weight.to(x.dtype), bias)
+
+
+class RMSNorm(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.size(-1),))
+
+
+# --- Rotary embeddings -------------------------------------------------------------------
+
+def rotary_inv_freq(rope_dims: int, base: float, seq_len: int, train_seq_len: int,
+                    device: torch.device | None = None) -> Tensor:
+    """Inverse frequencies; beyond the training length the base is NTK-rescaled."""
+    exponents = torch.arange(0, rope_dims, 2, dtype=torch.float32, device=device) / rope_dims
+    if seq_len > train_seq_len:
+        base = base * (seq_len / train_seq_len) ** (rope_dims / (rope_dims - 2))
+    return 1.0 / (base ** exponents)
+
+
+def rotary_tables(seq_len: int, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """cos and sin of shape [1, T, 1, rope_dims / 2], float32, made fresh per forward so no
+    inference-mode table is ever reused by autograd."""
+    t = torch.arange(seq_len, device=inv_freq.device, dtype=inv_freq.dtype)
+    freqs = torch.outer(t, inv_freq)
+    return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int) -> Tensor:
+    """Rotate the first rope_dims channels of each head (all when rope_dims covers it)."""
+    if 0 < rope_dims < x.size(-1):
+        x_rope, x_pass = x[..., :rope_dims], x[..., rope_dims:]
+        return torch.cat((apply_rotary(x_rope, cos, sin, 0), x_pass), dim=-1)
+    half = x.size(-1) // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos), dim=-1)
+
+
+# --- Blocks ------------------------------------------------------------------------------
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.rope_dims = cfg.rope_dims
+        self.q_gain = nn.Parameter(torch.full((cfg.num_heads,), cfg.qk_gain_init, dtype=torch.float32))
+        windowed = cfg.window_attn_size > 0 and layer in cfg.window_attn_layers
+        self.window = cfg.window_attn_size if windowed else 0
+        self.sinks = cfg.num_sink_tokens if windowed else 0
+        self.use_xsa = layer >= cfg.num_layers - cfg.xsa_last_n
+        self.backend = "sdpa"
+        self.observer: LinearObserver | None = None
+
+    def forward(self, x: Tensor, q_w: Tensor, k_w: Tensor, v_w: Tensor, out_w: Tensor,
+                rotary: tuple[Tensor, Tensor], v_embed: Tensor | None) -> Tensor:
+        b, t, dim = x.shape
+        self._observe(("c_q", "c_k", "c_v"), x)
+        q = F.linear(x, q_w.to(x.dtype)).reshape(b, t, self.num_heads, self.head_dim)
+        k = F.linear(x, k_w.to(x.dtype)).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = F.linear(x, v_w.to(x.dtype))
+        if v_embed is not None:
+            v = v + v_embed
+        v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
+        q = F.rms_norm(q, (q.size(-1),))
+        k = F.rms_norm(k, (k.size(-1),))
+        cos, sin = (table.to(dtype=q.dtype) for table in rotary)
+        q = apply_rotary(q, cos, sin, self.rope_dims)
+        k = apply_rotary(k, cos, sin, self.rope_dims)
+        q = q * self.q_gain.to(dtype=q.dtype)[None, None, :, None]
+        y = attention(q, k, v, self.window, self.sinks, self.backend)
+        if self.use_xsa:
+            y = exclude_self_value(y, v)
+        y = y.reshape(b, t, dim)
+        self._observe(("proj",), y)
+        return F.linear(y, out_w.to(x.dtype))
+
+    def _observe(self, weights: tuple[str, ...], x: Tensor) -> None:
+        if self.observer is not None:
+            self.observer(tuple(f"blocks.{self.layer}.attn.{w}.weight" for w in weights), x.detach())
+
+
+def exclude_self_value(y: Tensor, v: Tensor) -> Tensor:
+    """XSA: remove from each head's output its component along its own (normalized) value.
+    y [B, T, H, D], v [B, T, Hkv, D]; heads of a GQA group share one value."""
+    b, t, h, d = y.shape
+    hkv = v.size(-2)
+    y_grouped = y.reshape(b, t, hkv, h // hkv, d)
+    v_unit = F.normalize(v, dim=-1).unsqueeze(-2)
+    projection = (y_grouped * v_unit).sum(dim=-1, keepdim=True) * v_unit
+    return (y_grouped - projection).reshape(b, t, h, d)
+
+
+class MLP(nn.Module):
+    """LeakyReLU(slope) squared."""
+
+    def __init__(self, layer: int, negative_slope: float):
+        super().__init__()
+        self.layer = layer
+        self.negative_slope = negative_slope
+        self.observer: LinearObserver | None = None
+
+    def forward(self, x: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:
+        self._observe("fc", x)
+        hidden = F.leaky_relu(F.linear(x, up_w.to(x.dtype)), negative_slope=self.negative_slope).square()
+        self._observe("proj", hidden)
+        return F.linear(hidden, down_w.to(x.dtype))
+
+    def _observe(self, weight: str, x: Tensor) -> None:
+        if self.observer is not None:
+            self.observer((f"blocks.{self.layer}.mlp.{weight}.weight",), x.detach())
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        dim = cfg.model_dim
+        self.attn_norm = RMSNorm()
+        self.mlp_norm = RMSNorm()
+        self.attn = CausalSelfAttention(cfg, layer)
+        self.mlp = MLP(layer, cfg.negative_slope)
+        self.attn_scale = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.mlp_scale = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.resid_mix = nn.Parameter(torch.stack((torch.ones(dim), torch.zeros(dim))).float())
+        self.ln_scale_factor = 1.0 / math.sqrt(layer + 1) if cfg.ln_scale else 1.0
+
+    def forward(self, x: Tensor, x0: Tensor, weights: tuple[Tensor, ...], rotary: tuple[Tensor, Tensor],
+                v_embed: Tensor | None) -> Tensor:
+        q_w, k_w, v_w, out_w, up_w, down_w = weights
+        mix = self.resid_mix.to(dtype=x.dtype)
+        x_in = mix[0][None, None, :] * x + mix[1][None, None, :] * x0
+        attn_out = self.attn(self.attn_norm(x_in) * self.ln_scale_factor, q_w, k_w, v_w, out_w, rotary, v_embed)
+        x_out = x_in + self.attn_scale.to(dtype=x_in.dtype)[None, None, :] * attn_out
+        mlp_out = self.mlp(self.mlp_norm(x_out) * self.ln_scale_factor, up_w, down_w)
+        return x_out + self.mlp_scale.to(dtype=x_out.dtype)[None, None, :] * mlp_out
+
+
+# --- Embeddings --------------------------------------------------------------------------
+
+class SmearGate(nn.Module):
+    """Blend each position with the previous one through a learned per-channel gate."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.gate = nn.Parameter(torch.zeros(dim, dtype=torch.float32))
+
+    def forward(self, x: Tensor) -> Tensor:
+        g = torch.sigmoid(self.gate.to(dtype=x.dtype))[None, None, :]
+        x_prev = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+        return (1 - g) * x + g * x_prev
+
+
+class ProjectedEmbedding(nn.Module):
+    """A low-dimensional embedding table, projected to out_dim and scaled."""
+
+    def __init__(self, num: int, dim: int, out_dim: int, scale: float, init_embed: Callable[[Tensor], object]):
+        super().__init__()
+        self.embed = nn.Embedding(num, dim)
+        init_embed(self.embed.weight)  # before the projection exists: keeps the reference's draw order
+        self.proj = CastedLinear(dim, out_dim, bias=False) if dim != out_dim else None
+        if self.proj is not None:
+            nn.init.zeros_(self.proj.weight)
+        self.scale = nn.Parameter(torch.tensor(scale, dtype=torch.float32))
+
+    def project(self, ids: Tensor) -> Tensor:
+        h = self.embed(ids)
+        if self.proj is not None:
+            h = self.proj(h)
+        return h * self.scale.to(dtype=h.dtype)
+
+
+class BigramHashEmbedding(ProjectedEmbedding):
+    """An embedding of (previous token, token) pairs hashed into a small table."""
+
+    def __init__(self, buckets: int, dim: int, model_dim: int):
+        super().__init__(buckets, dim, model_dim, scale=0.05, init_embed=nn.init.zeros_)
+        self.buckets = buckets
+
+    def hash(self, tokens: Tensor) -> Tensor:
+        t = tokens.to(torch.int32)
+        mod = self.buckets - 1
+        out = torch.empty_like(t)
+        out[..., 0] = mod  # the first position has no predecessor
+        out[..., 1:] = torch.bitwise_xor(36313 * t[..., 1:], 27191 * t[..., :-1]) % mod
+        return out.long()
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.project(self.hash(tokens))
+
+
+class ValueEmbedding(ProjectedEmbedding):
+    """Token identity re-injected into the attention values of chosen layers."""
+
+    def __init__(self, vocab_size: int, dim: int, kv_dim: int):
+        super().__init__(vocab_size, dim, kv_dim, scale=0.1, init_embed=lambda w: nn.init.normal_(w, std=0.01))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.project(tokens)
+
+
+# --- The model ---------------------------------------------------------------------------
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        n, dim = cfg.num_layers, cfg.model_dim
+        # Creation order matters: it fixes which random numbers each tensor's init draws.
+        self.tok_emb = nn.Embedding(cfg.vocab_size, dim)
+        self.bigram = BigramHashEmbedding(cfg.bigram_vocab_size, cfg.bigram_dim, dim) if cfg.bigram_vocab_size > 0 else None
+        self.smear = SmearGate(dim)
+        self.num_encoder_layers = n // 2
+        self.num_decoder_layers = n - self.num_encoder_layers
+        self.skip_weights = nn.Parameter(torch.ones(min(self.num_encoder_layers, self.num_decoder_layers), dim))
+        self.qo_bank = nn.Parameter(torch.empty(2 * n, dim, dim))
+        self.kv_bank = nn.Parameter(torch.empty(2 * n, cfg.kv_dim, dim))
+        self.mlp_up_bank = nn.Parameter(torch.empty(n, cfg.mlp_dim, dim))
+        self.mlp_down_bank = nn.Parameter(torch.empty(n, dim, cfg.mlp_dim))
+        self.blocks = nn.ModuleList([Block(cfg, i) for i in range(n)])
+        self.ve_layer_indices = list(cfg.ve_layers) if cfg.ve_enabled else []
+        self.ve_shared = ValueEmbedding(cfg.vocab_size, cfg.ve_dim, cfg.kv_dim) if self.ve_layer_indices else None
+        self.ve_layer_scales = nn.ParameterList(
+            [nn.Parameter(torch.ones(1, dtype=torch.float32)) for _ in self.ve_layer_indices])
+        self.final_norm = RMSNorm()
+        self.lm_head = None if cfg.tie_embeddings else CastedLinear(dim, cfg.vocab_size, bias=False)
+        self._init_weights()
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+    @property
+    def _rope_dims(self) -> int:
+        return self.cfg.rope_dims or self.cfg.head_dim
+
+    def _init_weights(self) -> None:
+        cfg, n = self.cfg, self.cfg.num_layers
+        if cfg.tie_embeddings:
+            nn.init.normal_(self.tok_emb.weight, mean=0.0, std=cfg.tied_embed_init_std)
+        proj_scale = 1.0 / math.sqrt(2 * n)
+        for i in range(n):  # output projections start at zero
+            nn.init.orthogonal_(self.qo_bank.data[i])
+            nn.init.zeros_(self.qo_bank.data[n + i])
+            nn.init.orthogonal_(self.kv_bank.data[i])
+            nn.init.orthogonal_(self.kv_bank.data[n + i])
+            nn.init.orthogonal_(self.mlp_up_bank.data[i])
+            nn.init.zeros_(self.mlp_down_bank.data[i])
+            self.qo_bank.data[n + i].mul_(proj_scale)
+            self.mlp_down_bank.data[i].mul_(proj_scale)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                if module is self.lm_head:
+                    nn.init.zeros_(module.weight)
+                elif module.weight.shape[0] >= 64 and module.weight.shape[1] >= 64:
+                    nn.init.orthogonal_(module.weight)
+
+    # --- backends and observation ---
+
+    def set_attention_backend(self, name: str, device: torch.device) -> str:
+        backend = resolve_backend(name, device)
+        for block in self.blocks:
+            block.attn.backend = backend
+        return backend
+
+    @contextlib.contextmanager
+    def observe_linear_inputs(self, callback: LinearObserver) -> Iterator[None]:
+        """Call callback(weight_names, x) with the input of every block matrix (for GPTQ)."""
+        modules = [m for block in self.blocks for m in (block.attn, block.mlp)]
+        for m in modules:
+            m.observer = callback
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.observer = None
+
+    # --- forward ---
+
+    def layer_weights(self, i: int) -> tuple[Tensor, ...]:
+        n = self.num_layers
+        return (self.qo_bank[i], self.kv_bank[i], self.kv_bank[n + i], self.qo_bank[n + i],
+                self.mlp_up_bank[i], self.mlp_down_bank[i])
+
+    def hidden_states(self, input_ids: Tensor) -> Tensor:
+        """The trunk: final-normed hidden states [B, T, model_dim]."""
+        x = self.tok_emb(input_ids)
+        if self.bigram is not None:
+            x = x + self.bigram(input_ids)
+        x = F.rms_norm(x, (x.size(-1),))
+        x = self.smear(x)
+        x0 = x
+        seq_len = input_ids.shape[1]
+        inv_freq = rotary_inv_freq(self._rope_dims, self.cfg.rope_base, seq_len, self.cfg.rope_train_seq_len,
+                                   device=input_ids.device)
+        rotary = rotary_tables(seq_len, inv_freq)
+        ve_base = self.ve_shared(input_ids) if self.ve_shared is not None else None
+        skips: list[Tensor] = []
+        for i, block in enumerate(self.blocks):
+            if i >= self.num_encoder_layers and skips:
+                skip = self.skip_weights[i - self.num_encoder_layers]
+                x = x + skip.to(dtype=x.dtype)[None, None, :] * skips.pop()
+            x = block(x, x0, self.layer_weights(i), rotary, self._value_embedding(i, ve_base))
+            if i < self.num_encoder_layers:
+                skips.append(x)
+        return self.final_norm(x)
+
+    def _value_embedding(self, layer: int, ve_base: Tensor | None) -> Tensor | None:
+        if ve_base is None or layer not in self.ve_layer_indices:
+            return None
+        scale = self.ve_layer_scales[self.ve_layer_indices.index(layer)]
+        return ve_base * scale.to(dtype=ve_base.dtype)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Soft-capped logits for hidden states of any leading shape."""
+        weight = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+        projected = F.linear(hidden, weight.to(hidden.dtype))
+        cap = self.cfg.logit_softcap
+        return cap * torch.tanh(projected / cap)
+
+    def forward_logits(self, input_ids: Tensor) -> Tensor:
+        return self.logits(self.hidden_states(input_ids))
+
+    def token_nll(self, input_ids: Tensor, target_ids: Tensor) -> Tensor:
+        """Per-token cross-entropy [B, T] in float32."""
+        logits = self.forward_logits(input_ids)
+        return F.cross_entropy(logits.float().flatten(0, 1), target_ids.flatten(), reduction="none").view_as(target_ids)
+
+    def scored_nll(self, input_ids: Tensor, positions: Tensor, target_ids: Tensor) -> Tensor:
+        """Cross-entropy [B, K] of target_ids[b, k] predicted at position positions[b, k] of
+        input_ids[b]: the trunk runs over whole windows, the output layer only where scored."""
+        hidden = self.hidden_states(input_ids)
+        picked = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.size(-1)))
+        logits = self.logits(picked)
+        return F.cross_entropy(logits.float().flatten(0, 1), target_ids.flatten(), reduction="none").view_as(target_ids)
+
+    def forward(self, input_ids: Tensor, target_ids: Tensor) -> Tensor:
+        """Mean cross-entropy, as the reference's training forward."""
+        logits = self.logits(self.hidden_states(input_ids).flatten(0, 1))
+        return F.cross_entropy(logits.float(), target_ids.reshape(-1), reduction="mean")
+
+
+def build_model(cfg: ModelConfig, device: torch.device) -> GPT:
+    """Build on the CPU (so initialization draws the same numbers everywhere), then move.
+
+    On CUDA the reference's dtype policy applies: embedding tables in bf16, banks, linear
+    weights and control/low-dimensional tensors in float32. On the CPU all is float32.
+    """
+    model = GPT(cfg)
+    if device.type == "cuda":
+        model = model.bfloat16()
+        for name, p in model.named_parameters():
+            if name in BANK_NAMES or p.ndim < 2 or is_control_tensor(name) or _is_linear_weight(model, name):
+                p.data = p.data.float()
+    return model.to(device)
+
+
+def _is_linear_weight(model: GPT, name: str) -> bool:
+    module_name = name.rsplit(".", 1)[0]
+    return isinstance(model.get_submodule(module_name), nn.Linear) if "." in name else False
+
+
+# --- Banked and per-layer state dicts ----------------------------------------------------
+
+def bank_slots(n: int) -> dict[str, list[tuple[int, str]]]:
+    """For each bank, which per-layer weight name fills which slot."""
+    return {
+        "qo_bank": [(i, f"blocks.{i}.attn.c_q.weight") for i in range(n)]
+        + [(n + i, f"blocks.{i}.attn.proj.weight") for i in range(n)],
+        "kv_bank": [(i, f"blocks.{i}.attn.c_k.weight") for i in range(n)]
+        + [(n + i, f"blocks.{i}.attn.c_v.weight") for i in range(n)],
+        "mlp_up_bank": [(i, f"blocks.{i}.mlp.fc.weight") for i in range(n)],
+        "mlp_down_bank": [(i, f"blocks.{i}.mlp.proj.weight") for i in range(n)],
+    }
+
+
+def unbank_state_dict(sd: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
+    """Split the 3-D banks into per-layer 2-D tensors with the reference's names."""
+    slots = bank_slots(num_layers)
+    out: dict[str, Tensor] = {}
+    for name, tensor in sd.items():
+        if name in slots:
+            out.update({layer_name: tensor[slot] for slot, layer_name in slots[name]})
+        else:
+            out[name] = tensor
+    return out
+
+
+def rebank_state_dict(sd: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
+    """Inverse of unbank_state_dict."""
+    slots = bank_slots(num_layers)
+    consumed = {layer_name for bank in slots.values() for _, layer_name in bank}
+    out = {name: t for name, t in sd.items() if name not in consumed}
+    for bank, entries in slots.items():
+        ordered = sorted(entries)
+        out[bank] = torch.stack([sd[layer_name] for _, layer_name in ordered])
+    return out

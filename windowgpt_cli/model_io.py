@@ -1,0 +1,116 @@
+"""The one way evaluation stages get weights: from a run, an export or a `.ptz`.
+
+- a run directory (or its checkpoint.pt): the EMA weights, which the reference applies;
+- an export directory (or its model.safetensors): the exported per-layer tensors;
+- a `.ptz` file: its dequantized tensors.
+
+None of them is read with pickle's ability to run code.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from . import ptz, tensorfile
+from .artifacts import sha256_file
+from .checkpoint import FILENAME as CHECKPOINT_FILENAME, load_checkpoint
+from .config import RunConfig
+from .errors import ArtifactError, ConfigError
+from .model import GPT, build_model as build_gpt, rebank_state_dict
+
+EXPORT_WEIGHTS = "model.safetensors"
+EXPORT_CONFIG = "config.json"
+EXPORT_INFO = "export.json"
+EXPORT_FORMAT = "windowgpt.export"
+EXPORT_VERSION = "1"
+
+
+@dataclass
+class LoadedWeights:
+    config: RunConfig
+    state_dict: dict[str, Tensor]  # banked: the live model's names, ready for load_state_dict(strict=True)
+    kind: str  # "run" | "export" | "ptz"
+    sha256: str  # of checkpoint.pt, model.safetensors or the .ptz
+    tokenizer_sha256: str | None
+    path: Path  # the file the weights were read from
+
+
+def load_weights(artifact: Path) -> LoadedWeights:
+    artifact = Path(artifact)
+    if artifact.is_dir():
+        if (artifact / CHECKPOINT_FILENAME).is_file():
+            return _load_run(artifact / CHECKPOINT_FILENAME)
+        if (artifact / EXPORT_WEIGHTS).is_file():
+            return _load_export(artifact)
+        raise ArtifactError(f"{artifact}: neither a run directory ({CHECKPOINT_FILENAME}) "
+                            f"nor an export directory ({EXPORT_WEIGHTS})")
+    if not artifact.exists():
+        raise ArtifactError(f"{artifact}: no such file or directory")
+    if artifact.name == CHECKPOINT_FILENAME:
+        return _load_run(artifact)
+    if artifact.name == EXPORT_WEIGHTS:
+        return _load_export(artifact.parent)
+    return _load_ptz(artifact)
+
+
+def build_model(artifact: Path, device: torch.device) -> tuple[LoadedWeights, GPT]:
+    """Load weights and the model they belong to, on `device`, in eval mode."""
+    weights = load_weights(artifact)
+    model = build_gpt(weights.config.model, device)
+    try:
+        model.load_state_dict(weights.state_dict, strict=True)
+    except RuntimeError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else "mismatch"
+        raise ArtifactError(f"{weights.path}: weights do not fit the model its config describes ({first})") from None
+    model.eval()
+    return weights, model
+
+
+def _load_run(path: Path) -> LoadedWeights:
+    ckpt = load_checkpoint(path)
+    return LoadedWeights(ckpt.config, ckpt.weights("ema"), "run", sha256_file(path), ckpt.tokenizer_sha256, path)
+
+
+def read_export(export_dir: Path) -> tuple[RunConfig, dict[str, Tensor], dict]:
+    """An export's config, per-layer tensors and export.json (empty if absent)."""
+    weights_path, config_path = export_dir / EXPORT_WEIGHTS, export_dir / EXPORT_CONFIG
+    if not config_path.is_file():
+        raise ArtifactError(f"{export_dir}: export has no {EXPORT_CONFIG}")
+    try:
+        config = RunConfig.load(config_path)
+    except ConfigError as exc:
+        raise ArtifactError(str(exc)) from None
+    tensors, metadata = tensorfile.load(weights_path)
+    if metadata.get("format") != EXPORT_FORMAT or metadata.get("format_version") != EXPORT_VERSION:
+        raise ArtifactError(f"{weights_path}: not a windowgpt export of format version {EXPORT_VERSION}")
+    info_path = export_dir / EXPORT_INFO
+    try:
+        info = json.loads(info_path.read_text(encoding="utf-8")) if info_path.is_file() else {}
+    except (OSError, ValueError):
+        raise ArtifactError(f"{info_path}: not readable JSON") from None
+    return config, tensors, info if isinstance(info, dict) else {}
+
+
+def _load_export(export_dir: Path) -> LoadedWeights:
+    config, tensors, info = read_export(export_dir)
+    path = export_dir / EXPORT_WEIGHTS
+    return LoadedWeights(config, _rebank(tensors, config, path), "export", sha256_file(path),
+                         info.get("tokenizer_sha256"), path)
+
+
+def _load_ptz(path: Path) -> LoadedWeights:
+    artifact = ptz.load(path)
+    return LoadedWeights(artifact.config, _rebank(artifact.dequantized(), artifact.config, path), "ptz",
+                         sha256_file(path), artifact.tokenizer_sha256, path)
+
+
+def _rebank(tensors: dict[str, Tensor], config: RunConfig, source: Path) -> dict[str, Tensor]:
+    try:
+        return rebank_state_dict(tensors, config.model.num_layers)
+    except (KeyError, RuntimeError) as exc:
+        raise ArtifactError(f"{source}: per-layer tensors do not fit {config.model.num_layers} layers "
+                            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None

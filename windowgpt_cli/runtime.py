@@ -1,0 +1,75 @@
+"""Device choice, mixed precision and seeding, shared by every stage."""
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+
+import numpy as np
+import torch
+
+from .errors import ConfigError
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for, but no CUDA device is available")
+    if name not in {"cpu", "cuda"}:
+        raise ConfigError(f"device {name!r} must be auto, cpu or cuda")
+    return torch.device(name)
+
+
+def autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA as the reference; full float32 on the CPU."""
+    if device.type == "cuda":
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def enable_fast_math(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+class _Compiled:
+    """fn compiled into one static graph, as the reference compiles its model. Should this
+    torch build find a graph break, it says so once and compiles the pieces instead."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.run = torch.compile(fn, dynamic=False, fullgraph=True)
+        self.checked = False
+
+    def __call__(self, *args, **kwargs):
+        if self.checked:
+            return self.run(*args, **kwargs)
+        try:
+            out = self.run(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            print(f"warning: torch.compile found a graph break ({type(exc).__name__}); compiling in pieces",
+                  file=sys.stderr)
+            self.run = torch.compile(self.fn, dynamic=False)
+            out = self.run(*args, **kwargs)
+        self.checked = True
+        return out
+
+
+def compiled(fn, enabled: bool = True):
+    """torch.compile with static shapes (one graph per shape) when enabled, else fn."""
+    return _Compiled(fn) if enabled else fn
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

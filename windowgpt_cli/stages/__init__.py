@@ -1,0 +1,1 @@
+"""One module per stage: a plain function that tests call, and its thin `command`."""

@@ -1,0 +1,227 @@
+"""`windowgpt eval`: val_loss and val_bpb of an artifact, scored as the reference scores them.
+
+A stride of 0, or one equal to the sequence length, gives the standard evaluation
+(consecutive sequences); a smaller stride gives sliding windows. The model, and the
+default sequence length, stride and batch, come from the artifact alone.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Callable, Iterator, Optional
+
+import torch
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .. import model_io
+from ..artifacts import sha256_file
+from ..cli_support import console, err_console, user_errors_exit_1
+from ..config import RunConfig
+from ..distributed import DistContext, init_distributed, shutdown
+from ..errors import ConfigError, DataError
+from ..evaluation import EvalResult, evaluate_sliding, evaluate_standard, load_validation_tokens
+from ..model import GPT
+from ..runtime import compiled, enable_fast_math
+from ..tokenizer import ByteLuts, load_byte_luts, resolve_tokenizer
+
+
+# --- Shared with eval-ttt ---------------------------------------------------------------
+
+@dataclass
+class EvalInputs:
+    """An artifact's model on the device, with the byte tables of its tokenizer."""
+
+    weights: model_io.LoadedWeights
+    model: GPT
+    luts: ByteLuts
+    tokenizer: Path
+    ctx: DistContext
+    attn_backend: str
+
+    @property
+    def config(self) -> RunConfig:
+        return self.weights.config
+
+
+def load_inputs(artifact: Path, data_dir: Path, tokenizer: Path | None, ctx: DistContext,
+                attn_backend: str = "auto") -> EvalInputs:
+    """Build the artifact's model and check that the tokenizer is the one it was trained with."""
+    weights, model = model_io.build_model(Path(artifact), ctx.device)
+    tokenizer_path = resolve_tokenizer(data_dir, tokenizer)
+    if tokenizer_path is None:
+        raise DataError(f"{data_dir}: no tokenizer.model here; pass --tokenizer MODEL")
+    if not tokenizer_path.is_file():
+        raise DataError(f"{tokenizer_path}: no such tokenizer file")
+    expected = weights.tokenizer_sha256
+    actual = sha256_file(tokenizer_path) if expected else None
+    if actual != expected:
+        raise DataError(f"{tokenizer_path}: sha256 {actual[:16]}... differs from the tokenizer {artifact} was "
+                        f"trained with ({expected[:16]}...)")
+    luts = load_byte_luts(tokenizer_path, None, weights.config.model.vocab_size).to(ctx.device)
+    backend = model.set_attention_backend(attn_backend, ctx.device)
+    enable_fast_math(ctx.device)
+    return EvalInputs(weights, model, luts, tokenizer_path, ctx, backend)
+
+
+def eval_record(result: EvalResult, inputs: EvalInputs, artifact: Path) -> dict[str, Any]:
+    """What --json prints and the table shows."""
+    return {
+        "mode": result.mode, "val_loss": result.val_loss, "val_bpb": result.val_bpb, "tokens": result.tokens,
+        "bytes": result.bytes, "seconds": result.seconds, "tokens_per_second": result.tokens_per_second,
+        "seq_len": result.seq_len, "stride": result.stride, "artifact": str(artifact),
+        "artifact_kind": inputs.weights.kind, "artifact_sha256": inputs.weights.sha256,
+        "tokenizer": str(inputs.tokenizer), "attn_backend": inputs.attn_backend,
+    }
+
+
+def results_table(record: dict[str, Any], title: str) -> Table:
+    table = Table(title=title, show_header=False)
+    table.add_column("metric", style="bold")
+    table.add_column("value", justify="right")
+    rows = [
+        ("val_bpb", f"{record['val_bpb']:.8f}"),
+        ("val_loss", f"{record['val_loss']:.8f}"),
+        ("mode", record["mode"]),
+        ("seq_len / stride", f"{record['seq_len']} / {record['stride']}"),
+        ("tokens scored", f"{record['tokens']:,}"),
+        ("bytes", f"{record['bytes']:,}"),
+        ("seconds", f"{record['seconds']:.2f}"),
+        ("tokens / second", f"{record['tokens_per_second']:,.0f}"),
+        ("artifact", f"{record['artifact']} ({record['artifact_kind']}, sha256 {record['artifact_sha256'][:16]})"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def report(record: dict[str, Any], title: str, as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(record, indent=2))
+    else:
+        console.print(results_table(record, title))
+
+
+@contextlib.contextmanager
+def batch_progress(enabled: bool, label: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A transient rich bar over batches on stderr, or no callback at all."""
+    if not enabled:
+        yield None
+        return
+    with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=True) as progress:
+        task = progress.add_task(label, total=None)
+
+        def update(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        yield update
+
+
+# --- The stage --------------------------------------------------------------------------
+
+@dataclass
+class EvalReport:
+    result: EvalResult
+    record: dict[str, Any]  # what --json prints
+    is_main: bool  # rank 0 (only it prints)
+
+
+def evaluate_artifact(artifact: Path, data_dir: Path, *, stride: int | None = None, seq_len: int | None = None,
+                      batch_seqs: int | None = None, tokenizer: Path | None = None, device: str = "auto",
+                      attn_backend: str = "auto", score_once: bool = False, compile_model: bool | None = None,
+                      show_progress: bool = False) -> EvalReport:
+    """Score the artifact on DATA_DIR's validation shards (standard or sliding evaluation)."""
+    ctx = init_distributed(device)
+    try:
+        inputs = load_inputs(artifact, data_dir, tokenizer, ctx, attn_backend)
+        cfg = inputs.config
+        seq_len = cfg.eval.eval_seq_len if seq_len is None else seq_len
+        stride = cfg.eval.eval_stride if stride is None else stride
+        batch_seqs = cfg.eval.eval_batch_seqs if batch_seqs is None else batch_seqs
+        check_eval_settings(seq_len, stride, batch_seqs)
+        # As the reference: the tokens are cut to whole sequences of the longer of the
+        # training and evaluation lengths.
+        val_tokens = load_validation_tokens(data_dir, max(cfg.train.train_seq_len, seq_len), cfg.model.vocab_size)
+        compile_model = ctx.device.type == "cuda" if compile_model is None else compile_model
+        with batch_progress(show_progress and ctx.is_main, "eval") as progress:
+            if stride == 0 or stride == seq_len:
+                loss_fn = compiled(inputs.model, compile_model)
+                result = evaluate_standard(loss_fn, val_tokens, inputs.luts, seq_len=seq_len,
+                                           batch_tokens=batch_seqs * seq_len, device=ctx.device, rank=ctx.rank,
+                                           world_size=ctx.world_size, progress=progress)
+            else:
+                result = evaluate_sliding(inputs.model, val_tokens, inputs.luts, seq_len=seq_len, stride=stride,
+                                          batch_seqs=batch_seqs, device=ctx.device, rank=ctx.rank,
+                                          world_size=ctx.world_size, score_once=score_once,
+                                          compile_model=compile_model, progress=progress)
+        record = eval_record(result, inputs, Path(artifact))
+        if result.mode == "sliding":
+            record["score_once"] = score_once
+        return EvalReport(result, record, ctx.is_main)
+    finally:
+        shutdown()
+
+
+def check_eval_settings(seq_len: int, stride: int, batch_seqs: int) -> None:
+    if seq_len < 1:
+        raise ConfigError(f"--seq-len {seq_len} must be positive")
+    if not 0 <= stride <= seq_len:
+        raise ConfigError(f"--stride {stride} must be in 0..seq_len ({seq_len}); 0 or {seq_len} scores "
+                          "consecutive sequences")
+    if batch_seqs < 1:
+        raise ConfigError(f"--batch-seqs {batch_seqs} must be positive")
+
+
+# --- Command-line options shared with eval-ttt ------------------------------------------
+
+ArtifactArg = Annotated[Path, typer.Argument(
+    help="A training run directory (its EMA weights), an export directory, or a .ptz.", show_default=False)]
+DataOption = Annotated[Path, typer.Option(
+    "--data", help="Directory with the fineweb_val_*.bin shards (and tokenizer.model).", show_default=False)]
+SeqLenOption = Annotated[Optional[int], typer.Option(
+    "--seq-len", help="Tokens per window (default: from the artifact).", show_default=False)]
+BatchOption = Annotated[Optional[int], typer.Option(
+    "--batch-seqs", help="Windows per forward pass; larger is faster while memory lasts "
+    "(default: from the artifact).", show_default=False)]
+TokenizerOption = Annotated[Optional[Path], typer.Option(
+    "--tokenizer", help="SentencePiece model for byte counts (default: DATA/tokenizer.model).", show_default=False)]
+DeviceOption = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
+AttnOption = Annotated[str, typer.Option("--attn-backend", help="auto, fa3, flex or sdpa.")]
+ScoreOnceOption = Annotated[bool, typer.Option(
+    "--score-once", help="Score every token exactly once. The reference scores the last STRIDE tokens again "
+    "in each of its final, shorter windows; by default so does this, to give its numbers.")]
+CompileOption = Annotated[Optional[bool], typer.Option(
+    "--compile/--no-compile", help="torch.compile the model (default: on CUDA).", show_default=False)]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print the results as JSON on stdout (and nothing else).")]
+
+
+def show_progress_bars() -> bool:
+    return err_console.is_terminal
+
+
+@user_errors_exit_1
+def command(
+    artifact: ArtifactArg,
+    data: DataOption,
+    stride: Annotated[Optional[int], typer.Option(
+        "--stride", help="Score the last STRIDE tokens of a window every STRIDE tokens; 0 or the sequence "
+        "length: consecutive sequences (default: from the artifact).", show_default=False)] = None,
+    seq_len: SeqLenOption = None,
+    batch_seqs: BatchOption = None,
+    tokenizer: TokenizerOption = None,
+    device: DeviceOption = "auto",
+    attn_backend: AttnOption = "auto",
+    score_once: ScoreOnceOption = False,
+    compile_model: CompileOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Score an artifact on the validation shards: val_loss and val_bpb (standard or sliding window)."""
+    out = evaluate_artifact(artifact, data, stride=stride, seq_len=seq_len, batch_seqs=batch_seqs,
+                            tokenizer=tokenizer, device=device, attn_backend=attn_backend, score_once=score_once,
+                            compile_model=compile_model, show_progress=show_progress_bars())
+    if out.is_main:
+        report(out.record, f"eval ({out.result.mode})", as_json)

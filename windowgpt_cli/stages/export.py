@@ -1,0 +1,67 @@
+"""`windowgpt export`: a training checkpoint's chosen weights as per-layer tensors.
+
+MODEL_DIR/model.safetensors holds the weights under the reference's per-layer names
+(blocks.{i}.attn.c_q.weight, ...), MODEL_DIR/config.json the run configuration and
+MODEL_DIR/export.json what was exported from where.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from .. import tensorfile
+from ..artifacts import atomic_write_json, sha256_file
+from ..checkpoint import WEIGHT_CHOICES, checkpoint_path, load_checkpoint
+from ..cli_support import console, user_errors_exit_1
+from ..errors import ConfigError
+from ..model import unbank_state_dict
+from ..model_io import EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_INFO, EXPORT_VERSION, EXPORT_WEIGHTS
+
+
+def export(run_dir: Path, out: Path, weights: str = "ema") -> dict[str, Any]:
+    """Write MODEL_DIR (out); returns what export.json records."""
+    if weights not in WEIGHT_CHOICES:
+        raise ConfigError(f"--weights {weights!r} must be one of {', '.join(WEIGHT_CHOICES)}")
+    ckpt = load_checkpoint(run_dir)
+    tensors = unbank_state_dict(ckpt.weights(weights), ckpt.config.model.num_layers)
+    out = Path(out)
+    tensorfile.save(out / EXPORT_WEIGHTS, tensors, {"format": EXPORT_FORMAT, "format_version": EXPORT_VERSION})
+    ckpt.config.save(out / EXPORT_CONFIG)
+    info = {
+        "format": EXPORT_FORMAT,
+        "format_version": EXPORT_VERSION,
+        "weights": weights,
+        "swa_snapshots": ckpt.swa_count if weights == "swa" else None,
+        "source_checkpoint": str(checkpoint_path(run_dir)),
+        "source_sha256": sha256_file(checkpoint_path(run_dir)),
+        "step": ckpt.step,
+        "tokenizer_sha256": ckpt.tokenizer_sha256,
+        "tensor_count": len(tensors),
+        "parameter_count": sum(t.numel() for t in tensors.values()),
+        "sha256": sha256_file(out / EXPORT_WEIGHTS),
+    }
+    atomic_write_json(out / EXPORT_INFO, info)  # written last: its presence marks a complete export
+    return info
+
+
+@user_errors_exit_1
+def command(
+    run_dir: Annotated[Path, typer.Argument(help="A training run directory (holds checkpoint.pt).", show_default=False)],
+    out: Annotated[Path, typer.Option("--out", help="The export directory to write.", show_default=False)],
+    weights: Annotated[str, typer.Option(help="Which weights: ema (what the reference applies), swa (averaged "
+                                                "snapshots) or last (the final step).")] = "ema",
+    json_output: Annotated[bool, typer.Option("--json", help="Print export.json instead of a table.")] = False,
+) -> None:
+    """Export a checkpoint's weights as per-layer tensors (safetensors) with its config."""
+    info = export(run_dir, out, weights)
+    if json_output:
+        console.print_json(data=info)
+        return
+    table = Table(title=f"exported {out}", show_header=False)
+    for key in ("weights", "step", "tensor_count", "parameter_count", "source_sha256", "tokenizer_sha256"):
+        value = info[key]
+        table.add_row(key, f"{value:,}" if isinstance(value, int) and key != "step" else str(value))
+    console.print(table)

@@ -1,0 +1,404 @@
+"""`windowgpt prepare`: documents in, token shards out, as the reference's data loader reads them.
+
+DATA_DIR receives `fineweb_{train,val}_NNNNNN.bin` (BOS before each document, no EOS),
+`tokenizer.model`, its byte tables `tokenizer.meta.npz`, and `manifest.json`. Encoding
+runs in worker processes, each loading the tokenizer once; the main process only
+decompresses and cuts lines, and writes shards in input order as results come back.
+"""
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import chain
+from pathlib import Path
+from typing import Annotated, Any, Callable, Iterable, Iterator, Optional
+
+import numpy as np
+import typer
+from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TransferSpeedColumn)
+from rich.table import Table
+
+from .. import __version__
+from ..artifacts import atomic_write_bytes, atomic_write_json, sha256_file
+from ..cli_support import console, err_console, user_errors_exit_1
+from ..corpus import DEFAULT_CHUNK_BYTES, RawChunk, check_inputs, iter_corpus, parse_chunk, read_chunks
+from ..errors import ConfigError, DataError
+from ..shards import SPLITS, shard_name, write_shard
+from ..tokenizer import (BOS_ID, DATA_DIR_TOKENIZER, DEFAULT_TRAIN_SAMPLE_BYTES, check_vocab_fits,
+                         has_byte_fallback, load_sentencepiece, no_byte_fallback_warning,
+                         train_sentencepiece, write_tokenizer_meta)
+
+MANIFEST_FORMAT = "windowgpt.data"
+MANIFEST_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+DEFAULT_VOCAB_SIZE = 1024
+DEFAULT_VAL_FRACTION = 0.01
+DEFAULT_SHARD_TOKENS = 100_000_000  # as the FineWeb shards
+
+
+# --- The validation split ---------------------------------------------------------------
+
+def validation_score(text: str) -> float:
+    """The document's place in [0, 1), from a hash of its text alone.
+
+    Documents under --val-fraction form the validation split, so the split does not
+    depend on input order, and duplicated documents never straddle the two splits.
+    """
+    digest = hashlib.sha256(text.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+# --- Encoding (runs in worker processes) ------------------------------------------------
+
+@dataclass
+class SplitPart:
+    """One split's share of an encoded chunk."""
+
+    tokens: np.ndarray
+    documents: int
+    text_bytes: int
+    unknown_tokens: int
+
+
+@dataclass(frozen=True)
+class EncodeTask:
+    chunk: RawChunk
+    split: str | None  # None: decide per document by validation_score
+
+
+class ChunkEncoder:
+    """Parses a chunk's documents, assigns each to a split and encodes them."""
+
+    def __init__(self, tokenizer_path: Path, val_fraction: float):
+        self.sp = load_sentencepiece(tokenizer_path)
+        self.val_fraction = val_fraction
+
+    def encode_documents(self, texts: list[str]) -> np.ndarray:
+        """BOS + sp.encode(text) for each document, concatenated (as the reference's shards)."""
+        ids = self.sp.encode(texts, num_threads=1)  # parallelism comes from the processes
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        flat = np.fromiter(chain.from_iterable(ids), dtype=np.uint16, count=int(lengths.sum()))
+        doc_starts = np.cumsum(lengths) - lengths
+        return np.insert(flat, doc_starts, BOS_ID)
+
+    def __call__(self, task: EncodeTask) -> dict[str, SplitPart]:
+        texts = parse_chunk(task.chunk)
+        by_split: dict[str, list[str]] = {split: [] for split in SPLITS}
+        for text in texts:
+            split = task.split or ("val" if validation_score(text) < self.val_fraction else "train")
+            by_split[split].append(text)
+        parts = {}
+        for split, docs in by_split.items():
+            if docs:
+                tokens = self.encode_documents(docs)
+                parts[split] = SplitPart(tokens, len(docs), sum(len(t.encode("utf-8")) for t in docs),
+                                         int(np.count_nonzero(tokens == self.sp.unk_id())))
+        return parts
+
+
+_worker_encoder: ChunkEncoder | None = None
+
+
+def _start_worker(tokenizer_path: Path, val_fraction: float) -> None:
+    global _worker_encoder
+    _worker_encoder = ChunkEncoder(tokenizer_path, val_fraction)
+
+
+def _encode_in_worker(task: EncodeTask) -> dict[str, SplitPart]:
+    assert _worker_encoder is not None, "worker started without its tokenizer"
+    return _worker_encoder(task)
+
+
+def _encode_all(tasks: Iterable[EncodeTask], tokenizer_path: Path, val_fraction: float,
+                workers: int) -> Iterator[tuple[EncodeTask, dict[str, SplitPart]]]:
+    """Results in task order, with a bounded number of chunks in flight (memory stays flat)."""
+    if workers <= 1:
+        encoder = ChunkEncoder(tokenizer_path, val_fraction)
+        for task in tasks:
+            yield task, encoder(task)
+        return
+    # fork shares the already imported modules; spawn would re-import torch in every worker.
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else None)
+    with context.Pool(workers, initializer=_start_worker, initargs=(tokenizer_path, val_fraction)) as pool:
+        pending: deque = deque()
+        for task in tasks:
+            pending.append((task, pool.apply_async(_encode_in_worker, (task,))))
+            if len(pending) >= 2 * workers + 2:
+                done, result = pending.popleft()
+                yield done, result.get()
+        while pending:
+            done, result = pending.popleft()
+            yield done, result.get()
+
+
+# --- Writing shards ---------------------------------------------------------------------
+
+@dataclass
+class SplitWriter:
+    """Streams one split's tokens into shards of exactly shard_tokens (the last may be shorter)."""
+
+    data_dir: Path
+    split: str
+    shard_tokens: int
+    documents: int = 0
+    tokens: int = 0
+    text_bytes: int = 0
+    unknown_tokens: int = 0
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    _buffer: list[np.ndarray] = field(default_factory=list)
+    _buffered: int = 0
+
+    def add(self, part: SplitPart) -> None:
+        self.documents += part.documents
+        self.tokens += part.tokens.size
+        self.text_bytes += part.text_bytes
+        self.unknown_tokens += part.unknown_tokens
+        self._buffer.append(part.tokens)
+        self._buffered += part.tokens.size
+        while self._buffered >= self.shard_tokens:
+            pending = np.concatenate(self._buffer)
+            self._write(pending[: self.shard_tokens])
+            rest = pending[self.shard_tokens:]
+            self._buffer, self._buffered = [rest], rest.size
+
+    def finish(self) -> None:
+        if self._buffered:
+            self._write(np.concatenate(self._buffer))
+            self._buffer, self._buffered = [], 0
+
+    def _write(self, tokens: np.ndarray) -> None:
+        name = shard_name(self.split, len(self.shards))
+        write_shard(self.data_dir / name, tokens)
+        self.shards.append({"file": name, "tokens": int(tokens.size)})
+
+    def summary(self) -> dict[str, Any]:
+        return {"documents": self.documents, "tokens": self.tokens, "text_bytes": self.text_bytes,
+                "unknown_tokens": self.unknown_tokens, "shards": self.shards}
+
+
+def _remove_stale_shards(data_dir: Path, writers: dict[str, SplitWriter]) -> None:
+    """Shards of an earlier, longer run would otherwise be read as part of this one."""
+    for split, writer in writers.items():
+        written = {s["file"] for s in writer.shards}
+        for path in data_dir.glob(f"fineweb_{split}_*.bin"):
+            if path.name not in written:
+                path.unlink()
+
+
+# --- The stage --------------------------------------------------------------------------
+
+@dataclass
+class PrepareResult:
+    data_dir: Path
+    manifest: dict[str, Any]
+    seconds: float
+
+    @property
+    def text_bytes(self) -> int:
+        return sum(s["text_bytes"] for s in self.manifest["splits"].values())
+
+    @property
+    def megabytes_per_second(self) -> float:
+        return self.text_bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+
+def _check_settings(inputs: list[Path], val_inputs: list[Path] | None, val_fraction: float | None,
+                    shard_tokens: int) -> None:
+    if not inputs:
+        raise ConfigError("give at least one input file")
+    if val_inputs is not None and val_fraction is not None:
+        raise ConfigError("give either --val files or --val-fraction, not both")
+    if val_fraction is not None and not 0.0 < val_fraction < 1.0:
+        raise ConfigError(f"--val-fraction {val_fraction} must be between 0 and 1")
+    if val_inputs is not None and not val_inputs:
+        raise ConfigError("--val needs at least one file")
+    if shard_tokens <= 0:
+        raise ConfigError(f"--shard-tokens {shard_tokens} must be positive")
+    both = {p.resolve() for p in inputs} & {p.resolve() for p in val_inputs or []}
+    if both:
+        raise ConfigError(f"{sorted(both)[0]}: given both as an input and as --val; the splits must not overlap")
+
+
+def _install_tokenizer(data_dir: Path, tokenizer: Path | None, vocab_size: int | None,
+                       train_inputs: list[Path], val_fraction: float | None, sample_bytes: int,
+                       threads: int) -> dict[str, Any]:
+    """Put the tokenizer (given, or trained on the training split) at DATA_DIR/tokenizer.model."""
+    target = data_dir / DATA_DIR_TOKENIZER
+    if tokenizer is not None:
+        sp = load_sentencepiece(tokenizer)
+        size = int(sp.vocab_size())
+        if vocab_size is not None and vocab_size != size:
+            raise ConfigError(f"--vocab-size {vocab_size} does not match {tokenizer} ({size} tokens)")
+        check_vocab_fits(size, str(tokenizer))
+        atomic_write_bytes(target, Path(tokenizer).read_bytes())
+    else:
+        size = vocab_size or DEFAULT_VOCAB_SIZE
+        texts = iter_corpus(train_inputs)
+        if val_fraction is not None:  # the tokenizer must not see validation documents
+            texts = (t for t in texts if validation_score(t) >= val_fraction)
+        names = ", ".join(map(str, train_inputs))
+        atomic_write_bytes(target, train_sentencepiece(texts, size, max_bytes=sample_bytes, threads=threads,
+                                                       source=names))
+    return {"file": DATA_DIR_TOKENIZER, "meta": write_tokenizer_meta(target).name,
+            "source": str(tokenizer) if tokenizer is not None else None,
+            "trained": tokenizer is None, "sha256": sha256_file(target), "vocab_size": size,
+            "byte_fallback": has_byte_fallback(load_sentencepiece(target))}
+
+
+def _tasks(train_inputs: list[Path], val_inputs: list[Path] | None) -> Iterator[EncodeTask]:
+    for path in train_inputs:
+        for chunk in read_chunks(path, DEFAULT_CHUNK_BYTES):
+            yield EncodeTask(chunk, None if val_inputs is None else "train")
+    for path in val_inputs or []:
+        for chunk in read_chunks(path, DEFAULT_CHUNK_BYTES):
+            yield EncodeTask(chunk, "val")
+
+
+def _describe_inputs(train_inputs: list[Path], val_inputs: list[Path] | None) -> list[dict[str, Any]]:
+    role = "train" if val_inputs is not None else "train+val"
+    return [{"path": str(p), "split": split, "bytes": p.stat().st_size, "sha256": sha256_file(p)}
+            for split, paths in ((role, train_inputs), ("val", val_inputs or [])) for p in paths]
+
+
+def prepare(inputs: list[Path], out: Path, *, tokenizer: Path | None = None, vocab_size: int | None = None,
+            val_fraction: float | None = None, val_inputs: list[Path] | None = None,
+            shard_tokens: int = DEFAULT_SHARD_TOKENS, workers: int | None = None,
+            tokenizer_sample_bytes: int = DEFAULT_TRAIN_SAMPLE_BYTES,
+            on_progress: Callable[[int, int], None] | None = None) -> PrepareResult:
+    """Tokenize the inputs into DATA_DIR (see the module docstring); returns the manifest.
+
+    Without --val files, a document is validation when validation_score(text) < val_fraction
+    (default 0.01). Documents keep their input order within each split.
+    """
+    started = time.perf_counter()
+    inputs = [Path(p) for p in inputs]
+    val_inputs = [Path(p) for p in val_inputs] if val_inputs is not None else None
+    _check_settings(inputs, val_inputs, val_fraction, shard_tokens)
+    if val_inputs is None and val_fraction is None:
+        val_fraction = DEFAULT_VAL_FRACTION
+    check_inputs(inputs + (val_inputs or []))
+    workers = workers or os.cpu_count() or 1
+    data_dir = Path(out)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    # Until the new manifest is written, DATA_DIR is visibly incomplete.
+    (data_dir / MANIFEST_NAME).unlink(missing_ok=True)
+
+    tokenizer_info = _install_tokenizer(data_dir, tokenizer, vocab_size, inputs, val_fraction,
+                                        tokenizer_sample_bytes, workers)
+    writers = {split: SplitWriter(data_dir, split, shard_tokens) for split in SPLITS}
+    total_bytes = sum(p.stat().st_size for p in inputs + (val_inputs or []))
+    read_so_far: dict[str, int] = {}
+    for task, parts in _encode_all(_tasks(inputs, val_inputs), data_dir / DATA_DIR_TOKENIZER,
+                                   val_fraction or 0.0, workers):
+        for split, part in parts.items():
+            writers[split].add(part)
+        read_so_far[task.chunk.source] = task.chunk.raw_position
+        if on_progress is not None:
+            on_progress(sum(read_so_far.values()), total_bytes)
+    for writer in writers.values():
+        writer.finish()
+
+    names = ", ".join(map(str, inputs))
+    if writers["train"].documents == 0:
+        raise DataError(f"{names}: no training documents")
+    if writers["val"].documents == 0:
+        where = ", ".join(map(str, val_inputs)) if val_inputs else names
+        hint = "" if val_inputs else f" fall under --val-fraction {val_fraction}; raise it or give --val files"
+        raise DataError(f"{where}: no validation documents{hint}")
+    _remove_stale_shards(data_dir, writers)
+
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "created_by": f"windowgpt {__version__}",
+        "tokenizer": tokenizer_info,
+        "splits": {split: writer.summary() for split, writer in writers.items()},
+        "inputs": _describe_inputs(inputs, val_inputs),
+        "settings": {
+            "val_fraction": val_fraction, "val_from_files": val_inputs is not None,
+            "val_rule": None if val_inputs is not None else "sha256(utf-8 text)[:8] / 2**64 < val_fraction",
+            "shard_tokens": shard_tokens, "bos_id": BOS_ID, "eos": False,
+            "vocab_size": tokenizer_info["vocab_size"],
+            "tokenizer_sample_bytes": tokenizer_sample_bytes if tokenizer is None else None,
+        },
+    }
+    atomic_write_json(data_dir / MANIFEST_NAME, manifest)
+    return PrepareResult(data_dir, manifest, time.perf_counter() - started)
+
+
+# --- The command ------------------------------------------------------------------------
+
+def _summary_table(result: PrepareResult) -> Table:
+    table = Table(title=f"prepared {result.data_dir}", title_justify="left")
+    for name in ("split", "documents", "tokens", "shards", "text MB", "bytes/token", "<unk> tokens"):
+        table.add_column(name, justify="left" if name == "split" else "right")
+    for split, s in result.manifest["splits"].items():
+        table.add_row(split, f"{s['documents']:,}", f"{s['tokens']:,}", str(len(s["shards"])),
+                      f"{s['text_bytes'] / 1e6:.2f}", f"{s['text_bytes'] / max(s['tokens'], 1):.3f}",
+                      f"{s['unknown_tokens']:,}")
+    return table
+
+
+@user_errors_exit_1
+def command(
+    inputs: Annotated[list[Path], typer.Argument(
+        help="Documents: .jsonl (field text), .jsonl.xz, .jsonl.gz, or .txt (one document per file).",
+        show_default=False)],
+    out: Annotated[Path, typer.Option("--out", help="DATA_DIR to write shards, tokenizer and manifest to.",
+                                      show_default=False)],
+    tokenizer: Annotated[Optional[Path], typer.Option(
+        "--tokenizer", help="A SentencePiece model to use; without it one is trained on the training split.",
+        show_default=False)] = None,
+    vocab_size: Annotated[Optional[int], typer.Option(
+        "--vocab-size", help=f"Vocabulary of the tokenizer to train (default: {DEFAULT_VOCAB_SIZE}).",
+        show_default=False)] = None,
+    val_fraction: Annotated[Optional[float], typer.Option(
+        "--val-fraction", help=f"Share of documents (chosen by a hash of their text) for validation "
+                               f"(default: {DEFAULT_VAL_FRACTION}).", show_default=False)] = None,
+    val: Annotated[Optional[list[Path]], typer.Option(
+        "--val", help="Files forming the validation split instead (repeat for several).",
+        show_default=False)] = None,
+    shard_tokens: Annotated[int, typer.Option("--shard-tokens", help="Tokens per shard file.")]
+        = DEFAULT_SHARD_TOKENS,
+    workers: Annotated[Optional[int], typer.Option(
+        "--workers", help="Encoding processes (default: all cores).", show_default=False)] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
+) -> None:
+    """Tokenize documents into train/val shards, with the tokenizer and a manifest (replaces DATA_DIR's shards)."""
+    if tokenizer is not None and not has_byte_fallback(load_sentencepiece(tokenizer)):
+        err_console.print(f"[bold yellow]warning:[/] {no_byte_fallback_warning(tokenizer)}",
+                          highlight=False, soft_wrap=True)
+    columns = (TextColumn("encoding"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn())
+    progress = Progress(*columns, console=err_console, disable=json_output or not err_console.is_terminal)
+    bar = progress.add_task("encode", total=None)
+
+    def show_progress(done: int, total: int) -> None:
+        # Started on the first result, once the worker processes exist: forking while the
+        # display's refresh thread runs could leave its locks held in the workers.
+        if not progress.live.is_started:
+            progress.start()
+        progress.update(bar, completed=done, total=total)
+
+    try:
+        result = prepare(inputs, out, tokenizer=tokenizer, vocab_size=vocab_size, val_fraction=val_fraction,
+                         val_inputs=val or None, shard_tokens=shard_tokens, workers=workers,
+                         on_progress=show_progress)
+    finally:
+        if progress.live.is_started:
+            progress.stop()
+    if json_output:
+        console.print_json(data={**result.manifest, "seconds": result.seconds})
+        return
+    console.print(_summary_table(result))
+    info = result.manifest["tokenizer"]
+    origin = "trained" if info["trained"] else f"from {info['source']}"
+    console.print(f"tokenizer: {result.data_dir / info['file']} ({origin}, vocab {info['vocab_size']}, "
+                  f"byte fallback {'on' if info['byte_fallback'] else 'off'}); "
+                  f"{result.text_bytes / 1e6:.1f} MB of text in {result.seconds:.1f} s "
+                  f"({result.megabytes_per_second:.1f} MB/s)", highlight=False, soft_wrap=True)

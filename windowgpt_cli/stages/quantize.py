@@ -1,0 +1,244 @@
+"""`windowgpt quantize`: the scored artifact, a `.ptz`, and what it costs of the budget.
+
+Parameter Golf counts the code plus the compressed weights against 16,000,000 bytes. The
+code here is the package's Python source, as the challenge counts a training script.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from pathlib import Path
+from typing import Annotated, Any, Callable, Iterator, Optional
+
+import torch
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .. import ptz
+from ..artifacts import atomic_write_bytes, atomic_write_json, sha256_bytes
+from ..cli_support import console, err_console, user_errors_exit_1
+from ..config import RunConfig
+from ..errors import ArtifactError, ConfigError
+from ..model import build_model, is_control_tensor, unbank_state_dict
+from ..model_io import LoadedWeights, load_weights
+from ..quant import INT6, QuantizedTensor, classify_param, collect_hessians, quantize_state_dict
+from ..runtime import resolve_device, synchronize
+
+DEFAULT_BUDGET = 16_000_000
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+GROUPS = ("attn", "mlp", "embed", "other", "control")
+
+
+def code_bytes(package_dir: Path = PACKAGE_DIR) -> int:
+    """The package's Python source, as the challenge counts the training script's bytes."""
+    return sum(p.stat().st_size for p in package_dir.rglob("*.py"))
+
+
+def report_path(artifact: Path) -> Path:
+    return artifact.with_name(artifact.name + ".json")
+
+
+def tensor_group(name: str) -> str:
+    return "control" if is_control_tensor(name) else classify_param(name)
+
+
+StartPhase = Callable[[str, int], Callable[[int], None]]  # (description, total steps) -> advance(n)
+
+
+def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir: Path | None = None,
+             calib_batches: int | None = None, clip_range: int | None = None, compressor: str = ptz.DEFAULT_COMPRESSOR,
+             budget: int = DEFAULT_BUDGET, device: str = "auto",
+             progress: StartPhase | None = None) -> dict[str, Any]:
+    """Quantize a run or export into a .ptz at `out` and write the report beside it.
+
+    Settings left as None come from the model's configuration (its `quant` group).
+    `progress(description, total)` may return a callback advanced as work is done.
+    Returns the report (also written as JSON next to the artifact).
+    """
+    started = time.perf_counter()
+    if compressor not in ptz.COMPRESSORS:
+        raise ConfigError(f"--compressor {compressor!r} must be one of {', '.join(ptz.COMPRESSORS)}")
+    weights = load_weights(model_path)
+    if weights.kind == "ptz":
+        raise ConfigError(f"{model_path} is already quantized; quantize a run or export directory")
+    cfg = quant_settings(weights.config, gptq, calib_batches, clip_range)
+    dev = resolve_device(device)
+    timings: dict[str, float] = {"load": time.perf_counter() - started}
+
+    hessians = None
+    if cfg.quant.use_gptq:
+        t0 = time.perf_counter()
+        hessians = calibration_hessians(weights, cfg, data_dir, dev, progress)
+        synchronize(dev)
+        timings["hessians"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    sd = unbank_state_dict(weights.state_dict, cfg.model.num_layers)
+    advance = progress("quantizing", len(sd)) if progress else None
+    q = cfg.quant
+    phases: dict[str, float] = {}
+    tensors = quantize_state_dict(sd, q.quant_clip_range, hessians, q.gptq_block_size, q.gptq_percdamp,
+                                  device=dev, on_progress=advance, timings=phases)
+    timings["quantize"] = time.perf_counter() - t0
+    if cfg.quant.use_gptq:
+        timings["gptq"] = phases["gptq"]
+
+    t0 = time.perf_counter()
+    artifact = ptz.PtzArtifact(cfg, tensors, weights.tokenizer_sha256, _source(weights), q.quant_clip_range)
+    payload = ptz.payload_bytes(artifact)
+    data = ptz.compress_payload(payload, compressor)
+    timings["compress"] = time.perf_counter() - t0
+    atomic_write_bytes(out, data)
+    timings["total"] = time.perf_counter() - started
+
+    report = _report(out, data, payload, sd, tensors, cfg, compressor, budget, dev, timings, artifact.source)
+    atomic_write_json(report_path(out), report)
+    return report
+
+
+def quant_settings(cfg: RunConfig, gptq: bool | None, calib_batches: int | None, clip_range: int | None) -> RunConfig:
+    """The configuration with this quantization's settings, as the artifact records it."""
+    q = cfg.quant
+    q = dataclasses.replace(
+        q, use_gptq=q.use_gptq if gptq is None else gptq,
+        gptq_calib_samples=q.gptq_calib_samples if calib_batches is None else calib_batches,
+        quant_clip_range=q.quant_clip_range if clip_range is None else clip_range)
+    if not 1 <= q.quant_clip_range <= 127:
+        raise ConfigError(f"--clip-range {q.quant_clip_range} must be in 1..127")
+    if q.use_gptq and q.gptq_calib_samples < 1:
+        raise ConfigError(f"--calib-batches {q.gptq_calib_samples} must be at least 1")
+    return dataclasses.replace(cfg, quant=q)
+
+
+def calibration_hessians(weights: LoadedWeights, cfg: RunConfig, data_dir: Path | None, dev: torch.device,
+               progress: StartPhase | None) -> dict[tuple[str, ...], torch.Tensor]:
+    """Hessians from `gptq_calib_samples` training batches of train_batch_tokens / grad_accum
+    tokens each: the batches the reference calibrates on."""
+    from ..data import TokenStream
+    from ..shards import list_shards
+    from ..training import grad_accum_steps_for
+
+    data = data_dir or (Path(cfg.data.data_path) if cfg.data.data_path else None)
+    if data is None:
+        raise ConfigError("--gptq needs --data DATA_DIR (the training shards to calibrate on)")
+    stream = TokenStream(list_shards(Path(data), "train"), cfg.train.seed, vocab_size=cfg.model.vocab_size)
+    accum = grad_accum_steps_for(cfg, 1)
+    count = cfg.quant.gptq_calib_samples
+    batches = (stream.next_batch(cfg.train.train_batch_tokens, cfg.train.train_seq_len, accum) for _ in range(count))
+    model = build_model(cfg.model, dev)
+    model.load_state_dict(weights.state_dict, strict=True)
+    model.set_attention_backend(cfg.train.attn_backend, dev)
+    advance = progress("calibrating", count) if progress else None
+    hessians = collect_hessians(model, batches, dev, on_batch=(lambda: advance(1)) if advance else None)
+    del model
+    return hessians
+
+
+def _source(weights: LoadedWeights) -> dict[str, Any]:
+    return {"kind": weights.kind, "path": str(weights.path), "sha256": weights.sha256}
+
+
+def _report(out: Path, data: bytes, payload: bytes, sd: dict[str, torch.Tensor], tensors: dict[str, QuantizedTensor],
+            cfg: RunConfig, compressor: str, budget: int, dev: torch.device, timings: dict[str, float],
+            source: dict[str, Any]) -> dict[str, Any]:
+    groups = {g: {"tensors": 0, "params": 0, "raw_bytes": 0, "quantized_bytes": 0} for g in GROUPS}
+    schemes: dict[str, int] = {}
+    for name, qt in tensors.items():
+        row = groups[tensor_group(name)]
+        row["tensors"] += 1
+        row["params"] += sd[name].numel()
+        row["raw_bytes"] += sd[name].numel() * sd[name].element_size()
+        row["quantized_bytes"] += qt.stored_bytes
+        label = f"{qt.scheme}_{qt.method}" if qt.scheme == INT6 else qt.scheme
+        schemes[label] = schemes.get(label, 0) + 1
+    code = code_bytes()
+    total = len(data) + code
+    return {
+        "artifact": str(out), "sha256": sha256_bytes(data), "format_version": ptz.FORMAT_VERSION,
+        "compressor": compressor, "source": source, "device": str(dev),
+        "gptq": cfg.quant.use_gptq, "calib_batches": cfg.quant.gptq_calib_samples if cfg.quant.use_gptq else 0,
+        "clip_range": cfg.quant.quant_clip_range, "schemes": schemes, "groups": groups,
+        "payload_bytes": len(payload), "model_bytes": len(data), "code_bytes": code, "total_bytes": total,
+        "budget_bytes": budget, "headroom_bytes": budget - total, "within_budget": total <= budget,
+        "timings_s": {k: round(v, 3) for k, v in timings.items()},
+    }
+
+
+# --- The command -------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _progress_bars(enabled: bool) -> Iterator[StartPhase | None]:
+    if not enabled:
+        yield None
+        return
+    columns = (TextColumn("{task.description:12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err_console, transient=True) as bars:
+        def start(description: str, total: int) -> Callable[[int], None]:
+            task = bars.add_task(description, total=total)
+            return lambda n: bars.advance(task, n)
+
+        yield start
+
+
+def _budget_table(report: dict[str, Any]) -> Table:
+    table = Table(title=f"{report['artifact']} ({report['compressor']}, clip {report['clip_range']}"
+                        f"{', GPTQ' if report['gptq'] else ''})")
+    for col in ("group", "tensors", "params", "raw bytes", "quantized bytes"):
+        table.add_column(col, justify="left" if col == "group" else "right")
+    for name, row in report["groups"].items():
+        if row["tensors"]:
+            table.add_row(name, str(row["tensors"]), f"{row['params']:,}", f"{row['raw_bytes']:,}",
+                          f"{row['quantized_bytes']:,}")
+    table.add_section()
+    table.add_row("payload", "", "", "", f"{report['payload_bytes']:,}")
+    table.add_row("compressed model", "", "", "", f"{report['model_bytes']:,}")
+    table.add_row("code", "", "", "", f"{report['code_bytes']:,}")
+    style = "green" if report["within_budget"] else "bold red"
+    table.add_row("total", "", "", "", f"[{style}]{report['total_bytes']:,}[/]")
+    table.add_row("budget", "", "", "", f"{report['budget_bytes']:,}")
+    table.add_row("headroom", "", "", "", f"[{style}]{report['headroom_bytes']:,}[/]")
+    return table
+
+
+def _timing_line(report: dict[str, Any]) -> str:
+    return "time: " + ", ".join(f"{k} {v:.2f}s" for k, v in report["timings_s"].items()) + f" on {report['device']}"
+
+
+@user_errors_exit_1
+def command(
+    model_dir: Annotated[Path, typer.Argument(help="An export directory, or a run directory (its EMA weights).",
+                                              show_default=False)],
+    out: Annotated[Path, typer.Option("--out", help="The .ptz file to write.", show_default=False)],
+    gptq: Annotated[Optional[bool], typer.Option("--gptq/--no-gptq", help="Quantize attention and MLP matrices "
+                    "with GPTQ on calibration Hessians. [default: the config's use_gptq]", show_default=False)] = None,
+    data: Annotated[Optional[Path], typer.Option("--data", help="Training shards for GPTQ calibration. "
+                    "[default: the config's data_path]", show_default=False)] = None,
+    calib_batches: Annotated[Optional[int], typer.Option("--calib-batches", help="Calibration batches of "
+                             "train_batch_tokens / grad_accum tokens. [default: the config's gptq_calib_samples]",
+                             show_default=False)] = None,
+    clip_range: Annotated[Optional[int], typer.Option("--clip-range", help="int6 codes lie in [-clip, clip]. "
+                          "[default: the config's quant_clip_range]", show_default=False)] = None,
+    compressor: Annotated[str, typer.Option("--compressor", help="Payload compressor: " + ", ".join(ptz.COMPRESSORS)
+                          + " (lzma is the reference's preset 6).")] = ptz.DEFAULT_COMPRESSOR,
+    budget: Annotated[int, typer.Option("--budget", help="Bytes allowed for code plus compressed model; "
+                      "exceeding it exits 1 (the artifact is still written).")] = DEFAULT_BUDGET,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON instead of a table.")] = False,
+) -> None:
+    """Quantize to int6/int8 (optionally GPTQ), compress, and check the size budget."""
+    with _progress_bars(not json_output) as progress:
+        report = quantize(model_dir, out, gptq=gptq, data_dir=data, calib_batches=calib_batches,
+                          clip_range=clip_range, compressor=compressor, budget=budget, device=device,
+                          progress=progress)
+    if json_output:
+        console.print_json(data=report)
+    else:
+        console.print(_budget_table(report))
+        console.print(_timing_line(report), highlight=False)
+        console.print(f"wrote {out} (sha256 {report['sha256'][:16]}...) and {report_path(out)}", highlight=False)
+    if not report["within_budget"]:
+        raise ArtifactError(f"{out}: {report['total_bytes']:,} bytes (model {report['model_bytes']:,} + code "
+                            f"{report['code_bytes']:,}) exceed the budget of {report['budget_bytes']:,} by "
+                            f"{-report['headroom_bytes']:,}")

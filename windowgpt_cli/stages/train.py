@@ -1,0 +1,125 @@
+"""`windowgpt train`: train a model from shards, with checkpoints and exact resume."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..checkpoint import checkpoint_path, load_checkpoint
+from ..cli_support import (ConfigFileOption, PresetOption, build_config, console, user_errors_exit_1,
+                           with_config_flags)
+from ..artifacts import atomic_write_json
+from ..config import RunConfig, apply_overrides
+from ..distributed import init_distributed, shutdown
+from ..errors import ConfigError
+from ..training import RunLog, StopRequests, Trainer, TrainResult, build_setup, describe
+
+RESUMABLE_OVERRIDES = {"data_path", "tokenizer_path", "tokenizer_meta_path", "device", "attn_backend", "compile"}
+
+
+def train(cfg: RunConfig, out_dir: Path, *, resume: bool = False, stop_at_step: int | None = None,
+          show_progress: bool = False) -> TrainResult:
+    """Train (or resume) into out_dir: config.json, train.log, metrics.jsonl, checkpoint.pt."""
+    out_dir = Path(out_dir)
+    ckpt = load_checkpoint(out_dir) if resume else None
+    if not resume and checkpoint_path(out_dir).exists():
+        raise ConfigError(f"{out_dir} already holds a checkpoint: pass --resume to continue it, or choose a new --out")
+    cfg = cfg.resolved()
+    ctx = init_distributed(cfg.train.device)
+    try:
+        if ctx.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            cfg.save(out_dir / "config.json")
+        setup = build_setup(cfg, ctx)
+        with _progress_bar(show_progress and ctx.is_main, cfg.train.iterations) as (echo, on_step):
+            log = RunLog(out_dir, enabled=ctx.is_main, echo=echo)
+            trainer = Trainer(setup, out_dir, log, progress=on_step)
+            if ckpt is not None:
+                trainer.restore(ckpt)
+                log.line(f"resume:step:{trainer.step}/{cfg.train.iterations} from {checkpoint_path(out_dir)}")
+            else:
+                describe(setup, log)
+                trainer.warm_up()
+            with StopRequests().installed() as stops:
+                result = trainer.run(stop_at_step, stops)
+        if ctx.is_main and result.finished:
+            atomic_write_json(out_dir / "summary.json", _summary(result))
+        return result
+    finally:
+        shutdown()
+
+
+def _summary(result: TrainResult) -> dict[str, Any]:
+    return {"step": result.step, "training_time_ms": round(result.training_time_ms, 1),
+            "val_loss": result.val_loss, "val_bpb": result.val_bpb,
+            "post_ema_val_loss": result.post_ema_val_loss, "post_ema_val_bpb": result.post_ema_val_bpb,
+            "checkpoint": str(result.checkpoint)}
+
+
+class _progress_bar:
+    """A rich bar (step, loss, tokens/s) on a terminal; plain printed lines otherwise."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.enabled, self.total = enabled, total
+        self.progress: Progress | None = None
+
+    def __enter__(self):
+        if not self.enabled:
+            return (lambda line: print(line, flush=True)), None
+        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                                 TimeElapsedColumn(), console=console, transient=True)
+        task = self.progress.add_task("train", total=self.total, loss="-", tps="-")
+        self.progress.start()
+        last_loss_step = [0]
+
+        def on_step(info: dict) -> None:
+            fields = {"tps": f"{info['tokens_per_s']:,.0f}"}
+            if info["step"] - last_loss_step[0] >= 10 or info["step"] <= 1:  # .item() syncs: not every step
+                fields["loss"] = f"{info['loss'].item():.4f}"
+                last_loss_step[0] = info["step"]
+            self.progress.update(task, completed=info["step"], **fields)
+
+        return self.progress.console.print, on_step
+
+    def __exit__(self, *exc):
+        if self.progress is not None:
+            self.progress.stop()
+        return False
+
+
+@user_errors_exit_1
+@with_config_flags("model", "optim", "train", "eval")
+def command(
+    out: Annotated[Path, typer.Option("--out", help="Run directory for config, logs, metrics and checkpoint.")],
+    data: Annotated[Optional[Path], typer.Option("--data", help="Directory of fineweb_{train,val}_*.bin shards.",
+                                                 show_default=False)] = None,
+    tokenizer: Annotated[Optional[Path], typer.Option("--tokenizer", help="SentencePiece model "
+                                                      "(default: DATA/tokenizer.model)", show_default=False)] = None,
+    config_file: ConfigFileOption = None,
+    preset_name: PresetOption = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the checkpoint in --out to the end.")] = False,
+    stop_at_step: Annotated[Optional[int], typer.Option(
+        "--stop-at-step", help="Stop at this step with a checkpoint; the schedule stays planned for --iterations.",
+        show_default=False)] = None,
+    overrides: dict[str, dict[str, Any]] | None = None,
+) -> None:
+    """Train a model on token shards; logs like the reference, checkpoints atomically."""
+    overrides = dict(overrides or {})
+    paths = {k: str(v) for k, v in (("data_path", data), ("tokenizer_path", tokenizer)) if v is not None}
+    overrides["data"] = {**overrides.get("data", {}), **paths}
+    if resume:
+        given = {name for values in overrides.values() for name in values} - RESUMABLE_OVERRIDES
+        if given or config_file or preset_name:
+            raise ConfigError("--resume takes its settings from the checkpoint; only --data, --tokenizer, --device, "
+                              "--attn-backend and --compile may change")
+        cfg = apply_overrides(load_checkpoint(out).config, overrides)
+    else:
+        if data is None:
+            raise ConfigError("--data DATA_DIR is required")
+        cfg = build_config(config_file, preset_name, overrides)
+    result = train(cfg, out, resume=resume, stop_at_step=stop_at_step, show_progress=console.is_terminal)
+    if not result.finished:
+        console.print(f"stopped at step {result.step}; continue with: windowgpt train --out {out} --resume")

@@ -1,0 +1,387 @@
+"""The training loop: plain Python that the `train` stage and the tests call.
+
+It follows the reference step for step (gradient accumulation, clipping, the overlapped
+optimizer step, EMA and SWA, wallclock-aware warm-down) and adds what a pre-emptible job
+needs: checkpoints with every piece of state, an exact resume, and a graceful stop on
+Ctrl-C or SIGTERM at the next step boundary.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from .artifacts import sha256_file
+from .checkpoint import FILENAME as CHECKPOINT_FILENAME
+from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from .config import RunConfig
+from .data import Prefetcher, TokenStream
+from .distributed import DistContext, all_reduce_
+from .errors import ConfigError, DataError
+from .evaluation import evaluate_standard, load_validation_tokens
+from .model import GPT, build_model
+from .optim import Optimizers, WeightAverages, build_optimizers, lr_scale, muon_momentum_at
+from .runtime import autocast, compiled, enable_fast_math, seed_everything, synchronize
+from .shards import list_shards
+from .tokenizer import ByteLuts, load_byte_luts, resolve_tokenizer, tokenizer_vocab_size
+
+SWA_LR_THRESHOLD = 0.2  # SWA collects snapshots once the LR scale falls below this
+
+
+@dataclass
+class TrainResult:
+    step: int
+    training_time_ms: float
+    finished: bool  # False when stopped early (--stop-at-step or an interrupt)
+    val_loss: float | None = None
+    val_bpb: float | None = None
+    post_ema_val_loss: float | None = None
+    post_ema_val_bpb: float | None = None
+    checkpoint: Path | None = None
+
+
+class RunLog:
+    """The reference's log lines on stdout and in train.log, one JSON object per logged
+    step in metrics.jsonl; silent on every rank but the first."""
+
+    def __init__(self, out_dir: Path, enabled: bool, echo: Callable[[str], None] = print):
+        self.enabled, self.echo = enabled, echo
+        self.log_path, self.metrics_path = out_dir / "train.log", out_dir / "metrics.jsonl"
+
+    def line(self, message: str) -> None:
+        if not self.enabled:
+            return
+        self.echo(message)
+        with open(self.log_path, "a", encoding="utf-8") as f:
+            f.write(message + "\n")
+
+    def metrics(self, **values: Any) -> None:
+        if self.enabled:
+            with open(self.metrics_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(values) + "\n")
+
+
+class StopRequests:
+    """Ctrl-C / SIGTERM set a flag that the loop reads at step boundaries, so the run stops
+    with a consistent checkpoint; a second Ctrl-C stops at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator["StopRequests"]:
+        def handler(signum, frame):
+            if self.requested:
+                raise KeyboardInterrupt
+            self.requested = True
+
+        try:
+            previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        except ValueError:  # not the main thread: no signal handling
+            yield self
+            return
+        try:
+            yield self
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+
+@dataclass
+class Setup:
+    """Everything a run needs, built once from the configuration."""
+
+    cfg: RunConfig
+    ctx: DistContext
+    model: GPT
+    forward: Callable  # the (possibly compiled) model
+    optimizers: Optimizers
+    averages: WeightAverages
+    luts: ByteLuts
+    val_tokens: torch.Tensor
+    train_files: list[Path]
+    tokenizer_sha256: str
+    grad_accum_steps: int
+    seq_len: int  # this rank's training sequence length
+
+
+def grad_accum_steps_for(cfg: RunConfig, world_size: int) -> int:
+    if cfg.train.grad_accum_steps > 0:
+        return cfg.train.grad_accum_steps
+    if 8 % world_size != 0:
+        raise ConfigError(f"world size {world_size} does not divide 8; set --grad-accum-steps explicitly")
+    return 8 // world_size
+
+
+def rank_seq_len(cfg: RunConfig, ctx: DistContext) -> int:
+    t = cfg.train
+    long_rank = t.train_seq_len_long > 0 and ctx.rank >= ctx.world_size - t.num_gpus_long
+    return t.train_seq_len_long if long_rank else t.train_seq_len
+
+
+def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
+    data_dir = Path(cfg.data.data_path)
+    train_files = list_shards(data_dir, "train")
+    tokenizer = resolve_tokenizer(data_dir, Path(cfg.data.tokenizer_path) if cfg.data.tokenizer_path else None)
+    if tokenizer is None:
+        raise DataError(f"no tokenizer: pass --tokenizer or put tokenizer.model in {data_dir}")
+    vocab = tokenizer_vocab_size(tokenizer)
+    if vocab != cfg.model.vocab_size:
+        raise ConfigError(f"the tokenizer {tokenizer} has {vocab} tokens but vocab_size={cfg.model.vocab_size}")
+    meta = Path(cfg.data.tokenizer_meta_path) if cfg.data.tokenizer_meta_path else None
+    luts = load_byte_luts(tokenizer, meta, cfg.model.vocab_size, validate=cfg.data.tokenizer_meta_validate).to(ctx.device)
+    val_seq_len = max(cfg.train.train_seq_len, cfg.eval.eval_seq_len)
+    val_tokens = load_validation_tokens(data_dir, val_seq_len, cfg.model.vocab_size)
+
+    seed_everything(cfg.train.seed)
+    enable_fast_math(ctx.device)
+    model = build_model(cfg.model, ctx.device)
+    model.set_attention_backend(cfg.train.attn_backend, ctx.device)
+    forward = compiled(model, cfg.train.compile and ctx.device.type == "cuda")
+    return Setup(
+        cfg=cfg, ctx=ctx, model=model, forward=forward, optimizers=build_optimizers(model, cfg.optim),
+        averages=WeightAverages(model, cfg.train.ema_decay, cfg.train.ema_warmup), luts=luts, val_tokens=val_tokens,
+        train_files=train_files, tokenizer_sha256=sha256_file(tokenizer),
+        grad_accum_steps=grad_accum_steps_for(cfg, ctx.world_size), seq_len=rank_seq_len(cfg, ctx),
+    )
+
+
+class Trainer:
+    def __init__(self, setup: Setup, out_dir: Path, log: RunLog, progress: Callable[[dict], None] | None = None):
+        self.s, self.out_dir, self.log, self.progress = setup, out_dir, log, progress
+        t = setup.cfg.train
+        self.wallclock_ms = 1000.0 * t.max_wallclock_seconds if t.max_wallclock_seconds > 0 else None
+        data_seed = t.data_seed if t.data_seed >= 0 else t.seed
+        self.stream = TokenStream(setup.train_files, data_seed, setup.ctx.rank, setup.ctx.world_size, setup.cfg.model.vocab_size)
+        self.step = 0
+        self.training_time_ms = 0.0
+        self.stop_after_step: int | None = None
+
+    # --- one optimizer step ---
+
+    def _train_step(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
+        s, t = self.s, self.s.cfg.train
+        opt = s.optimizers
+        opt.zero_grad()
+        train_loss = torch.zeros((), device=s.ctx.device)
+        for _ in range(s.grad_accum_steps):
+            x, y = next_batch()
+            with autocast(s.ctx.device):
+                loss = s.forward(x, y)
+            train_loss += loss.detach()
+            (loss / s.grad_accum_steps).backward()
+        train_loss /= s.grad_accum_steps
+        opt.set_muon_momentum(muon_momentum_at(self.step, s.cfg.optim))
+        opt.set_lr_scale(scale)
+        if s.cfg.optim.grad_clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(s.model.parameters(), s.cfg.optim.grad_clip_norm)
+        # Bank gradients travel while the replicated ones are averaged and Adam steps.
+        opt.muon.launch_reduce_scatters()
+        if s.ctx.distributed:
+            for p in opt.replicated:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        opt.step_adams()
+        opt.muon.step()
+        opt.zero_grad()
+        return train_loss
+
+    def warm_up(self) -> None:
+        """Run warmup_steps real steps (compilation, allocator), then restore the initial
+        weights, optimizer state and data stream: they change nothing but speed."""
+        s, t = self.s, self.s.cfg.train
+        if t.warmup_steps <= 0:
+            return
+        model_state = {k: v.detach().clone() for k, v in s.model.state_dict().items()}
+        optimizer_state = copy.deepcopy(s.optimizers.state_dict())
+        stream_state = self.stream.state_dict()
+        for i in range(t.warmup_steps):
+            self._train_step(self._direct_batch, 1.0)
+            if t.warmup_steps <= 20 or (i + 1) % 10 == 0 or i + 1 == t.warmup_steps:
+                self.log.line(f"warmup_step:{i + 1}/{t.warmup_steps}")
+        s.model.load_state_dict(model_state, strict=True)
+        s.optimizers.load_state_dict(optimizer_state)
+        self.stream.load_state_dict(stream_state)
+
+    def _direct_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.stream.next_batch(self.s.cfg.train.train_batch_tokens, self.s.seq_len, self.s.grad_accum_steps)
+        return x.to(self.s.ctx.device), y.to(self.s.ctx.device)
+
+    # --- validation ---
+
+    def validate(self) -> tuple[float, float]:
+        s, t = self.s, self.s.cfg.train
+        local_batch_tokens = t.val_batch_size // (s.ctx.world_size * s.grad_accum_steps)
+        result = evaluate_standard(s.forward, s.val_tokens, s.luts, seq_len=t.train_seq_len,
+                                   batch_tokens=local_batch_tokens, device=s.ctx.device,
+                                   rank=s.ctx.rank, world_size=s.ctx.world_size)
+        s.model.train()
+        return result.val_loss, result.val_bpb
+
+    # --- checkpoints ---
+
+    def checkpoint(self, prefetcher: Prefetcher | None) -> Path:
+        s = self.s
+        loader_state = prefetcher.state_dict() if prefetcher is not None else self.stream.state_dict()
+        rng = {"torch": torch.get_rng_state()}
+        if s.ctx.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(s.ctx.device)
+        ckpt = Checkpoint(
+            config=s.cfg, model={k: v.detach().cpu().clone() for k, v in s.model.state_dict().items()},
+            ema=s.averages.ema_state(), swa=s.averages.swa_state(), swa_count=s.averages.swa_count,
+            step=self.step, training_time_ms=self.training_time_ms, tokenizer_sha256=s.tokenizer_sha256,
+            state={"optimizers": s.optimizers.state_dict(), "loader": loader_state, "rng": rng,
+                   "stop_after_step": self.stop_after_step, "world_size": s.ctx.world_size},
+        )
+        path = self.out_dir / CHECKPOINT_FILENAME
+        if s.ctx.is_main:
+            save_checkpoint(path, ckpt)
+        return path
+
+    def restore(self, ckpt: Checkpoint) -> None:
+        s = self.s
+        if ckpt.state.get("world_size", 1) != s.ctx.world_size:
+            raise ConfigError(f"the checkpoint was written by {ckpt.state.get('world_size')} process(es); "
+                              f"resume it with the same number")
+        s.model.load_state_dict({k: v.to(s.ctx.device) for k, v in ckpt.model.items()}, strict=True)
+        s.optimizers.load_state_dict(ckpt.state["optimizers"])
+        s.averages.load(ckpt.ema, ckpt.swa, ckpt.swa_count)
+        self.stream.load_state_dict(ckpt.state["loader"])
+        torch.set_rng_state(ckpt.state["rng"]["torch"])
+        if "cuda" in ckpt.state["rng"] and s.ctx.device.type == "cuda":
+            torch.cuda.set_rng_state(ckpt.state["rng"]["cuda"], s.ctx.device)
+        self.step, self.training_time_ms = ckpt.step, ckpt.training_time_ms
+        self.stop_after_step = ckpt.state.get("stop_after_step")
+
+    # --- the loop ---
+
+    def run(self, stop_at_step: int | None, stops: StopRequests) -> TrainResult:
+        s, t = self.s, self.s.cfg.train
+        device = s.ctx.device
+        prefetcher = Prefetcher(self.stream, t.train_batch_tokens, s.seq_len, s.grad_accum_steps, device)
+        tokens_per_step = t.train_batch_tokens
+        last_val: tuple[float, float] | None = None
+        try:
+            synchronize(device)
+            t0 = time.perf_counter()
+            while True:
+                last_step = self.step == t.iterations or (
+                    self.stop_after_step is not None and self.step >= self.stop_after_step)
+                if last_step or (t.val_loss_every > 0 and self.step % t.val_loss_every == 0):
+                    synchronize(device)
+                    self.training_time_ms += 1000.0 * (time.perf_counter() - t0)
+                    last_val = self.validate()
+                    self._log_validation(*last_val)
+                    synchronize(device)
+                    t0 = time.perf_counter()
+                if last_step:
+                    if self.stop_after_step is not None and self.step < t.iterations:
+                        self.log.line(f"stopping_early: wallclock_cap train_time:{self.training_time_ms:.0f}ms "
+                                      f"step:{self.step}/{t.iterations}")
+                    break
+                elapsed_ms = self.training_time_ms + 1000.0 * (time.perf_counter() - t0)
+                scale = lr_scale(self.step, elapsed_ms, t, self.wallclock_ms)
+                train_loss = self._train_step(prefetcher.next, scale)
+                s.averages.update_ema(s.model, self.step)
+                self.step += 1
+                approx_ms = self.training_time_ms + 1000.0 * (time.perf_counter() - t0)
+                if t.swa_enabled and scale < SWA_LR_THRESHOLD and self.step % t.swa_every == 0:
+                    if s.averages.swa_count == 0:
+                        self.log.line(f"swa:start step:{self.step}")
+                    s.averages.add_swa_snapshot(s.model)
+                if t.train_log_every > 0 and (self.step <= 10 or self.step % t.train_log_every == 0
+                                              or self.stop_after_step is not None):
+                    self._log_train(train_loss.item(), approx_ms, scale, tokens_per_step)
+                if self.progress is not None:
+                    self.progress({"step": self.step, "iterations": t.iterations, "loss": train_loss,
+                                   "tokens_per_s": tokens_per_step * self.step / max(approx_ms / 1000.0, 1e-9)})
+                reached_cap, interrupted = self._agree_on_stop(approx_ms, stops.requested)
+                if self.stop_after_step is None and reached_cap:
+                    self.stop_after_step = self.step
+                asked_to_pause = stop_at_step is not None and stop_at_step < t.iterations and self.step >= stop_at_step
+                pause = interrupted or asked_to_pause
+                periodic = t.checkpoint_every > 0 and self.step % t.checkpoint_every == 0
+                if pause or periodic:
+                    synchronize(device)
+                    self.training_time_ms += 1000.0 * (time.perf_counter() - t0)
+                    path = self.checkpoint(prefetcher)
+                    if pause:
+                        why = "interrupted" if interrupted else "stop-at-step"
+                        self.log.line(f"checkpoint:{why} step:{self.step}/{t.iterations} path:{path}")
+                        return TrainResult(self.step, self.training_time_ms, finished=False, checkpoint=path)
+                    t0 = time.perf_counter()
+        finally:
+            prefetcher.close()
+        return self._finish(prefetcher, last_val)
+
+    def _agree_on_stop(self, approx_ms: float, interrupted: bool) -> tuple[bool, bool]:
+        reached_cap = self.wallclock_ms is not None and approx_ms >= self.wallclock_ms
+        if not self.s.ctx.distributed:
+            return reached_cap, interrupted
+        flags = torch.tensor([int(reached_cap), int(interrupted)], device=self.s.ctx.device)
+        all_reduce_(flags, op="max")
+        return bool(flags[0].item()), bool(flags[1].item())
+
+    def _finish(self, prefetcher: Prefetcher, last_val: tuple[float, float] | None) -> TrainResult:
+        s = self.s
+        if s.ctx.device.type == "cuda":
+            self.log.line(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 1024 // 1024} MiB "
+                          f"reserved: {torch.cuda.max_memory_reserved() // 1024 // 1024} MiB")
+        path = self.checkpoint(prefetcher)
+        live = {k: v.detach().clone() for k, v in s.model.state_dict().items()}
+        self.log.line("ema:applying EMA weights")
+        s.model.load_state_dict({k: v.to(live[k].dtype) for k, v in zip(s.averages.names, s.averages.ema)}, strict=True)
+        synchronize(s.ctx.device)
+        t_eval = time.perf_counter()
+        ema_loss, ema_bpb = self.validate()
+        synchronize(s.ctx.device)
+        self.log.line(f"DIAGNOSTIC post_ema val_loss:{ema_loss:.4f} val_bpb:{ema_bpb:.4f} "
+                      f"eval_time:{1000.0 * (time.perf_counter() - t_eval):.0f}ms")
+        self.log.metrics(step=self.step, post_ema_val_loss=ema_loss, post_ema_val_bpb=ema_bpb)
+        s.model.load_state_dict(live, strict=True)
+        val_loss, val_bpb = last_val if last_val is not None else (math.nan, math.nan)
+        return TrainResult(self.step, self.training_time_ms, finished=True, val_loss=val_loss, val_bpb=val_bpb,
+                           post_ema_val_loss=ema_loss, post_ema_val_bpb=ema_bpb, checkpoint=path)
+
+    def _log_train(self, loss: float, approx_ms: float, scale: float, tokens_per_step: int) -> None:
+        t = self.s.cfg.train
+        step_avg = approx_ms / max(self.step, 1)
+        self.log.line(f"step:{self.step}/{t.iterations} train_loss:{loss:.4f} "
+                      f"train_time:{approx_ms:.0f}ms step_avg:{step_avg:.2f}ms")
+        self.log.metrics(step=self.step, train_loss=loss, train_time_ms=round(approx_ms, 1),
+                         step_avg_ms=round(step_avg, 2), lr_scale=scale,
+                         tokens_per_s=round(tokens_per_step / max(step_avg / 1000.0, 1e-9)))
+
+    def _log_validation(self, val_loss: float, val_bpb: float) -> None:
+        t = self.s.cfg.train
+        step_avg = self.training_time_ms / max(self.step, 1)
+        self.log.line(f"step:{self.step}/{t.iterations} val_loss:{val_loss:.4f} val_bpb:{val_bpb:.4f} "
+                      f"train_time:{self.training_time_ms:.0f}ms step_avg:{step_avg:.2f}ms")
+        self.log.metrics(step=self.step, val_loss=val_loss, val_bpb=val_bpb,
+                         train_time_ms=round(self.training_time_ms, 1))
+
+
+def describe(setup: Setup, log: RunLog) -> None:
+    """The reference's preamble: what was built and how it will train."""
+    cfg, model, ctx = setup.cfg, setup.model, setup.ctx
+    log.line(f"model_params:{sum(p.numel() for p in model.parameters())}")
+    log.line(f"XSA:last_{cfg.model.xsa_last_n} active_layers:{[b.attn.layer for b in model.blocks if b.attn.use_xsa]}")
+    windows = [b.attn.layer for b in model.blocks if b.attn.window > 0]
+    if windows:
+        sinks = f" sink_tokens={cfg.model.num_sink_tokens}" if cfg.model.num_sink_tokens > 0 else ""
+        log.line(f"window_attn:size={cfg.model.window_attn_size} layers:{windows}{sinks}")
+    log.line(f"world_size:{ctx.world_size} grad_accum_steps:{setup.grad_accum_steps} device:{ctx.device} "
+             f"attn_backend:{model.blocks[0].attn.backend}")
+    log.line(f"train_batch_tokens:{cfg.train.train_batch_tokens} train_seq_len:{cfg.train.train_seq_len} "
+             f"iterations:{cfg.train.iterations} warmup_steps:{cfg.train.warmup_steps} "
+             f"max_wallclock_seconds:{cfg.train.max_wallclock_seconds:.3f}")
+    log.line(f"seed:{cfg.train.seed} val_tokens:{setup.val_tokens.numel() - 1} train_shards:{len(setup.train_files)}")
