@@ -73,7 +73,6 @@ def test_help_lists_the_settings_as_kebab_case_flags():
     (["--num-heads", "3"], "does not divide model_dim"),
     (["--window-attn-size", "16", "--window-attn-layers", "1,9"], "window_attn_layers names layer 9"),
     (["--vocab-size", "2048"], "has 1024 tokens but vocab_size=2048"),
-    (["--matrix-lr", "fast"], "not a valid float"),
 ])
 def test_invalid_settings_are_one_line_errors(tiny_data_dir, tmp_path, flags, message):
     args = ["train", "--preset", "tiny", "--data", str(tiny_data_dir), "--out", str(tmp_path / "r"), *flags]
@@ -88,3 +87,16 @@ def test_missing_data_is_a_one_line_error(tmp_path):
     result = runner.invoke(app, ["train", "--preset", "tiny", "--data", str(tmp_path / "nope"), "--out",
                                  str(tmp_path / "r")], env=WIDE)
     assert result.exit_code == 1 and "no such data directory" in result.output
+
+
+def test_a_malformed_flag_value_is_a_one_line_error(tmp_path):
+    """Through the installed entry point, usage errors are one line and exit code 1 too."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "windowgpt_cli", "train", "--preset", "tiny", "--data", str(tmp_path),
+                             "--out", str(tmp_path / "r"), "--matrix-lr", "fast"],
+                            capture_output=True, text=True, env={"COLUMNS": "200", "PATH": ""})
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--matrix-lr" in lines[0] and lines[0].startswith("error:")
