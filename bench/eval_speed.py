@@ -42,7 +42,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ttt-chunks", type=int, default=None, help="score only the first N TTT chunks (both sides)")
     p.add_argument("--batch-seqs", type=int, default=128, help="windows per forward pass, windowgpt's side")
     p.add_argument("--repeat", type=int, default=1, help="run each side N times (later runs: compiled already)")
-    p.add_argument("--ttt-eager-training", action="store_true", help="windowgpt's TTT trains without torch.compile")
+    p.add_argument("--ttt-compile-training", action="store_true",
+                   help="windowgpt's TTT also compiles its training step (default: eager, as eval-ttt)")
     return p.parse_args()
 
 
@@ -180,7 +181,7 @@ def compare_ttt(a, ref, args, state, cfg, val_tokens, ref_luts, luts, ours_model
         model = ours_model()
         result, seconds = timed(lambda: evaluate_ttt(model, val_tokens, luts, ttt, seq_len=seq_len, stride=stride,
                                                      batch_seqs=a.batch_seqs, device=device,
-                                                     compile_training=not a.ttt_eager_training))
+                                                     compile_training=a.ttt_compile_training))
         ours_s.append(seconds)
         print(f"windowgpt {label}: val_bpb {result.val_bpb:.8f} in {seconds:.1f}s", flush=True)
     return Row(label, ref_bpb, result.val_bpb, ref_s, ours_s)

@@ -58,12 +58,9 @@ EVAL_SEQS = 4  # validation sequences of the tiny preset's 128 tokens
 
 
 @pytest.fixture(scope="session")
-def eval_tokenizer(shared_dir: Path) -> Path:
+def eval_tokenizer(data_fineweb_tokenizer: Path) -> Path:
     """The Parameter Golf 1024-token SentencePiece model (the tiny preset's vocabulary)."""
-    path = shared_dir / "data" / "tokenizers" / "fineweb_1024_bpe.model"
-    if not path.is_file():
-        pytest.skip(f"{path} is missing")
-    return path
+    return data_fineweb_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -144,7 +141,7 @@ def quant_small_config():
     model = dataclasses.replace(cfg.model, num_layers=2, model_dim=264, num_heads=4, num_kv_heads=4, mlp_mult=1.0,
                                 xsa_last_n=1, ve_layers=(1,), window_attn_layers=(1,))
     train = dataclasses.replace(cfg.train, train_seq_len=64, train_batch_tokens=8 * 2 * 64)
-    quant = dataclasses.replace(cfg.quant, gptq_calib_samples=2)
+    quant = dataclasses.replace(cfg.quant, gptq_calib_samples=2, quant_passthrough_max_numel=65_536)
     return dataclasses.replace(cfg, model=model, train=train, quant=quant).resolved()
 
 

@@ -135,6 +135,7 @@ class EvalConfig:
 @dataclass
 class QuantConfig:
     quant_clip_range: int = 31  # int6 values lie in [-clip, clip]
+    quant_passthrough_max_numel: int = 65_536  # smaller tensors are stored as float16
     use_gptq: bool = False
     gptq_calib_samples: int = 64  # calibration batches of train_batch_tokens
     gptq_block_size: int = 128
@@ -315,7 +316,7 @@ def tiny_preset() -> RunConfig:
             val_batch_size=8 * 8 * 128, swa_every=5, compile=False,
         ),
         eval=EvalConfig(eval_seq_len=128, eval_stride=32, eval_batch_seqs=16),
-        quant=QuantConfig(gptq_calib_samples=4),
+        quant=QuantConfig(gptq_calib_samples=4, quant_passthrough_max_numel=1024),  # quantize its small matrices
         ttt=TTTConfig(ttt_chunk_tokens=2048, ttt_batch_seqs=8, ttt_freeze_blocks=1, ttt_epochs=1),
     )
 

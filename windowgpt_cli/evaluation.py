@@ -252,7 +252,9 @@ class WindowScorer:
             raise ConfigError(f"the evaluation batch ({batch_rows} windows) must hold at least one window")
         self.model, self.tokens, self.luts = model, tokens, luts
         self.seq_len, self.width, self.batch_rows, self.device = seq_len, width, batch_rows, device
-        self.score_fn = compiled(model.scored_nll, compile_model)
+        # Logits leave the compiled graph in the autocast dtype and the loss is taken outside
+        # it, as the reference's sliding evaluation does: the same roundings, the same numbers.
+        self.logits_fn = compiled(model.logits_at, compile_model)
         self.window_offsets = torch.arange(seq_len, device=device)
         self.row_offsets = torch.arange(width, device=device)
 
@@ -293,7 +295,8 @@ class WindowScorer:
         targets = self.tokens[(absolute + 1).clamp(max=last_index)]
         previous = self.tokens[absolute.clamp(max=last_index)]
         with autocast(self.device):
-            nll = self.score_fn(inputs, positions, targets)
+            logits = self.logits_fn(inputs, positions)
+        nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
         zero = nll.new_zeros((), dtype=torch.float64)
         return torch.stack([
             torch.where(scored, nll.to(torch.float64), zero).sum(),
@@ -464,13 +467,15 @@ def evaluate_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTConfig,
     ttt_batch_seqs split over ranks, gradients averaged) with SGD and momentum at a cosine-
     decayed learning rate. Every target is therefore scored before any update that could have
     seen it. The model's weights are changed. compile_model (default: on CUDA) compiles the
-    scoring forward, compile_training (default: as compile_model) the training step's.
+    scoring forward, compile_training (default: off) the training step's: TTT trains a few
+    small batches per chunk in one pass over the data, too little to repay compiling a
+    backward graph.
     `result.per_chunk` holds each chunk's sums; on_chunk sees running sums after each chunk.
     """
     start = _sync_clock(device)
     log = log or (lambda message: None)
     compile_model = _should_compile(compile_model, device)
-    compile_training = compile_model if compile_training is None else compile_training
+    compile_training = False if compile_training is None else compile_training
     total_tokens = val_tokens.numel() - 1
     plan = plan_windows(total_tokens, seq_len, stride, min_length=stride, score_once=score_once)
     chunks = chunk_windows(plan, ttt.ttt_chunk_tokens, total_tokens)

@@ -363,13 +363,12 @@ class GPT(nn.Module):
         logits = self.forward_logits(input_ids)
         return F.cross_entropy(logits.float().flatten(0, 1), target_ids.flatten(), reduction="none").view_as(target_ids)
 
-    def scored_nll(self, input_ids: Tensor, positions: Tensor, target_ids: Tensor) -> Tensor:
-        """Cross-entropy [B, K] of target_ids[b, k] predicted at position positions[b, k] of
-        input_ids[b]: the trunk runs over whole windows, the output layer only where scored."""
+    def logits_at(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        """Logits [B, K, V] at positions[b, k] of input_ids[b]: the trunk runs over whole
+        windows, the output layer only where a prediction is scored."""
         hidden = self.hidden_states(input_ids)
         picked = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.size(-1)))
-        logits = self.logits(picked)
-        return F.cross_entropy(logits.float().flatten(0, 1), target_ids.flatten(), reduction="none").view_as(target_ids)
+        return self.logits(picked)
 
     def forward(self, input_ids: Tensor, target_ids: Tensor) -> Tensor:
         """Mean cross-entropy, as the reference's training forward."""

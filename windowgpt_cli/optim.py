@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -38,10 +38,26 @@ class _Bank:
     param: Tensor
     rows: int  # matrices in the bank
     scale: float  # sqrt(max(1, M/N)): keeps the update's RMS independent of shape
-    padded_grad: Tensor | None = None  # [rows rounded up to world size, M, N] bf16
-    shard: Tensor | None = None
+    # With several ranks (rows padded up to a multiple of the world size):
+    padded_grad: Tensor | None = None  # [padded rows, M, N], the wire dtype
+    shard: Tensor | None = None  # this rank's rows of the averaged gradient, bf16
     shard_momentum: Tensor | None = None
-    full_update: Tensor | None = None
+    full_update: Tensor | None = None  # [padded rows, M, N], the wire dtype
+
+    def shard_rows(self, rank: int) -> slice:
+        n = self.shard.shape[0]
+        return slice(rank * n, (rank + 1) * n)
+
+
+class _Then:
+    """An asynchronous collective and the local work that completes it once it lands."""
+
+    def __init__(self, work: Any, then: Callable[[], None]):
+        self.work, self.then = work, then
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.then()
 
 
 class Muon(torch.optim.Optimizer):
@@ -50,6 +66,13 @@ class Muon(torch.optim.Optimizer):
     With several ranks the bank gradients are reduce-scattered right after backward
     (`launch_reduce_scatters`), each rank orthogonalizes its shard of the matrices, and an
     all-gather returns the full update; the next bank's work overlaps the all-gather.
+    On NCCL this is the reference's bf16 reduce-scatter / all-gather. Other backends (gloo
+    on the CPU) may lack those collectives, bf16 and AVG, so they all-reduce the float32
+    gradient and gather float32 lists instead: the same update, one rounding fewer.
+
+    `state_dict` stores every bank's full momentum, as one process would (with several
+    ranks it gathers the shards, so every rank must call it); `load_state_dict` cuts out
+    this rank's shard. A saved state therefore does not depend on the world size.
     """
 
     def __init__(self, params: list[Tensor], lr: float, momentum: float, backend_steps: int,
@@ -58,21 +81,32 @@ class Muon(torch.optim.Optimizer):
                                       nesterov=nesterov, weight_decay=weight_decay))
         self._banks: list[_Bank] | None = None
         self._pending: list[Any] | None = None
+        self._nccl = False
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return dist.get_world_size() if _dist_ready() else 1
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if _dist_ready() else 0
+
+    @property
+    def sharded(self) -> bool:
+        return self.world_size > 1
 
     def _build(self) -> list[_Bank]:
         if self._banks is None:
             ws = self.world_size
+            self._nccl = self.sharded and dist.get_backend() == "nccl"
+            wire = torch.bfloat16 if self._nccl else torch.float32
             banks = []
             for group in self.param_groups:
                 for p in group["params"]:
                     bank = _Bank(p, p.shape[0], max(1.0, p.shape[-2] / p.shape[-1]) ** 0.5)
                     if ws > 1:
                         padded = -(-bank.rows // ws) * ws
-                        bank.padded_grad = torch.zeros(padded, *p.shape[1:], device=p.device, dtype=torch.bfloat16)
+                        bank.padded_grad = torch.zeros(padded, *p.shape[1:], device=p.device, dtype=wire)
                         bank.shard = torch.zeros(padded // ws, *p.shape[1:], device=p.device, dtype=torch.bfloat16)
                         bank.shard_momentum = torch.zeros_like(bank.shard)
                         bank.full_update = torch.zeros_like(bank.padded_grad)
@@ -81,10 +115,28 @@ class Muon(torch.optim.Optimizer):
             self._banks = banks
         return self._banks
 
+    # --- the two collectives ---
+
+    def _start_reduce_scatter(self, bank: _Bank) -> Any:
+        """Average padded_grad across ranks into this rank's shard (asynchronously)."""
+        if self._nccl:
+            return dist.reduce_scatter_tensor(bank.shard, bank.padded_grad, op=dist.ReduceOp.AVG, async_op=True)
+        work = dist.all_reduce(bank.padded_grad, op=dist.ReduceOp.SUM, async_op=True)
+        mine = bank.shard_rows(self.rank)
+        return _Then(work, lambda: bank.shard.copy_(bank.padded_grad[mine].div_(self.world_size)))
+
+    def _start_all_gather(self, out: Tensor, shard: Tensor) -> Any:
+        """Every rank's shard, in rank order, into out (asynchronously)."""
+        if self._nccl:
+            return dist.all_gather_into_tensor(out, shard, async_op=True)
+        return dist.all_gather(list(out.chunk(self.world_size)), shard.to(out.dtype), async_op=True)
+
+    # --- the step ---
+
     def launch_reduce_scatters(self) -> None:
         """Start averaging each bank's gradient across ranks, one shard per rank."""
         banks = self._build()
-        if self.world_size == 1:
+        if not self.sharded:
             return
         self._pending = []
         for bank in banks:
@@ -93,8 +145,7 @@ class Muon(torch.optim.Optimizer):
                 continue
             bank.padded_grad[:bank.rows].copy_(bank.param.grad)
             bank.padded_grad[bank.rows:].zero_()
-            self._pending.append(dist.reduce_scatter_tensor(bank.shard, bank.padded_grad, op=dist.ReduceOp.AVG,
-                                                            async_op=True))
+            self._pending.append(self._start_reduce_scatter(bank))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -122,8 +173,7 @@ class Muon(torch.optim.Optimizer):
             update = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
             update = newton_schulz5(update, steps=group["backend_steps"])
             if sharded:
-                handle = dist.all_gather_into_tensor(bank.full_update, update, async_op=True)
-                gathering = (handle, bank)
+                gathering = (self._start_all_gather(bank.full_update, update), bank)
             else:
                 _apply_update(bank.param, update, lr * bank.scale, lr * wd)
         if gathering is not None:
@@ -136,20 +186,36 @@ class Muon(torch.optim.Optimizer):
         handle.wait()
         _apply_update(bank.param, bank.full_update[:bank.rows], lr * bank.scale, lr * wd)
 
+    # --- state ---
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        if self._banks and self._banks[0].shard_momentum is not None:
-            state["shard_momentum"] = [b.shard_momentum.clone() for b in self._banks]
+        if self.sharded:
+            index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+            for bank in self._build():
+                state["state"][index[id(bank.param)]] = {"momentum_buffer": self._gathered_momentum(bank)}
         return state
 
+    def _gathered_momentum(self, bank: _Bank) -> Tensor:
+        full = torch.empty_like(bank.full_update)
+        self._start_all_gather(full, bank.shard_momentum).wait()
+        return full[:bank.rows].to(torch.bfloat16)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        shard_momentum = state_dict.pop("shard_momentum", None)
         super().load_state_dict(state_dict)
         for state in self.state.values():  # loading casts buffers to the float32 banks' dtype
             state["momentum_buffer"] = state["momentum_buffer"].bfloat16()
-        if shard_momentum is not None:
-            for bank, saved in zip(self._build(), shard_momentum):
-                bank.shard_momentum.copy_(saved)
+        if self.sharded:
+            for bank in self._build():
+                saved = self.state.pop(bank.param, {}).get("momentum_buffer")
+                bank.shard_momentum.zero_()
+                if saved is not None:
+                    rows = saved[bank.shard_rows(self.rank)]  # the last ranks' shards may end in padding
+                    bank.shard_momentum[:rows.shape[0]].copy_(rows)
+
+
+def _dist_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def _apply_update(p: Tensor, update: Tensor, step: float, decay: float) -> None:

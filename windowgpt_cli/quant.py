@@ -97,8 +97,8 @@ def classify_param(name: str) -> str:
     return "other"
 
 
-def choose_scheme(name: str, t: Tensor) -> str:
-    if not t.is_floating_point() or t.numel() <= PASSTHROUGH_MAX_NUMEL:
+def choose_scheme(name: str, t: Tensor, passthrough_max_numel: int = PASSTHROUGH_MAX_NUMEL) -> str:
+    if not t.is_floating_point() or t.numel() <= passthrough_max_numel:
         return PASSTHROUGH
     if is_control_tensor(name):
         return CONTROL
@@ -173,10 +173,11 @@ def quantize_int8(t: Tensor) -> tuple[Tensor, Tensor]:
     return codes.to(torch.int8), scale
 
 
-def quantize_tensor(name: str, t: Tensor, clip_range: int = 31) -> QuantizedTensor:
+def quantize_tensor(name: str, t: Tensor, clip_range: int = 31,
+                    passthrough_max_numel: int = PASSTHROUGH_MAX_NUMEL) -> QuantizedTensor:
     """One tensor without calibration data (int6 by rounding to nearest)."""
     t = t.detach().to("cpu").contiguous()
-    scheme = choose_scheme(name, t)
+    scheme = choose_scheme(name, t, passthrough_max_numel)
     if scheme == PASSTHROUGH:
         kept = t.to(PASSTHROUGH_DTYPE) if t.is_floating_point() else t
         return QuantizedTensor(scheme, t.dtype, kept)
@@ -295,11 +296,12 @@ class GPTQProblem:
         return tuple(sd[n].shape[0] for n in self.names), self.hessian.shape[0]
 
 
-def plan_gptq(sd: Mapping[str, Tensor], hessians: Hessians) -> list[list[GPTQProblem]]:
+def plan_gptq(sd: Mapping[str, Tensor], hessians: Hessians,
+              passthrough_max_numel: int = PASSTHROUGH_MAX_NUMEL) -> list[list[GPTQProblem]]:
     """Group the int6 matrices that have a Hessian into batches of identical shape."""
     batches: dict[tuple[tuple[int, ...], int], list[GPTQProblem]] = {}
     for names, h in hessians.items():
-        members = tuple(n for n in names if n in sd and choose_scheme(n, sd[n]) == INT6
+        members = tuple(n for n in names if n in sd and choose_scheme(n, sd[n], passthrough_max_numel) == INT6
                         and sd[n].ndim == 2 and sd[n].shape[1] == h.shape[0])
         if members:
             problem = GPTQProblem(members, h)
@@ -310,7 +312,8 @@ def plan_gptq(sd: Mapping[str, Tensor], hessians: Hessians) -> list[list[GPTQPro
 def quantize_state_dict(sd: Mapping[str, Tensor], clip_range: int = 31, hessians: Hessians | None = None,
                         block_size: int = 128, percdamp: float = 0.01, device: torch.device | None = None,
                         max_batch_elements: int = 1 << 28, on_progress: Progress | None = None,
-                        timings: dict[str, float] | None = None) -> dict[str, QuantizedTensor]:
+                        timings: dict[str, float] | None = None,
+                        passthrough_max_numel: int = PASSTHROUGH_MAX_NUMEL) -> dict[str, QuantizedTensor]:
     """Quantize a per-layer state dict; with Hessians, their int6 matrices by GPTQ on `device`.
 
     `timings`, when given, receives the seconds spent in GPTQ ("gptq") and on the other
@@ -319,7 +322,7 @@ def quantize_state_dict(sd: Mapping[str, Tensor], clip_range: int = 31, hessians
     device = device or torch.device("cpu")
     done: dict[str, QuantizedTensor] = {}
     started = time.perf_counter()
-    for batch in plan_gptq(sd, hessians or {}):
+    for batch in plan_gptq(sd, hessians or {}, passthrough_max_numel):
         rows = sum(sd[n].shape[0] for n in batch[0].names) * len(INT6_CLIP_QUANTILES)
         per_chunk = max(1, max_batch_elements // (rows * batch[0].hessian.shape[0]))
         for start in range(0, len(batch), per_chunk):
@@ -331,7 +334,7 @@ def quantize_state_dict(sd: Mapping[str, Tensor], clip_range: int = 31, hessians
     gptq_done = time.perf_counter()
     for name, t in sd.items():
         if name not in done:
-            done[name] = quantize_tensor(name, t, clip_range)
+            done[name] = quantize_tensor(name, t, clip_range, passthrough_max_numel)
             if on_progress:
                 on_progress(1)
     if timings is not None:

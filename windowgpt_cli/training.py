@@ -25,7 +25,7 @@ from .checkpoint import FILENAME as CHECKPOINT_FILENAME
 from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .data import Prefetcher, TokenStream
-from .distributed import DistContext, all_reduce_
+from .distributed import DistContext, all_reduce_, barrier, is_initialized
 from .errors import ConfigError, DataError
 from .evaluation import evaluate_standard, load_validation_tokens
 from .model import GPT, build_model
@@ -230,21 +230,26 @@ class Trainer:
     # --- checkpoints ---
 
     def checkpoint(self, prefetcher: Prefetcher | None) -> Path:
+        """Rank 0 writes RUN_DIR/checkpoint.pt; every rank takes part (Muon's momentum
+        shards and every rank's loader state are gathered) and waits until it is on disk."""
         s = self.s
         loader_state = prefetcher.state_dict() if prefetcher is not None else self.stream.state_dict()
-        rng = {"torch": torch.get_rng_state()}
-        if s.ctx.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(s.ctx.device)
-        ckpt = Checkpoint(
-            config=s.cfg, model={k: v.detach().cpu().clone() for k, v in s.model.state_dict().items()},
-            ema=s.averages.ema_state(), swa=s.averages.swa_state(), swa_count=s.averages.swa_count,
-            step=self.step, training_time_ms=self.training_time_ms, tokenizer_sha256=s.tokenizer_sha256,
-            state={"optimizers": s.optimizers.state_dict(), "loader": loader_state, "rng": rng,
-                   "stop_after_step": self.stop_after_step, "world_size": s.ctx.world_size},
-        )
+        # Ranks with a longer sequence length draw differently from their stream: keep each rank's.
+        loaders = gather_from_ranks(loader_state)
+        optimizer_state = s.optimizers.state_dict()
         path = self.out_dir / CHECKPOINT_FILENAME
         if s.ctx.is_main:
-            save_checkpoint(path, ckpt)
+            rng = {"torch": torch.get_rng_state()}
+            if s.ctx.device.type == "cuda":
+                rng["cuda"] = torch.cuda.get_rng_state(s.ctx.device)
+            save_checkpoint(path, Checkpoint(
+                config=s.cfg, model={k: v.detach().cpu().clone() for k, v in s.model.state_dict().items()},
+                ema=s.averages.ema_state(), swa=s.averages.swa_state(), swa_count=s.averages.swa_count,
+                step=self.step, training_time_ms=self.training_time_ms, tokenizer_sha256=s.tokenizer_sha256,
+                state={"optimizers": optimizer_state, "loaders": loaders, "rng": rng,
+                       "stop_after_step": self.stop_after_step, "world_size": s.ctx.world_size},
+            ))
+        barrier()  # no rank stops or goes on before the checkpoint exists
         return path
 
     def restore(self, ckpt: Checkpoint) -> None:
@@ -252,10 +257,14 @@ class Trainer:
         if ckpt.state.get("world_size", 1) != s.ctx.world_size:
             raise ConfigError(f"the checkpoint was written by {ckpt.state.get('world_size')} process(es); "
                               f"resume it with the same number")
+        steps = gather_from_ranks(ckpt.step)
+        if len(set(steps)) > 1:
+            raise ConfigError(f"the ranks read checkpoints of different steps {steps}: the run directory must be "
+                              "on a filesystem that every host shares")
         s.model.load_state_dict({k: v.to(s.ctx.device) for k, v in ckpt.model.items()}, strict=True)
         s.optimizers.load_state_dict(ckpt.state["optimizers"])
         s.averages.load(ckpt.ema, ckpt.swa, ckpt.swa_count)
-        self.stream.load_state_dict(ckpt.state["loader"])
+        self.stream.load_state_dict(ckpt.state["loaders"][s.ctx.rank])
         torch.set_rng_state(ckpt.state["rng"]["torch"])
         if "cuda" in ckpt.state["rng"] and s.ctx.device.type == "cuda":
             torch.cuda.set_rng_state(ckpt.state["rng"]["cuda"], s.ctx.device)
@@ -300,7 +309,7 @@ class Trainer:
                     s.averages.add_swa_snapshot(s.model)
                 if t.train_log_every > 0 and (self.step <= 10 or self.step % t.train_log_every == 0
                                               or self.stop_after_step is not None):
-                    self._log_train(train_loss.item(), approx_ms, scale, tokens_per_step)
+                    self._log_train(self._global_mean(train_loss), approx_ms, scale, tokens_per_step)
                 if self.progress is not None:
                     self.progress({"step": self.step, "iterations": t.iterations, "loss": train_loss,
                                    "tokens_per_s": tokens_per_step * self.step / max(approx_ms / 1000.0, 1e-9)})
@@ -322,6 +331,13 @@ class Trainer:
         finally:
             prefetcher.close()
         return self._finish(prefetcher, last_val)
+
+    def _global_mean(self, local_loss: torch.Tensor) -> float:
+        """The loss over the whole global batch, not only rank 0's share of it (every rank
+        logs on the same steps, so every rank takes part)."""
+        if not self.s.ctx.distributed:
+            return local_loss.item()
+        return all_reduce_(local_loss.detach().clone(), op="sum").item() / self.s.ctx.world_size
 
     def _agree_on_stop(self, approx_ms: float, interrupted: bool) -> tuple[bool, bool]:
         reached_cap = self.wallclock_ms is not None and approx_ms >= self.wallclock_ms
@@ -370,8 +386,18 @@ class Trainer:
                          train_time_ms=round(self.training_time_ms, 1))
 
 
+def gather_from_ranks(value: Any) -> list[Any]:
+    """Every rank's value (picklable), in rank order; every rank must call it."""
+    if not is_initialized():
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def describe(setup: Setup, log: RunLog) -> None:
-    """The reference's preamble: what was built and how it will train."""
+    """The reference's preamble: what was built and how it will train (every rank calls
+    it, since it gathers each rank's sequence length)."""
     cfg, model, ctx = setup.cfg, setup.model, setup.ctx
     log.line(f"model_params:{sum(p.numel() for p in model.parameters())}")
     log.line(f"XSA:last_{cfg.model.xsa_last_n} active_layers:{[b.attn.layer for b in model.blocks if b.attn.use_xsa]}")
@@ -381,6 +407,7 @@ def describe(setup: Setup, log: RunLog) -> None:
         log.line(f"window_attn:size={cfg.model.window_attn_size} layers:{windows}{sinks}")
     log.line(f"world_size:{ctx.world_size} grad_accum_steps:{setup.grad_accum_steps} device:{ctx.device} "
              f"attn_backend:{model.blocks[0].attn.backend}")
+    log.line(f"rank_seq_lens:{gather_from_ranks(setup.seq_len)}")
     log.line(f"train_batch_tokens:{cfg.train.train_batch_tokens} train_seq_len:{cfg.train.train_seq_len} "
              f"iterations:{cfg.train.iterations} warmup_steps:{cfg.train.warmup_steps} "
              f"max_wallclock_seconds:{cfg.train.max_wallclock_seconds:.3f}")

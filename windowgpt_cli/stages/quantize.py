@@ -80,7 +80,8 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
     q = cfg.quant
     phases: dict[str, float] = {}
     tensors = quantize_state_dict(sd, q.quant_clip_range, hessians, q.gptq_block_size, q.gptq_percdamp,
-                                  device=dev, on_progress=advance, timings=phases)
+                                  device=dev, on_progress=advance, timings=phases,
+                                  passthrough_max_numel=q.quant_passthrough_max_numel)
     timings["quantize"] = time.perf_counter() - t0
     if cfg.quant.use_gptq:
         timings["gptq"] = phases["gptq"]
