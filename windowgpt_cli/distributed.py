@@ -59,6 +59,20 @@ def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return tensor
 
 
+def average_gradients(params) -> None:
+    """Average each parameter's gradient over the ranks (gloo has no AVG: sum, then divide)."""
+    if not is_initialized():
+        return
+    nccl = dist.get_backend() == "nccl"
+    for p in params:
+        if p.grad is not None:
+            if nccl:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+            else:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+                p.grad.div_(dist.get_world_size())
+
+
 def barrier() -> None:
     if is_initialized():
         dist.barrier()

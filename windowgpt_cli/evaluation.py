@@ -30,12 +30,11 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import TTTConfig
-from .distributed import all_reduce_, is_initialized
+from .distributed import all_reduce_, average_gradients, is_initialized
 from .errors import ConfigError, DataError
 from .model import GPT, bank_slots
 from .runtime import autocast, compiled, synchronize
@@ -379,17 +378,6 @@ def select_ttt_parameters(model: GPT, freeze_blocks: int, freeze_bank_slices: bo
     return TTTParameters(trainable, frozen_slices, total - frozen_count, frozen_count)
 
 
-def _average_gradients(params: list[nn.Parameter], world_size: int) -> None:
-    """AVG over ranks as the reference (gloo has no AVG: sum, then divide)."""
-    nccl = dist.get_backend() == "nccl"
-    for p in params:
-        if p.grad is not None:
-            if nccl:
-                all_reduce_(p.grad, "avg")
-            else:
-                all_reduce_(p.grad, "sum").div_(world_size)
-
-
 @dataclass
 class ChunkProgress:
     chunk: int  # 1-based
@@ -441,7 +429,7 @@ class _ChunkTrainer:
             for p in self.params.trainable:
                 p.grad = torch.zeros_like(p)
         if self.world_size > 1 and is_initialized():
-            _average_gradients(self.params.trainable, self.world_size)
+            average_gradients(self.params.trainable)
         for bank, slots in self.params.frozen_slices:
             if bank.grad is not None:
                 bank.grad.index_fill_(0, slots, 0.0)

@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 from .artifacts import sha256_file
 from .checkpoint import FILENAME as CHECKPOINT_FILENAME
-from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import Checkpoint, save_checkpoint
 from .config import RunConfig
 from .data import Prefetcher, TokenStream
-from .distributed import DistContext, all_reduce_, barrier, is_initialized
+from .distributed import DistContext, all_reduce_, average_gradients, barrier, is_initialized
 from .errors import ConfigError, DataError
 from .evaluation import evaluate_standard, load_validation_tokens
 from .model import GPT, build_model
@@ -169,7 +169,7 @@ class Trainer:
     # --- one optimizer step ---
 
     def _train_step(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
-        s, t = self.s, self.s.cfg.train
+        s = self.s
         opt = s.optimizers
         opt.zero_grad()
         train_loss = torch.zeros((), device=s.ctx.device)
@@ -186,10 +186,7 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(s.model.parameters(), s.cfg.optim.grad_clip_norm)
         # Bank gradients travel while the replicated ones are averaged and Adam steps.
         opt.muon.launch_reduce_scatters()
-        if s.ctx.distributed:
-            for p in opt.replicated:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        average_gradients(opt.replicated)
         opt.step_adams()
         opt.muon.step()
         opt.zero_grad()
