@@ -311,7 +311,7 @@ def tiny_preset() -> RunConfig:
         ),
         optim=OptimConfig(muon_momentum_warmup_steps=20, tied_embed_lr=0.05, scalar_lr=0.02, matrix_lr=0.03),
         train=TrainConfig(
-            iterations=60, warmdown_iters=20, warmup_steps=2, train_batch_tokens=8 * 8 * 128,
+            iterations=60, warmdown_iters=20, warmup_steps=2, train_batch_tokens=8 * 8 * 128, grad_accum_steps=2,
             train_seq_len=128, max_wallclock_seconds=0.0, val_loss_every=0, train_log_every=10,
             val_batch_size=8 * 8 * 128, swa_every=5, compile=False,
         ),
