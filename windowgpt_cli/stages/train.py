@@ -33,7 +33,7 @@ def train(cfg: RunConfig, out_dir: Path, *, resume: bool = False, stop_at_step: 
             out_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(out_dir / "config.json")
         setup = build_setup(cfg, ctx)
-        with _progress_bar(show_progress and ctx.is_main, cfg.train.iterations) as (echo, on_step):
+        with _ProgressBar(show_progress and ctx.is_main, cfg.train.iterations) as (echo, on_step):
             log = RunLog(out_dir, enabled=ctx.is_main, echo=echo)
             trainer = Trainer(setup, out_dir, log, progress=on_step)
             if ckpt is not None:
@@ -58,7 +58,7 @@ def _summary(result: TrainResult) -> dict[str, Any]:
             "checkpoint": str(result.checkpoint)}
 
 
-class _progress_bar:
+class _ProgressBar:
     """A rich bar (step, loss, tokens/s) on a terminal; plain printed lines otherwise."""
 
     def __init__(self, enabled: bool, total: int):
