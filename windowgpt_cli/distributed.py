@@ -73,6 +73,15 @@ def average_gradients(params) -> None:
                 p.grad.div_(dist.get_world_size())
 
 
+def gather_from_ranks(value) -> list:
+    """Every rank's value (picklable), in rank order; every rank must call it."""
+    if not is_initialized():
+        return [value]
+    values: list = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def barrier() -> None:
     if is_initialized():
         dist.barrier()

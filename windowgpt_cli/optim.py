@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .config import OptimConfig, TrainConfig
+from .distributed import is_initialized
 from .model import GPT, is_control_tensor
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -85,11 +86,11 @@ class Muon(torch.optim.Optimizer):
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size() if _dist_ready() else 1
+        return dist.get_world_size() if is_initialized() else 1
 
     @property
     def rank(self) -> int:
-        return dist.get_rank() if _dist_ready() else 0
+        return dist.get_rank() if is_initialized() else 0
 
     @property
     def sharded(self) -> bool:
@@ -212,10 +213,6 @@ class Muon(torch.optim.Optimizer):
                 if saved is not None:
                     rows = saved[bank.shard_rows(self.rank)]  # the last ranks' shards may end in padding
                     bank.shard_momentum[:rows.shape[0]].copy_(rows)
-
-
-def _dist_ready() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def _apply_update(p: Tensor, update: Tensor, step: float, decay: float) -> None:

@@ -18,14 +18,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
 from .artifacts import sha256_file
 from .checkpoint import FILENAME as CHECKPOINT_FILENAME
 from .checkpoint import Checkpoint, save_checkpoint
 from .config import RunConfig
 from .data import Prefetcher, TokenStream
-from .distributed import DistContext, all_reduce_, average_gradients, barrier, is_initialized
+from .distributed import DistContext, all_reduce_, average_gradients, barrier, gather_from_ranks
 from .errors import ConfigError, DataError
 from .evaluation import evaluate_standard, load_validation_tokens
 from .model import GPT, build_model
@@ -381,15 +380,6 @@ class Trainer:
                       f"train_time:{self.training_time_ms:.0f}ms step_avg:{step_avg:.2f}ms")
         self.log.metrics(step=self.step, val_loss=val_loss, val_bpb=val_bpb,
                          train_time_ms=round(self.training_time_ms, 1))
-
-
-def gather_from_ranks(value: Any) -> list[Any]:
-    """Every rank's value (picklable), in rank order; every rank must call it."""
-    if not is_initialized():
-        return [value]
-    values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
 
 
 def describe(setup: Setup, log: RunLog) -> None:
