@@ -1,4 +1,5 @@
-"""Shared fixtures. Paths to the shared reference material sit beside the repository."""
+"""Shared fixtures. The shared reference material (the reference script, its data) sits
+beside the repository, or where `--shared DIR` says."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,14 +7,19 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--shared", type=Path, default=REPO.parent / "shared",
+                     help="folder holding seed/ (the reference) and data/ (default: ../shared)")
 
 
 @pytest.fixture(scope="session")
-def shared_dir() -> Path:
-    if not SHARED.is_dir():
-        pytest.skip("the shared reference folder is not beside the repository")
-    return SHARED
+def shared_dir(pytestconfig: pytest.Config) -> Path:
+    shared = pytestconfig.getoption("--shared")
+    if not shared.is_dir():
+        pytest.skip(f"no shared reference folder at {shared} (pass --shared DIR)")
+    return shared.resolve()
 
 
 # --- Data stages (corpus, tokenizer, prepare) -------------------------------------------

@@ -31,6 +31,28 @@ def test_shapes_and_finite_loss():
 
 
 @pytest.mark.parametrize("changes", [
+    dict(window_attn_size=0, num_sink_tokens=0),  # full causal in the last layer
+    dict(window_attn_size=8, num_sink_tokens=3, window_attn_layers=(1, 3)),  # the last layer windowed, with sinks
+])
+def test_logits_at_positions_equal_the_full_logits_there(changes):
+    """The last block runs only at the asked positions: the same logits as the whole
+    sequence's, for any positions (unsorted, repeated, the first and the last)."""
+    model = perturbed_tiny(**changes)
+    x = torch.randint(0, 1024, (3, 40))
+    positions = torch.stack([torch.arange(24, 40), torch.arange(0, 16), torch.randint(0, 40, (16,))])
+    positions[2, :2] = torch.tensor([0, 39])
+    seen: dict[str, tuple[int, ...]] = {}
+    last = model.num_layers - 1
+    with torch.no_grad(), model.observe_linear_inputs(lambda names, inp: seen.update({names[0]: inp.shape})):
+        picked = model.logits_at(x, positions)
+    full = model.forward_logits(x).detach()
+    expected = full.gather(1, positions[..., None].expand(-1, -1, full.size(-1)))
+    assert torch.allclose(picked, expected, atol=1e-5)
+    assert seen[f"blocks.{last}.mlp.fc.weight"] == (3, 16, model.cfg.model_dim)  # only the asked positions
+    assert seen[f"blocks.{last}.attn.c_q.weight"] == (3, 40, model.cfg.model_dim)  # keys and values: all
+
+
+@pytest.mark.parametrize("changes", [
     dict(window_attn_size=0, num_sink_tokens=0),  # full causal everywhere
     dict(window_attn_size=8, num_sink_tokens=0),  # sliding windows
     dict(window_attn_size=8, num_sink_tokens=3),  # windows with sinks

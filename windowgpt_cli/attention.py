@@ -161,3 +161,19 @@ def _fa3_window_with_sinks(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: 
     w_win = torch.exp(lse_win - total)[..., None]
     w_sink = torch.exp(lse_sink - total)[..., None]
     return (w_win * y_win.float() + w_sink * y_sink).to(q.dtype)
+
+
+def attention_at(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, window: int, sinks: int) -> Tensor:
+    """Attention for a few queries per sequence: q [B, K, H, D] at positions [B, K] of the
+    sequences whose keys and values are k, v [B, T, Hkv, D]; the same rule as `attention`."""
+    t = k.shape[1]
+    j = torch.arange(t, device=q.device)
+    i = positions[:, None, :, None]  # [B, 1, K, 1]
+    visible = j <= i
+    if not covers_everything(t, window):
+        visible = visible & (((i - j) <= window) | (j < sinks))
+    group = q.shape[2] // k.shape[2]
+    if group > 1:  # the heads of a group share keys and values
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible)
+    return out.transpose(1, 2)

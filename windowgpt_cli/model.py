@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import attention, resolve_backend
+from .attention import attention, attention_at, resolve_backend
 from .config import ModelConfig
 
 # Control tensors stay float32 and go to the scalar optimizer; quantization keeps them exact.
@@ -91,10 +91,13 @@ class CausalSelfAttention(nn.Module):
         self.observer: LinearObserver | None = None
 
     def forward(self, x: Tensor, q_w: Tensor, k_w: Tensor, v_w: Tensor, out_w: Tensor,
-                rotary: tuple[Tensor, Tensor], v_embed: Tensor | None) -> Tensor:
+                rotary: tuple[Tensor, Tensor], v_embed: Tensor | None, queries: Tensor | None = None) -> Tensor:
+        """Attention output at every position, or only at `queries` [B, K] (keys and values
+        still come from every position)."""
         b, t, dim = x.shape
         self._observe(("c_q", "c_k", "c_v"), x)
-        q = F.linear(x, q_w.to(x.dtype)).reshape(b, t, self.num_heads, self.head_dim)
+        x_q = x if queries is None else pick_positions(x, queries)
+        q = F.linear(x_q, q_w.to(x.dtype)).reshape(b, x_q.size(1), self.num_heads, self.head_dim)
         k = F.linear(x, k_w.to(x.dtype)).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = F.linear(x, v_w.to(x.dtype))
         if v_embed is not None:
@@ -103,19 +106,31 @@ class CausalSelfAttention(nn.Module):
         q = F.rms_norm(q, (q.size(-1),))
         k = F.rms_norm(k, (k.size(-1),))
         cos, sin = (table.to(dtype=q.dtype) for table in rotary)
-        q = apply_rotary(q, cos, sin, self.rope_dims)
         k = apply_rotary(k, cos, sin, self.rope_dims)
+        if queries is None:
+            q = apply_rotary(q, cos, sin, self.rope_dims)
+        else:
+            q = apply_rotary(q, cos[0, queries], sin[0, queries], self.rope_dims)
         q = q * self.q_gain.to(dtype=q.dtype)[None, None, :, None]
-        y = attention(q, k, v, self.window, self.sinks, self.backend)
+        if queries is None:
+            y = attention(q, k, v, self.window, self.sinks, self.backend)
+        else:
+            y = attention_at(q, k, v, queries, self.window, self.sinks)
         if self.use_xsa:
-            y = exclude_self_value(y, v)
-        y = y.reshape(b, t, dim)
+            y = exclude_self_value(y, v if queries is None else pick_positions(v, queries))
+        y = y.reshape(b, y.size(1), dim)
         self._observe(("proj",), y)
         return F.linear(y, out_w.to(x.dtype))
 
     def _observe(self, weights: tuple[str, ...], x: Tensor) -> None:
         if self.observer is not None:
             self.observer(tuple(f"blocks.{self.layer}.attn.{w}.weight" for w in weights), x.detach())
+
+
+def pick_positions(x: Tensor, positions: Tensor) -> Tensor:
+    """x[b, positions[b, k]] for x of shape [B, T, ...]: [B, K, ...]."""
+    index = positions.reshape(*positions.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
+    return x.gather(1, index)
 
 
 def exclude_self_value(y: Tensor, v: Tensor) -> Tensor:
@@ -163,11 +178,15 @@ class Block(nn.Module):
         self.ln_scale_factor = 1.0 / math.sqrt(layer + 1) if cfg.ln_scale else 1.0
 
     def forward(self, x: Tensor, x0: Tensor, weights: tuple[Tensor, ...], rotary: tuple[Tensor, Tensor],
-                v_embed: Tensor | None) -> Tensor:
+                v_embed: Tensor | None, queries: Tensor | None = None) -> Tensor:
+        """The block's output at every position, or only at `queries` [B, K]."""
         q_w, k_w, v_w, out_w, up_w, down_w = weights
         mix = self.resid_mix.to(dtype=x.dtype)
         x_in = mix[0][None, None, :] * x + mix[1][None, None, :] * x0
-        attn_out = self.attn(self.attn_norm(x_in) * self.ln_scale_factor, q_w, k_w, v_w, out_w, rotary, v_embed)
+        attn_out = self.attn(self.attn_norm(x_in) * self.ln_scale_factor, q_w, k_w, v_w, out_w, rotary, v_embed,
+                             queries)
+        if queries is not None:
+            x_in = pick_positions(x_in, queries)
         x_out = x_in + self.attn_scale.to(dtype=x_in.dtype)[None, None, :] * attn_out
         mlp_out = self.mlp(self.mlp_norm(x_out) * self.ln_scale_factor, up_w, down_w)
         return x_out + self.mlp_scale.to(dtype=x_out.dtype)[None, None, :] * mlp_out
@@ -319,8 +338,9 @@ class GPT(nn.Module):
         return (self.qo_bank[i], self.kv_bank[i], self.kv_bank[n + i], self.qo_bank[n + i],
                 self.mlp_up_bank[i], self.mlp_down_bank[i])
 
-    def hidden_states(self, input_ids: Tensor) -> Tensor:
-        """The trunk: final-normed hidden states [B, T, model_dim]."""
+    def hidden_states(self, input_ids: Tensor, queries: Tensor | None = None) -> Tensor:
+        """The trunk: final-normed hidden states [B, T, model_dim], or [B, K, model_dim] at
+        queries [B, K] only (the last block then runs its queries and MLP only there)."""
         x = self.tok_emb(input_ids)
         if self.bigram is not None:
             x = x + self.bigram(input_ids)
@@ -333,11 +353,13 @@ class GPT(nn.Module):
         rotary = rotary_tables(seq_len, inv_freq)
         ve_base = self.ve_shared(input_ids) if self.ve_shared is not None else None
         skips: list[Tensor] = []
+        last = self.num_layers - 1
         for i, block in enumerate(self.blocks):
             if i >= self.num_encoder_layers and skips:
                 skip = self.skip_weights[i - self.num_encoder_layers]
                 x = x + skip.to(dtype=x.dtype)[None, None, :] * skips.pop()
-            x = block(x, x0, self.layer_weights(i), rotary, self._value_embedding(i, ve_base))
+            x = block(x, x0, self.layer_weights(i), rotary, self._value_embedding(i, ve_base),
+                      queries if i == last else None)
             if i < self.num_encoder_layers:
                 skips.append(x)
         return self.final_norm(x)
@@ -365,10 +387,9 @@ class GPT(nn.Module):
 
     def logits_at(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """Logits [B, K, V] at positions[b, k] of input_ids[b]: the trunk runs over whole
-        windows, the output layer only where a prediction is scored."""
-        hidden = self.hidden_states(input_ids)
-        picked = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.size(-1)))
-        return self.logits(picked)
+        windows, the last block's queries, its MLP and the output layer only where a
+        prediction is scored."""
+        return self.logits(self.hidden_states(input_ids, positions))
 
     def forward(self, input_ids: Tensor, target_ids: Tensor) -> Tensor:
         """Mean cross-entropy, as the reference's training forward."""
