@@ -13,14 +13,9 @@
 #
 # usage: bench/eval_checks.sh SHARED_DIR WORK_DIR LOG_DIR
 #   SHARED_DIR holds seed/ (the reference, its shim and run_seed.sh) and data/ (blogs, tokenizer)
-set -uo pipefail
-shared=$(cd "$1" && pwd); mkdir -p "$2" "$3"; work=$(cd "$2" && pwd); logs=$(cd "$3" && pwd)
-repo=$(cd "$(dirname "$0")/.." && pwd)
-export PYTHONPATH=$repo PYTHONUNBUFFERED=1
-tok=$shared/data/tokenizers/fineweb_1024_bpe.model
-wg() { python3 -m windowgpt_cli "$@"; }
+source "$(dirname "$0")/lib.sh"
 
-python3 -m windowgpt_cli prepare "$shared"/data/blogs/train_*.jsonl.xz --val "$shared/data/blogs/val.jsonl.xz" \
+wg prepare "$shared"/data/blogs/train_*.jsonl.xz --val "$shared/data/blogs/val.jsonl.xz" \
   --tokenizer "$tok" --out "$work/data" > "$logs/prepare.log" 2>&1 || tail -3 "$logs/prepare.log"
 
 gpu0() {

@@ -9,12 +9,7 @@
 #
 # usage: bench/stage_checks.sh SHARED_DIR WORK_DIR LOG_DIR
 #   SHARED_DIR holds seed/ (the reference, its shim and run_seed.sh) and data/ (blogs, tokenizer)
-set -uo pipefail
-shared=$(cd "$1" && pwd); mkdir -p "$2" "$3"; work=$(cd "$2" && pwd); logs=$(cd "$3" && pwd)
-repo=$(cd "$(dirname "$0")/.." && pwd)
-export PYTHONPATH=$repo PYTHONUNBUFFERED=1
-tok=$shared/data/tokenizers/fineweb_1024_bpe.model
-wg() { python3 -m windowgpt_cli "$@"; }
+source "$(dirname "$0")/lib.sh"
 
 bash "$repo/bench/prepare_throughput.sh" "$shared/data/blogs" "$tok" "$work/prep" "$shared/seed/make_shards.py" \
   > "$logs/prepare.log" 2>&1

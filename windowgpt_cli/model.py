@@ -107,17 +107,15 @@ class CausalSelfAttention(nn.Module):
         k = F.rms_norm(k, (k.size(-1),))
         cos, sin = (table.to(dtype=q.dtype) for table in rotary)
         k = apply_rotary(k, cos, sin, self.rope_dims)
-        if queries is None:
-            q = apply_rotary(q, cos, sin, self.rope_dims)
-        else:
-            q = apply_rotary(q, cos[0, queries], sin[0, queries], self.rope_dims)
+        q_rotary = (cos, sin) if queries is None else (cos[0, queries], sin[0, queries])
+        q = apply_rotary(q, *q_rotary, self.rope_dims)
         q = q * self.q_gain.to(dtype=q.dtype)[None, None, :, None]
         if queries is None:
-            y = attention(q, k, v, self.window, self.sinks, self.backend)
+            y, v_q = attention(q, k, v, self.window, self.sinks, self.backend), v
         else:
-            y = attention_at(q, k, v, queries, self.window, self.sinks)
+            y, v_q = attention_at(q, k, v, queries, self.window, self.sinks), pick_positions(v, queries)
         if self.use_xsa:
-            y = exclude_self_value(y, v if queries is None else pick_positions(v, queries))
+            y = exclude_self_value(y, v_q)
         y = y.reshape(b, y.size(1), dim)
         self._observe(("proj",), y)
         return F.linear(y, out_w.to(x.dtype))
