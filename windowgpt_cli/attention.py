@@ -7,6 +7,9 @@ i - j <= window or j < sinks (window 0 means the whole causal prefix).
 - fa3:  FlashAttention-3 (`flash_attn_interface`), when installed.
 - flex: FlexAttention for windowed layers, SDPA (flash kernel) for full causal layers.
 - sdpa: SDPA everywhere, with an explicit boolean mask for windowed layers.
+
+`attention_at` serves a few queries per sequence at given positions (SDPA with a mask,
+on every backend): the last layer of sliding-window scoring.
 """
 from __future__ import annotations
 
@@ -56,11 +59,17 @@ def attention(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, backend:
     return _sdpa(q, k, v, mask=window_mask(seq_len, window, sinks, q.device))
 
 
+def may_attend(i: Tensor, j: Tensor, window: int, sinks: int) -> Tensor:
+    """The rule every backend follows: True where query position i may see key position j
+    (broadcast against each other)."""
+    causal = j <= i
+    return causal if window <= 0 else causal & (((i - j) <= window) | (j < sinks))
+
+
 def window_mask(seq_len: int, window: int, sinks: int, device: torch.device) -> Tensor:
     """Boolean [T, T] mask: True where query i may attend to key j."""
-    i = torch.arange(seq_len, device=device)[:, None]
-    j = torch.arange(seq_len, device=device)[None, :]
-    return (j <= i) & (((i - j) <= window) | (j < sinks))
+    positions = torch.arange(seq_len, device=device)
+    return may_attend(positions[:, None], positions[None, :], window, sinks)
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -84,7 +93,7 @@ def _compiled_flex():
 
 def _window_mask_mod(window: int, sinks: int):
     def mask_mod(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (((q_idx - kv_idx) <= window) | (kv_idx < sinks))
+        return may_attend(q_idx, kv_idx, window, sinks)
 
     return mask_mod
 
@@ -166,12 +175,8 @@ def _fa3_window_with_sinks(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: 
 def attention_at(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, window: int, sinks: int) -> Tensor:
     """Attention for a few queries per sequence: q [B, K, H, D] at positions [B, K] of the
     sequences whose keys and values are k, v [B, T, Hkv, D]; the same rule as `attention`."""
-    t = k.shape[1]
-    j = torch.arange(t, device=q.device)
-    i = positions[:, None, :, None]  # [B, 1, K, 1]
-    visible = j <= i
-    if not covers_everything(t, window):
-        visible = visible & (((i - j) <= window) | (j < sinks))
+    keys = torch.arange(k.shape[1], device=q.device)
+    visible = may_attend(positions[:, None, :, None], keys, window, sinks)  # [B, 1, K, T]
     group = q.shape[2] // k.shape[2]
     if group > 1:  # the heads of a group share keys and values
         k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
