@@ -58,8 +58,10 @@ OUT ?= record-out
 RECORD_FLAGS ?= --window-attn-size 512 --num-sink-tokens 4 --window-attn-layers 2,4,6,8,10 \
 	--max-wallclock-seconds 586 --no-ema-warmup --warmdown-max-fraction 1.0
 EVAL_TTT_FLAGS ?=
-# smoke-gpu: the same chain on one GPU in a few minutes (later flags win).
-SMOKE_FLAGS ?= --iterations 200 --train-batch-tokens 131072 --max-wallclock-seconds 0
+# smoke-gpu: the same chain on one GPU in a few minutes (later flags win). A warm-down of
+# 60 steps and the EMA's warm-up keep 200 steps from ending near the initialization.
+SMOKE_FLAGS ?= --iterations 200 --train-batch-tokens 131072 --max-wallclock-seconds 0 --warmdown-iters 60 \
+	--ema-warmup
 SMOKE_OUT ?= smoke-out
 
 .PHONY: record smoke-gpu
