@@ -5,8 +5,8 @@
 Builds the default model (random weights: speed does not depend on them), takes batches of
 stride-64 windows from the middle of the validation tokens, and times each variant of the
 scorer: its first batch (compilation included) and the median of the next ones, projected
-to the whole validation set. --profile also lists the CUDA kernels of the first compiled
-variant. Ends with a table.
+to the whole validation set. --profile also lists each variant's CUDA kernels. Ends with
+a table.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-seqs", type=int, default=256)
     p.add_argument("--batches", type=int, default=12, help="timed batches after the first")
     p.add_argument("--variants", default="compiled,eager", help="compiled, eager, eager-cudnn, compiled-cudnn")
-    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of the compiled scorer")
+    p.add_argument("--profile", action="store_true", help="print each variant's top CUDA kernels")
     return p.parse_args()
 
 
@@ -52,7 +52,7 @@ def timed_batches(scorer: WindowScorer, plan, batch: int, count: int) -> tuple[f
 
 
 def print_kernels(scorer: WindowScorer, plan, batch: int) -> None:
-    """The CUDA kernels of three batches of an already compiled scorer, by total time."""
+    """The CUDA kernels of three batches of a warmed-up scorer, by total time."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         timed_batches(scorer, plan, batch, 2)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
@@ -81,7 +81,7 @@ def main() -> None:
     print(f"{len(full_plan):,} windows of {seq_len}, stride {stride}: {full_batches:.0f} batches of {a.batch_seqs}",
           flush=True)
 
-    rows, profiled = [], False
+    rows = []
     for variant in a.variants.split(","):
         torch._dynamo.reset()
         attention = sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) if variant.endswith("cudnn") else nullcontext()
@@ -89,9 +89,9 @@ def main() -> None:
             scorer = WindowScorer(model, tokens, luts, seq_len=seq_len, width=stride, batch_rows=a.batch_seqs,
                                   device=device, compile_model=variant.startswith("compiled"))
             first, steady = timed_batches(scorer, plan, a.batch_seqs, a.batches)
-            if a.profile and variant.startswith("compiled") and not profiled:
+            if a.profile:
+                print(f"{variant}: kernels of three batches", flush=True)
                 print_kernels(scorer, plan, a.batch_seqs)
-                profiled = True
         per_batch = statistics.median(steady)
         rows.append((variant, first, per_batch, first - per_batch + per_batch * full_batches))
         print(f"{variant}: first batch {first:.2f}s, then {per_batch * 1e3:.1f} ms/batch "
