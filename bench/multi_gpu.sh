@@ -43,7 +43,6 @@ EOF
 fi
 
 if part eval; then
-
 run=${EVAL_RUN:-$work/one}
 echo "== eval of $run on one rank and on two"
 for stride in 0 "$STRIDE"; do
