@@ -2,16 +2,16 @@
 # `eval` and `eval-ttt` against the reference on one host with two GPUs, same weights:
 #   GPU 0  the reference: 200 steps at TRAIN_BATCH_TOKENS=131072 with TTT_ENABLED=1, so that
 #          its log holds its int6 round trip, its stride-64 sliding evaluation and its
-#          score-first TTT, each with its time; then bench/eval_speed.py (both sides in one
-#          process, a first and a second run: the second has nothing left to compile), cut
-#          after SPEED_TIMEOUT seconds (default 300)
+#          score-first TTT, each with its time (bench/eval_speed.py --cold times the two
+#          sides' sliding evaluations in fresh processes)
 #   GPU 1  the GPU tests; then windowgpt on the reference's int6 weights (`quantize
 #          --no-gptq` reproduces them bit for bit): eval --stride 64, eval-ttt with the
 #          reference's freezing and with windowgpt's, and eval --stride 64 again (its
 #          compiled kernels now cached on disk)
-# Ends with a table.
+# With SMOKE_GPU=1, GPU 1 first runs `make smoke-gpu` on the prepared data (while the
+# reference trains). Ends with a table.
 #
-# usage: bench/eval_checks.sh SHARED_DIR WORK_DIR LOG_DIR
+# usage: [SMOKE_GPU=1] bench/eval_checks.sh SHARED_DIR WORK_DIR LOG_DIR
 #   SHARED_DIR holds seed/ (the reference, its shim and run_seed.sh) and data/ (blogs, tokenizer)
 source "$(dirname "$0")/lib.sh"
 
@@ -22,18 +22,19 @@ gpu0() {
   CUDA_VISIBLE_DEVICES=0 bash "$shared/seed/run_seed.sh" "$shared" "$work/ref" \
     TRAIN_BATCH_TOKENS=131072 ITERATIONS=200 MAX_WALLCLOCK_SECONDS=0 TTT_ENABLED=1 > /dev/null 2>&1
   cp "$work/ref/seed_log.txt" "$logs/reference.log"
-  CUDA_VISIBLE_DEVICES=0 timeout "${SPEED_TIMEOUT:-300}" python3 "$repo/bench/eval_speed.py" \
-    --reference-model "$work/ref/final_model.pt" --data "$work/data" --seed-dir "$shared/seed" \
-    --what sliding --repeat 2 --batch-seqs 256 2>&1 | grep -v "^W1\|^ "
 }
 
 gpu1() {
+  if [ "${SMOKE_GPU:-0}" = 1 ]; then
+    CUDA_VISIBLE_DEVICES=1 make -C "$repo" smoke-gpu DATA="$work/data" SMOKE_OUT="$work/smoke" > "$logs/smoke.log" 2>&1
+    echo "make smoke-gpu: exit $? ($(tail -c 2000 "$logs/smoke.log" | grep -c val_bpb) results)"
+  fi
   CUDA_VISIBLE_DEVICES=1 python3 -m pytest -q -m gpu "$repo/tests" -p no:cacheprovider --shared "$shared" 2>&1 | tail -3
   until grep -q "^Serialized model: " "$work/ref/seed_log.txt" 2>/dev/null; do sleep 2; done
   python3 "$repo/bench/reference_to_export.py" "$work/ref/final_model.pt" "$work/refexport" "$tok"
   CUDA_VISIBLE_DEVICES=1 wg quantize "$work/refexport" --out "$work/ref_rtn.ptz" --no-gptq --compressor rans \
     > "$logs/quantize.log" 2>&1 || tail -3 "$logs/quantize.log"
-  run1() { local name=$1; shift; CUDA_VISIBLE_DEVICES=1 wg "$@" --data "$work/data" --batch-seqs 256 --json \
+  run1() { local name=$1; shift; CUDA_VISIBLE_DEVICES=1 wg "$@" --data "$work/data" --json \
              > "$logs/$name.json" 2> "$logs/$name.err" || tail -3 "$logs/$name.err"; }
   run1 sliding_first eval "$work/ref_rtn.ptz" --stride 64
   run1 ttt_reference_freezing eval-ttt "$work/ref_rtn.ptz" --no-ttt-freeze-bank-slices

@@ -22,7 +22,7 @@ gpu0() {
     TRAIN_BATCH_TOKENS=131072 ITERATIONS=200 MAX_WALLCLOCK_SECONDS=0 > /dev/null 2>&1
   echo "== reference TTT against windowgpt's (the reference's freezing), same weights"
   CUDA_VISIBLE_DEVICES=0 python3 "$repo/bench/eval_speed.py" --reference-model "$work/ref/final_model.pt" \
-    --data "$ref_data" --tokenizer "$tok" --seed-dir "$shared/seed" --what ttt --ttt-chunks 60 --batch-seqs 256 2>&1 | grep -v "^W1\|^ "
+    --data "$ref_data" --tokenizer "$tok" --seed-dir "$shared/seed" --what ttt --ttt-chunks 60 2>&1 | grep -v "^W1\|^ "
 }
 
 gpu1() {
@@ -47,9 +47,9 @@ print(seed)" "$ref_data")
     CUDA_VISIBLE_DEVICES=1 wg eval "$work/ref_$mode.ptz" --data "$ours_data" --stride 0 --json
   done
   echo "== eval stride 64 of the round-to-nearest artifact (the reference's int6 weights, bit for bit)"
-  CUDA_VISIBLE_DEVICES=1 wg eval "$work/ref_rtn.ptz" --data "$ours_data" --stride 64 --batch-seqs 256 --json
+  CUDA_VISIBLE_DEVICES=1 wg eval "$work/ref_rtn.ptz" --data "$ours_data" --stride 64 --json
   echo "== eval-ttt on the reference's weights, first blocks' bank slices frozen (windowgpt's default)"
-  CUDA_VISIBLE_DEVICES=1 wg eval-ttt "$work/refexport" --data "$ours_data" --batch-seqs 256 --json 2>&1 | tail -3
+  CUDA_VISIBLE_DEVICES=1 wg eval-ttt "$work/refexport" --data "$ours_data" --json 2>&1 | tail -3
 }
 
 gpu0 > "$logs/gpu0.log" 2>&1 &

@@ -150,6 +150,17 @@ def test_stride_longer_than_the_sequence(eval_run_dir, eval_data_dir):
     assert_one_line_error(run_cli("eval-ttt", eval_run_dir, "--data", eval_data_dir, "--stride", 0), "--stride")
 
 
+def test_batch_of_zero_fits_itself_and_a_negative_batch_is_an_error(eval_run_dir, eval_data_dir):
+    given = run_json("eval", eval_run_dir, "--data", eval_data_dir, "--batch-seqs", 5)
+    fitted = run_json("eval", eval_run_dir, "--data", eval_data_dir, "--batch-seqs", 0)
+    assert (fitted["tokens"], fitted["bytes"]) == (given["tokens"], given["bytes"])
+    assert fitted["val_bpb"] == pytest.approx(given["val_bpb"], rel=1e-6)
+    assert_one_line_error(run_cli("eval", eval_run_dir, "--data", eval_data_dir, "--batch-seqs", -1),
+                          "--batch-seqs -1")
+    assert_one_line_error(run_cli("eval-ttt", eval_run_dir, "--data", eval_data_dir, "--batch-seqs", -2),
+                          "--batch-seqs -2")
+
+
 def test_unknown_artifact(eval_data_dir, tmp_path):
     assert_one_line_error(run_cli("eval", tmp_path / "missing", "--data", eval_data_dir), "missing")
     not_a_model = tmp_path / "notes.ptz"

@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 from windowgpt_cli.config import TTTConfig, tiny_preset
 from windowgpt_cli.errors import ConfigError, DataError
-from windowgpt_cli.evaluation import (WindowScorer, chunk_windows, evaluate_sliding, evaluate_standard,
-                                      evaluate_ttt, load_validation_tokens, plan_windows, rank_share,
-                                      select_ttt_parameters, ttt_learning_rate)
+from windowgpt_cli.evaluation import (CPU_BATCH_WINDOWS, MAX_AUTO_BATCH_WINDOWS, WindowScorer,
+                                      activation_bytes_per_token, batch_windows, chunk_windows, evaluate_sliding,
+                                      evaluate_standard, evaluate_ttt, load_validation_tokens, plan_windows,
+                                      rank_share, select_ttt_parameters, ttt_learning_rate)
 from windowgpt_cli.model import GPT
 from windowgpt_cli.shards import shard_name, write_shard
 from windowgpt_cli.tokenizer import ByteLuts
@@ -412,3 +413,21 @@ def test_compiled_cuda_scoring_and_ttt_agree_with_eager(eval_model, eval_val_tok
         results.append(evaluate_ttt(model, val[: 3 * TTT_CHUNK + 1], eval_luts, ttt_config(), seq_len=TTT_SEQ,
                                     stride=TTT_STRIDE, batch_seqs=8, device=cuda, compile_model=compile_model))
     assert results[1].val_bpb == pytest.approx(results[0].val_bpb, rel=1e-2)
+
+
+# --- Batch size -----------------------------------------------------------------------------
+
+def test_a_batch_of_zero_fills_half_the_free_gpu_memory_in_powers_of_two(monkeypatch):
+    cfg = tiny_preset().model
+    assert batch_windows(7, cfg, SEQ, CPU) == 7
+    assert batch_windows(0, cfg, SEQ, CPU) == CPU_BATCH_WINDOWS
+    cuda = torch.device("cuda")
+    window = SEQ * activation_bytes_per_token(cfg, full_logits=False)
+    for fitting, want in [(0, 1), (1, 1), (5, 4), (300, 256), (10**6, MAX_AUTO_BATCH_WINDOWS)]:
+        free = 2 * window * fitting + 1
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (free, 2 * free))
+        assert batch_windows(0, cfg, SEQ, cuda) == want
+        assert batch_windows(3, cfg, SEQ, cuda) == 3
+    # Scoring every position keeps float32 logits too: fewer windows fit.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 * window * 64, 4 * window * 64))
+    assert batch_windows(0, cfg, SEQ, cuda, full_logits=True) < batch_windows(0, cfg, SEQ, cuda) == 64

@@ -129,7 +129,8 @@ class TrainConfig:
 class EvalConfig:
     eval_seq_len: int = 2048
     eval_stride: int = 64
-    eval_batch_seqs: int = 32
+    # Windows per forward pass; 0 = as many as fit in memory (the reference: 32).
+    eval_batch_seqs: int = 0
 
 
 @dataclass
@@ -359,6 +360,7 @@ def validate(cfg: RunConfig) -> None:
         (t.swa_every > 0, "swa_every must be positive"),
         (0.0 < t.warmdown_max_fraction <= 1.0, f"warmdown_max_fraction={t.warmdown_max_fraction} must be in (0, 1]"),
         (cfg.eval.eval_stride >= 0 and cfg.eval.eval_seq_len > 0, "eval_stride must not be negative and eval_seq_len must be positive"),
+        (cfg.eval.eval_batch_seqs >= 0, "eval_batch_seqs must not be negative (0: as many as fit)"),
         (cfg.ttt.ttt_chunk_tokens > 0 and cfg.ttt.ttt_batch_seqs > 0, "ttt_chunk_tokens and ttt_batch_seqs must be positive"),
         (1 <= cfg.quant.quant_clip_range <= 127, f"quant_clip_range={cfg.quant.quant_clip_range} must be in 1..127"),
     ]

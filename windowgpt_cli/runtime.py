@@ -42,13 +42,19 @@ def enable_fast_math(device: torch.device) -> None:
         torch.backends.cudnn.allow_tf32 = True
 
 
+# Inductor settings for graphs that run over one pass of data (evaluation). By default each
+# element-wise kernel is built in two variants and both are benchmarked on the GPU at the
+# first call; for a pass of a few hundred batches that costs more than it saves.
+ONE_PASS_OPTIONS = {"triton.autotune_pointwise": False}
+
+
 class _Compiled:
     """fn compiled into one static graph, as the reference compiles its model. Should this
     torch build find a graph break, it says so once and compiles the pieces instead."""
 
-    def __init__(self, fn):
-        self.fn = fn
-        self.run = torch.compile(fn, dynamic=False, fullgraph=True)
+    def __init__(self, fn, options: dict | None):
+        self.fn, self.options = fn, options
+        self.run = torch.compile(fn, dynamic=False, fullgraph=True, options=options)
         self.checked = False
 
     def __call__(self, *args, **kwargs):
@@ -59,15 +65,18 @@ class _Compiled:
         except torch._dynamo.exc.TorchDynamoException as exc:
             print(f"warning: torch.compile found a graph break ({type(exc).__name__}); compiling in pieces",
                   file=sys.stderr)
-            self.run = torch.compile(self.fn, dynamic=False)
+            self.run = torch.compile(self.fn, dynamic=False, options=self.options)
             out = self.run(*args, **kwargs)
         self.checked = True
         return out
 
 
-def compiled(fn, enabled: bool = True):
-    """torch.compile with static shapes (one graph per shape) when enabled, else fn."""
-    return _Compiled(fn) if enabled else fn
+def compiled(fn, enabled: bool = True, *, autotune: bool = True):
+    """torch.compile with static shapes (one graph per shape) when enabled, else fn.
+    autotune=False suits a graph that runs over the data once (see ONE_PASS_OPTIONS)."""
+    if not enabled:
+        return fn
+    return _Compiled(fn, None if autotune else ONE_PASS_OPTIONS)
 
 
 def synchronize(device: torch.device) -> None:

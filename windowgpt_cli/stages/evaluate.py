@@ -22,7 +22,7 @@ from ..cli_support import console, err_console, user_errors_exit_1
 from ..config import RunConfig
 from ..distributed import DistContext, init_distributed, shutdown
 from ..errors import ConfigError, DataError
-from ..evaluation import EvalResult, evaluate_sliding, evaluate_standard, load_validation_tokens
+from ..evaluation import EvalResult, batch_windows, evaluate_sliding, evaluate_standard, load_validation_tokens
 from ..model import GPT
 from ..runtime import compiled, enable_fast_math
 from ..tokenizer import ByteLuts, load_byte_luts, resolve_tokenizer
@@ -148,9 +148,10 @@ def evaluate_artifact(artifact: Path, data_dir: Path, *, stride: int | None = No
         compile_model = ctx.device.type == "cuda" if compile_model is None else compile_model
         with batch_progress(show_progress and ctx.is_main, "eval") as progress:
             if stride == 0 or stride == seq_len:
-                loss_fn = compiled(inputs.model, compile_model)
+                loss_fn = compiled(inputs.model, compile_model, autotune=False)
+                batch = batch_windows(batch_seqs, cfg.model, seq_len, ctx.device, full_logits=True)
                 result = evaluate_standard(loss_fn, val_tokens, inputs.luts, seq_len=seq_len,
-                                           batch_tokens=batch_seqs * seq_len, device=ctx.device, rank=ctx.rank,
+                                           batch_tokens=batch * seq_len, device=ctx.device, rank=ctx.rank,
                                            world_size=ctx.world_size, progress=progress)
             else:
                 result = evaluate_sliding(inputs.model, val_tokens, inputs.luts, seq_len=seq_len, stride=stride,
@@ -171,8 +172,8 @@ def check_eval_settings(seq_len: int, stride: int, batch_seqs: int) -> None:
     if not 0 <= stride <= seq_len:
         raise ConfigError(f"--stride {stride} must be in 0..seq_len ({seq_len}); 0 or {seq_len} scores "
                           "consecutive sequences")
-    if batch_seqs < 1:
-        raise ConfigError(f"--batch-seqs {batch_seqs} must be positive")
+    if batch_seqs < 0:
+        raise ConfigError(f"--batch-seqs {batch_seqs} must not be negative (0: as many as fit in memory)")
 
 
 # --- Command-line options shared with eval-ttt ------------------------------------------
@@ -184,7 +185,7 @@ DataOption = Annotated[Path, typer.Option(
 SeqLenOption = Annotated[Optional[int], typer.Option(
     "--seq-len", help="Tokens per window (default: from the artifact).", show_default=False)]
 BatchOption = Annotated[Optional[int], typer.Option(
-    "--batch-seqs", help="Windows per forward pass; larger is faster while memory lasts "
+    "--batch-seqs", help="Windows per forward pass; 0: as many as fit in memory "
     "(default: from the artifact).", show_default=False)]
 TokenizerOption = Annotated[Optional[Path], typer.Option(
     "--tokenizer", help="SentencePiece model for byte counts (default: DATA/tokenizer.model).", show_default=False)]
