@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from windowgpt_cli import ptz
 from windowgpt_cli.cli import app
 from windowgpt_cli.config import tiny_preset
-from windowgpt_cli.evaluation import evaluate_sliding, evaluate_standard, evaluate_ttt
+from windowgpt_cli.evaluation import CPU_BATCH_WINDOWS, evaluate_sliding, evaluate_standard, evaluate_ttt
 from windowgpt_cli.model import build_model, rebank_state_dict
 from windowgpt_cli.shards import shard_name, write_shard
 from windowgpt_cli.stages.quantize import quantize
@@ -23,7 +23,7 @@ WIDE = {"COLUMNS": "200"}
 CPU = torch.device("cpu")
 TINY = tiny_preset()  # the run's saved settings: seq_len 128, stride 32, batch 16
 JSON_KEYS = {"mode", "val_loss", "val_bpb", "tokens", "bytes", "seconds", "tokens_per_second", "seq_len", "stride",
-             "artifact", "artifact_kind", "artifact_sha256"}
+             "batch_seqs", "artifact", "artifact_kind", "artifact_sha256"}
 
 
 def run_cli(*args):
@@ -72,6 +72,7 @@ def test_eval_prints_a_table(eval_run_dir, eval_data_dir):
     result = run_cli("eval", eval_run_dir, "--data", eval_data_dir, "--seq-len", 64, "--stride", 16)
     assert result.exit_code == 0, result.output
     assert "val_bpb" in result.stdout and "sliding" in result.stdout and "64 / 16" in result.stdout
+    assert f"windows per batch {TINY.eval.eval_batch_seqs}" in " ".join(result.stdout.replace("│", " ").split())
 
 
 def test_ptz_scores_as_its_dequantized_weights(eval_run_dir, eval_data_dir, eval_val_tokens, eval_luts, tmp_path):
@@ -153,6 +154,7 @@ def test_stride_longer_than_the_sequence(eval_run_dir, eval_data_dir):
 def test_batch_of_zero_fits_itself_and_a_negative_batch_is_an_error(eval_run_dir, eval_data_dir):
     given = run_json("eval", eval_run_dir, "--data", eval_data_dir, "--batch-seqs", 5)
     fitted = run_json("eval", eval_run_dir, "--data", eval_data_dir, "--batch-seqs", 0)
+    assert (given["batch_seqs"], fitted["batch_seqs"]) == (5, CPU_BATCH_WINDOWS)
     assert (fitted["tokens"], fitted["bytes"]) == (given["tokens"], given["bytes"])
     assert fitted["val_bpb"] == pytest.approx(given["val_bpb"], rel=1e-6)
     assert_one_line_error(run_cli("eval", eval_run_dir, "--data", eval_data_dir, "--batch-seqs", -1),

@@ -82,6 +82,7 @@ class EvalResult:
     seconds: float
     seq_len: int
     stride: int  # 0 for standard
+    batch_seqs: int  # sequences or windows per forward pass
     per_chunk: list[ChunkScore] = field(default_factory=list)  # ttt only
 
     @property
@@ -89,14 +90,14 @@ class EvalResult:
         return self.tokens / self.seconds if self.seconds > 0 else float("inf")
 
 
-def _result(mode: str, sums: Tensor, seconds: float, seq_len: int, stride: int,
+def _result(mode: str, sums: Tensor, seconds: float, seq_len: int, stride: int, batch_seqs: int,
             per_chunk: list[ChunkScore] | None = None) -> EvalResult:
     nats, tokens, n_bytes = sums.tolist()
     if tokens <= 0 or n_bytes <= 0:
         raise DataError("nothing was scored: the validation tokens stand for no bytes")
     val_loss, val_bpb = bits_per_byte(nats, tokens, n_bytes)
     return EvalResult(mode, val_loss, val_bpb, nats, int(tokens), int(n_bytes), seconds, seq_len, stride,
-                      per_chunk or [])
+                      batch_seqs, per_chunk or [])
 
 
 # --- Validation tokens ------------------------------------------------------------------
@@ -188,7 +189,7 @@ def evaluate_standard(loss_fn: LossFn, val_tokens: Tensor, luts: ByteLuts, *, se
             if progress is not None:
                 progress(done, len(batches))
     all_reduce_(sums)
-    return _result("standard", sums, _sync_clock(device) - start, seq_len, 0)
+    return _result("standard", sums, _sync_clock(device) - start, seq_len, 0, batch_seqs)
 
 
 def _sync_clock(device: torch.device) -> float:
@@ -363,7 +364,7 @@ def evaluate_sliding(model: GPT, val_tokens: Tensor, luts: ByteLuts, *, seq_len:
                           compile_model=_should_compile(compile_model, device))
     sums = scorer.score(plan, progress)
     all_reduce_(sums)
-    return _result("sliding", sums, _sync_clock(device) - start, seq_len, stride)
+    return _result("sliding", sums, _sync_clock(device) - start, seq_len, stride, scorer.batch_rows)
 
 
 # --- Score-first test-time training -----------------------------------------------------
@@ -527,4 +528,5 @@ def evaluate_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTConfig,
         model.zero_grad(set_to_none=True)
     all_reduce_(chunk_sums)
     per_chunk = [ChunkScore(nats, int(n), int(b)) for nats, n, b in chunk_sums.tolist()]
-    return _result("ttt", chunk_sums.sum(0), _sync_clock(device) - start, seq_len, stride, per_chunk)
+    return _result("ttt", chunk_sums.sum(0), _sync_clock(device) - start, seq_len, stride, scorer.batch_rows,
+                   per_chunk)

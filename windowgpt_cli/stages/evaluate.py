@@ -71,7 +71,8 @@ def eval_record(result: EvalResult, inputs: EvalInputs, artifact: Path) -> dict[
     return {
         "mode": result.mode, "val_loss": result.val_loss, "val_bpb": result.val_bpb, "tokens": result.tokens,
         "bytes": result.bytes, "seconds": result.seconds, "tokens_per_second": result.tokens_per_second,
-        "seq_len": result.seq_len, "stride": result.stride, "artifact": str(artifact),
+        "seq_len": result.seq_len, "stride": result.stride, "batch_seqs": result.batch_seqs,
+        "artifact": str(artifact),
         "artifact_kind": inputs.weights.kind, "artifact_sha256": inputs.weights.sha256,
         "tokenizer": str(inputs.tokenizer), "attn_backend": inputs.attn_backend,
     }
@@ -86,6 +87,7 @@ def results_table(record: dict[str, Any], title: str) -> Table:
         ("val_loss", f"{record['val_loss']:.8f}"),
         ("mode", record["mode"]),
         ("seq_len / stride", f"{record['seq_len']} / {record['stride']}"),
+        ("windows per batch", str(record["batch_seqs"])),
         ("tokens scored", f"{record['tokens']:,}"),
         ("bytes", f"{record['bytes']:,}"),
         ("seconds", f"{record['seconds']:.2f}"),
