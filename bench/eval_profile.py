@@ -42,7 +42,8 @@ from windowgpt_cli.runtime import enable_fast_math  # noqa: E402
 from windowgpt_cli.tokenizer import load_byte_luts  # noqa: E402
 
 # The compiler's phases worth reporting (torch._dynamo.utils.compile_times).
-COMPILE_PHASES = ("_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_compiler", "GraphLowering.codegen", "async_compile.wait")
+COMPILE_PHASES = ("_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_compiler",
+                  "GraphLowering.codegen", "async_compile.wait")
 
 
 def parse_args() -> argparse.Namespace:

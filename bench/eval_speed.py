@@ -154,7 +154,8 @@ class Side:
     def ttt_tokens(self) -> Tensor:
         if not self.a.ttt_chunks:
             return self.val_tokens
-        return self.val_tokens[: min(self.a.ttt_chunks * self.cfg.ttt.ttt_chunk_tokens, self.val_tokens.numel() - 1) + 1]
+        targets = min(self.a.ttt_chunks * self.cfg.ttt.ttt_chunk_tokens, self.val_tokens.numel() - 1)
+        return self.val_tokens[: targets + 1]
 
     def run(self, what: str, side: str) -> dict:
         """val_bpb and the seconds of each of --repeat runs."""
@@ -212,15 +213,16 @@ def main() -> None:
         print(json.dumps(Side(a).run(whats[0], a.side)))
         return
     side = None if a.cold else Side(a)
-    print(f"windowgpt batch: {a.batch_seqs or 'as eval picks'}; {'each side in a fresh process' if a.cold else 'one process'}",
-          flush=True)
+    where = "each side in a fresh process" if a.cold else "one process"
+    print(f"windowgpt batch: {a.batch_seqs or 'as eval picks'}; {where}", flush=True)
     results = {(what, s): run_fresh(child_argv(a, what, s)) if a.cold else side.run(what, s)
                for what in whats for s in SIDES}
     print_table(a, whats, results)
 
 
 def print_table(a: argparse.Namespace, whats: tuple[str, ...], results: dict) -> None:
-    header = f"{'':<18} {'reference bpb':>14} {'windowgpt bpb':>14} {'|diff|':>9} {'ref s':>7} {'ours s':>7} {'speed-up':>8}"
+    header = (f"{'':<18} {'reference bpb':>14} {'windowgpt bpb':>14} {'|diff|':>9} {'ref s':>7} {'ours s':>7} "
+              f"{'speed-up':>8}")
     if a.repeat > 1:
         header += f" {'warm ref s':>10} {'warm ours s':>11} {'warm x':>7}"
     print()
