@@ -340,7 +340,8 @@ def _device_tokens(val_tokens: Tensor, device: torch.device) -> Tensor:
     return val_tokens.to(device=device, dtype=torch.int64)
 
 
-def _should_compile(compile_model: bool | None, device: torch.device) -> bool:
+def should_compile(compile_model: bool | None, device: torch.device) -> bool:
+    """An explicit choice, or by default compile on CUDA only (the CPU's compile outlasts a pass)."""
     return device.type == "cuda" if compile_model is None else compile_model
 
 
@@ -361,7 +362,7 @@ def evaluate_sliding(model: GPT, val_tokens: Tensor, luts: ByteLuts, *, seq_len:
     plan = plan.select(slice(*rank_share(len(plan), rank, world_size)))
     scorer = WindowScorer(model, _device_tokens(val_tokens, device), luts.to(device), seq_len=seq_len, width=stride,
                           batch_rows=batch_windows(batch_seqs, model.cfg, seq_len, device), device=device,
-                          compile_model=_should_compile(compile_model, device))
+                          compile_model=should_compile(compile_model, device))
     sums = scorer.score(plan, progress)
     all_reduce_(sums)
     return _result("sliding", sums, _sync_clock(device) - start, seq_len, stride, scorer.batch_rows)
@@ -496,7 +497,7 @@ def evaluate_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTConfig,
     """
     start = _sync_clock(device)
     log = log or (lambda message: None)
-    compile_model = _should_compile(compile_model, device)
+    compile_model = should_compile(compile_model, device)
     compile_training = False if compile_training is None else compile_training
     total_tokens = val_tokens.numel() - 1
     plan = plan_windows(total_tokens, seq_len, stride, min_length=stride, score_once=score_once)

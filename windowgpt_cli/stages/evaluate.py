@@ -22,7 +22,8 @@ from ..cli_support import console, err_console, user_errors_exit_1
 from ..config import RunConfig
 from ..distributed import DistContext, init_distributed, shutdown
 from ..errors import ConfigError, DataError
-from ..evaluation import EvalResult, batch_windows, evaluate_sliding, evaluate_standard, load_validation_tokens
+from ..evaluation import (EvalResult, batch_windows, evaluate_sliding, evaluate_standard, load_validation_tokens,
+                          should_compile)
 from ..model import GPT
 from ..runtime import compiled, enable_fast_math
 from ..tokenizer import ByteLuts, load_byte_luts, resolve_tokenizer
@@ -147,7 +148,7 @@ def evaluate_artifact(artifact: Path, data_dir: Path, *, stride: int | None = No
         # As the reference: the tokens are cut to whole sequences of the longer of the
         # training and evaluation lengths.
         val_tokens = load_validation_tokens(data_dir, max(cfg.train.train_seq_len, seq_len), cfg.model.vocab_size)
-        compile_model = ctx.device.type == "cuda" if compile_model is None else compile_model
+        compile_model = should_compile(compile_model, ctx.device)
         with batch_progress(show_progress and ctx.is_main, "eval") as progress:
             if stride == 0 or stride == seq_len:
                 loss_fn = compiled(inputs.model, compile_model, autotune=False)
