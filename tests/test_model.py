@@ -1,13 +1,15 @@
 """The model: shapes, causality, and compatibility with the reference's state dicts."""
 import dataclasses
 import importlib
+import math
 import sys
 
 import pytest
 import torch
 
 from windowgpt_cli.config import ModelConfig, tiny_preset
-from windowgpt_cli.model import GPT, build_model, rebank_state_dict, unbank_state_dict
+from windowgpt_cli.model import (GPT, build_model, matmul_dtype, rebank_state_dict, unbank_state_dict,
+                                 use_cuda_dtypes)
 
 
 def perturbed_tiny(**changes) -> GPT:
@@ -135,3 +137,32 @@ def test_reference_state_dict_loads_strictly_and_gives_same_logits(shared_dir, t
         x = torch.randint(0, 1024, (2, length))
         assert torch.allclose(ours.forward_logits(x), reference.forward_logits(x), atol=1e-6)
         assert torch.allclose(ours(x, x), reference(x, x), atol=1e-6)
+
+
+def test_layer_scale_is_a_float32_constant_outside_the_state_dict():
+    """Each block's 1/sqrt(layer + 1) is a float32 tensor (so that a compiled model's blocks
+    share their kernels), stays float32 under the CUDA dtypes, is in no state dict (the
+    reference's load strictly), and scales bfloat16 inputs as the Python float would."""
+    model = perturbed_tiny()
+    use_cuda_dtypes(model)
+    assert model.tok_emb.weight.dtype == torch.bfloat16 and model.qo_bank.dtype == torch.float32
+    assert not any("ln_scale" in name for name in model.state_dict())
+    x = torch.randn(2, 5, model.cfg.model_dim)
+    for i, block in enumerate(model.blocks):
+        factor = 1 / math.sqrt(i + 1)
+        assert block.ln_scale_factor.dtype == torch.float32
+        assert torch.equal(block._scaled(x), x * factor)
+        assert torch.equal(block._scaled(x.bfloat16()), x.bfloat16() * factor)
+
+
+def test_layer_weights_are_the_bank_slots_cast_once():
+    model = perturbed_tiny()
+    flat = unbank_state_dict(model.state_dict(), model.num_layers)
+    names = ("attn.c_q", "attn.c_k", "attn.c_v", "attn.proj", "mlp.fc", "mlp.proj")
+    for i, weights in enumerate(model.layer_weights(torch.bfloat16)):
+        for name, weight in zip(names, weights, strict=True):
+            assert torch.equal(weight, flat[f"blocks.{i}.{name}.weight"].bfloat16())
+    x = torch.randn(3, 4)
+    assert matmul_dtype(x) == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert matmul_dtype(x) == torch.bfloat16

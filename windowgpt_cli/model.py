@@ -97,9 +97,9 @@ class CausalSelfAttention(nn.Module):
         b, t, dim = x.shape
         self._observe(("c_q", "c_k", "c_v"), x)
         x_q = x if queries is None else pick_positions(x, queries)
-        q = F.linear(x_q, q_w.to(x.dtype)).reshape(b, x_q.size(1), self.num_heads, self.head_dim)
-        k = F.linear(x, k_w.to(x.dtype)).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = F.linear(x, v_w.to(x.dtype))
+        q = F.linear(x_q, q_w).reshape(b, x_q.size(1), self.num_heads, self.head_dim)
+        k = F.linear(x, k_w).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = F.linear(x, v_w)
         if v_embed is not None:
             v = v + v_embed
         v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -118,11 +118,17 @@ class CausalSelfAttention(nn.Module):
             y = exclude_self_value(y, v_q)
         y = y.reshape(b, y.size(1), dim)
         self._observe(("proj",), y)
-        return F.linear(y, out_w.to(x.dtype))
+        return F.linear(y, out_w)
 
     def _observe(self, weights: tuple[str, ...], x: Tensor) -> None:
         if self.observer is not None:
             self.observer(tuple(f"blocks.{self.layer}.attn.{w}.weight" for w in weights), x.detach())
+
+
+def matmul_dtype(x: Tensor) -> torch.dtype:
+    """The dtype matrix products on x's device run in: autocast's where it is on, else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def pick_positions(x: Tensor, positions: Tensor) -> Tensor:
@@ -153,9 +159,9 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:
         self._observe("fc", x)
-        hidden = F.leaky_relu(F.linear(x, up_w.to(x.dtype)), negative_slope=self.negative_slope).square()
+        hidden = F.leaky_relu(F.linear(x, up_w), negative_slope=self.negative_slope).square()
         self._observe("proj", hidden)
-        return F.linear(hidden, down_w.to(x.dtype))
+        return F.linear(hidden, down_w)
 
     def _observe(self, weight: str, x: Tensor) -> None:
         if self.observer is not None:
@@ -173,7 +179,10 @@ class Block(nn.Module):
         self.attn_scale = nn.Parameter(torch.ones(dim, dtype=torch.float32))
         self.mlp_scale = nn.Parameter(torch.ones(dim, dtype=torch.float32))
         self.resid_mix = nn.Parameter(torch.stack((torch.ones(dim), torch.zeros(dim))).float())
-        self.ln_scale_factor = 1.0 / math.sqrt(layer + 1) if cfg.ln_scale else 1.0
+        # A tensor, not a Python float: a compiled model then has one set of kernels for all
+        # its blocks, instead of one per layer with its factor written into the code.
+        factor = 1.0 / math.sqrt(layer + 1) if cfg.ln_scale else 1.0
+        self.register_buffer("ln_scale_factor", torch.tensor(factor, dtype=torch.float32), persistent=False)
 
     def forward(self, x: Tensor, x0: Tensor, weights: tuple[Tensor, ...], rotary: tuple[Tensor, Tensor],
                 v_embed: Tensor | None, queries: Tensor | None = None) -> Tensor:
@@ -181,13 +190,17 @@ class Block(nn.Module):
         q_w, k_w, v_w, out_w, up_w, down_w = weights
         mix = self.resid_mix.to(dtype=x.dtype)
         x_in = mix[0][None, None, :] * x + mix[1][None, None, :] * x0
-        attn_out = self.attn(self.attn_norm(x_in) * self.ln_scale_factor, q_w, k_w, v_w, out_w, rotary, v_embed,
-                             queries)
+        attn_out = self.attn(self._scaled(self.attn_norm(x_in)), q_w, k_w, v_w, out_w, rotary, v_embed, queries)
         if queries is not None:
             x_in = pick_positions(x_in, queries)
         x_out = x_in + self.attn_scale.to(dtype=x_in.dtype)[None, None, :] * attn_out
-        mlp_out = self.mlp(self.mlp_norm(x_out) * self.ln_scale_factor, up_w, down_w)
+        mlp_out = self.mlp(self._scaled(self.mlp_norm(x_out)), up_w, down_w)
         return x_out + self.mlp_scale.to(dtype=x_out.dtype)[None, None, :] * mlp_out
+
+    def _scaled(self, normed: Tensor) -> Tensor:
+        """normed * ln_scale_factor, rounded as with a Python float factor: in float32, then
+        back to normed's dtype (a bfloat16 tensor would otherwise round the factor first)."""
+        return (normed.float() * self.ln_scale_factor).to(normed.dtype)
 
 
 # --- Embeddings --------------------------------------------------------------------------
@@ -331,10 +344,13 @@ class GPT(nn.Module):
 
     # --- forward ---
 
-    def layer_weights(self, i: int) -> tuple[Tensor, ...]:
+    def layer_weights(self, dtype: torch.dtype) -> list[tuple[Tensor, ...]]:
+        """Each layer's (q, k, v, out, up, down) matrices in `dtype`: slices of the banks,
+        each bank cast once (one kernel per bank, not one per slice)."""
+        qo, kv, up, down = (bank.to(dtype) for bank in (self.qo_bank, self.kv_bank, self.mlp_up_bank,
+                                                         self.mlp_down_bank))
         n = self.num_layers
-        return (self.qo_bank[i], self.kv_bank[i], self.kv_bank[n + i], self.qo_bank[n + i],
-                self.mlp_up_bank[i], self.mlp_down_bank[i])
+        return [(qo[i], kv[i], kv[n + i], qo[n + i], up[i], down[i]) for i in range(n)]
 
     def hidden_states(self, input_ids: Tensor, queries: Tensor | None = None) -> Tensor:
         """The trunk: final-normed hidden states [B, T, model_dim], or [B, K, model_dim] at
@@ -350,14 +366,14 @@ class GPT(nn.Module):
                                    device=input_ids.device)
         rotary = rotary_tables(seq_len, inv_freq)
         ve_base = self.ve_shared(input_ids) if self.ve_shared is not None else None
+        weights = self.layer_weights(matmul_dtype(x))
         skips: list[Tensor] = []
         last = self.num_layers - 1
         for i, block in enumerate(self.blocks):
             if i >= self.num_encoder_layers and skips:
                 skip = self.skip_weights[i - self.num_encoder_layers]
                 x = x + skip.to(dtype=x.dtype)[None, None, :] * skips.pop()
-            x = block(x, x0, self.layer_weights(i), rotary, self._value_embedding(i, ve_base),
-                      queries if i == last else None)
+            x = block(x, x0, weights[i], rotary, self._value_embedding(i, ve_base), queries if i == last else None)
             if i < self.num_encoder_layers:
                 skips.append(x)
         return self.final_norm(x)
@@ -397,17 +413,22 @@ class GPT(nn.Module):
 
 def build_model(cfg: ModelConfig, device: torch.device) -> GPT:
     """Build on the CPU (so initialization draws the same numbers everywhere), then move.
-
-    On CUDA the reference's dtype policy applies: embedding tables in bf16, banks, linear
-    weights and control/low-dimensional tensors in float32. On the CPU all is float32.
-    """
+    On CUDA the reference's dtypes apply (`use_cuda_dtypes`); on the CPU all is float32."""
     model = GPT(cfg)
     if device.type == "cuda":
-        model = model.bfloat16()
-        for name, p in model.named_parameters():
-            if name in BANK_NAMES or p.ndim < 2 or is_control_tensor(name) or _is_linear_weight(model, name):
-                p.data = p.data.float()
+        use_cuda_dtypes(model)
     return model.to(device)
+
+
+def use_cuda_dtypes(model: GPT) -> None:
+    """The reference's dtype policy: embedding tables in bf16; banks, linear weights, control
+    and low-dimensional tensors in float32, their values rounded to bf16 first as the
+    reference's model.bfloat16() does. Buffers (constants such as ln_scale_factor) are kept
+    exact in float32."""
+    for name, p in model.named_parameters():
+        p.data = p.data.bfloat16()
+        if name in BANK_NAMES or p.ndim < 2 or is_control_tensor(name) or _is_linear_weight(model, name):
+            p.data = p.data.float()
 
 
 def _is_linear_weight(model: GPT, name: str) -> bool:
