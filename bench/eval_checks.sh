@@ -9,42 +9,53 @@
 #          reference's freezing and with windowgpt's, and eval --stride 64 again (its
 #          compiled kernels now cached on disk)
 # With SMOKE_GPU=1, GPU 1 first runs `make smoke-gpu` on the prepared data (while the
-# reference trains). Ends with a table.
+# reference trains); with WITH_TTT=0 neither side runs TTT. On a machine with one GPU the
+# two sides run on it one after the other. Ends with a table.
 #
-# usage: [SMOKE_GPU=1] bench/eval_checks.sh SHARED_DIR WORK_DIR LOG_DIR
+# usage: [SMOKE_GPU=1] [WITH_TTT=0] bench/eval_checks.sh SHARED_DIR WORK_DIR LOG_DIR
 #   SHARED_DIR holds seed/ (the reference, its shim and run_seed.sh) and data/ (blogs, tokenizer)
 source "$(dirname "$0")/lib.sh"
 
 wg prepare "$shared"/data/blogs/train_*.jsonl.xz --val "$shared/data/blogs/val.jsonl.xz" \
   --tokenizer "$tok" --out "$work/data" > "$logs/prepare.log" 2>&1 || tail -3 "$logs/prepare.log"
 
+with_ttt=${WITH_TTT:-1}
+ours=1; [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && ours=0
+
 gpu0() {
   CUDA_VISIBLE_DEVICES=0 bash "$shared/seed/run_seed.sh" "$shared" "$work/ref" \
-    TRAIN_BATCH_TOKENS=131072 ITERATIONS=200 MAX_WALLCLOCK_SECONDS=0 TTT_ENABLED=1 > /dev/null 2>&1
+    TRAIN_BATCH_TOKENS=131072 ITERATIONS=200 MAX_WALLCLOCK_SECONDS=0 TTT_ENABLED=$with_ttt > /dev/null 2>&1
   cp "$work/ref/seed_log.txt" "$logs/reference.log"
 }
 
 gpu1() {
   if [ "${SMOKE_GPU:-0}" = 1 ]; then
-    CUDA_VISIBLE_DEVICES=1 make -C "$repo" smoke-gpu DATA="$work/data" SMOKE_OUT="$work/smoke" > "$logs/smoke.log" 2>&1
+    CUDA_VISIBLE_DEVICES=$ours make -C "$repo" smoke-gpu DATA="$work/data" SMOKE_OUT="$work/smoke" > "$logs/smoke.log" 2>&1
     echo "make smoke-gpu: exit $? ($(tail -c 2000 "$logs/smoke.log" | grep -c val_bpb) results)"
   fi
-  CUDA_VISIBLE_DEVICES=1 python3 -m pytest -q -m gpu "$repo/tests" -p no:cacheprovider --shared "$shared" 2>&1 | tail -3
+  CUDA_VISIBLE_DEVICES=$ours python3 -m pytest -q -m gpu "$repo/tests" -p no:cacheprovider --shared "$shared" 2>&1 | tail -3
   until grep -q "^Serialized model: " "$work/ref/seed_log.txt" 2>/dev/null; do sleep 2; done
   python3 "$repo/bench/reference_to_export.py" "$work/ref/final_model.pt" "$work/refexport" "$tok"
-  CUDA_VISIBLE_DEVICES=1 wg quantize "$work/refexport" --out "$work/ref_rtn.ptz" --no-gptq --compressor rans \
+  CUDA_VISIBLE_DEVICES=$ours wg quantize "$work/refexport" --out "$work/ref_rtn.ptz" --no-gptq --compressor rans \
     > "$logs/quantize.log" 2>&1 || tail -3 "$logs/quantize.log"
-  run1() { local name=$1; shift; CUDA_VISIBLE_DEVICES=1 wg "$@" --data "$work/data" --json \
+  run1() { local name=$1; shift; CUDA_VISIBLE_DEVICES=$ours wg "$@" --data "$work/data" --json \
              > "$logs/$name.json" 2> "$logs/$name.err" || tail -3 "$logs/$name.err"; }
   run1 sliding_first eval "$work/ref_rtn.ptz" --stride 64
-  run1 ttt_reference_freezing eval-ttt "$work/ref_rtn.ptz" --no-ttt-freeze-bank-slices
-  run1 ttt_bank_slices_frozen eval-ttt "$work/ref_rtn.ptz"
+  if [ "$with_ttt" = 1 ]; then
+    run1 ttt_reference_freezing eval-ttt "$work/ref_rtn.ptz" --no-ttt-freeze-bank-slices
+    run1 ttt_bank_slices_frozen eval-ttt "$work/ref_rtn.ptz"
+  fi
   run1 sliding_cached eval "$work/ref_rtn.ptz" --stride 64
 }
 
-gpu0 > "$logs/gpu0.log" 2>&1 &
-gpu1 > "$logs/gpu1.log" 2>&1 &
-wait
+if [ "$ours" = 1 ]; then
+  gpu0 > "$logs/gpu0.log" 2>&1 &
+  gpu1 > "$logs/gpu1.log" 2>&1 &
+  wait
+else
+  gpu0 > "$logs/gpu0.log" 2>&1
+  gpu1 > "$logs/gpu1.log" 2>&1
+fi
 cat "$logs/gpu0.log" "$logs/gpu1.log"
 
 python3 - "$logs" <<'EOF'

@@ -10,10 +10,13 @@ import tempfile
 import time
 
 
-def run_fresh(argv: list[str]) -> dict:
+def run_fresh(argv: list[str], cache: str | None = None) -> dict:
     """Run `python argv...`, echo what it prints but its last line, and return that line
-    (a JSON object) with "process" (its wall seconds) added."""
-    with tempfile.TemporaryDirectory() as cache:
+    (a JSON object) with "process" (its wall seconds) added. The compiler caches live in
+    `cache` when given (a second run there finds the first's work), else in a new
+    temporary directory."""
+    with tempfile.TemporaryDirectory() as temporary:
+        cache = cache or temporary
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor", TRITON_CACHE_DIR=f"{cache}/triton")
         start = time.perf_counter()
         out = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True)
