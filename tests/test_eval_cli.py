@@ -2,11 +2,13 @@
 tables, artifacts of every kind, and one-line errors."""
 from __future__ import annotations
 
+import io
 import json
 import shutil
 
 import pytest
 import torch
+from rich.console import Console
 from typer.testing import CliRunner
 
 from windowgpt_cli import ptz
@@ -15,6 +17,7 @@ from windowgpt_cli.config import tiny_preset
 from windowgpt_cli.evaluation import CPU_BATCH_WINDOWS, evaluate_sliding, evaluate_standard, evaluate_ttt
 from windowgpt_cli.model import build_model, rebank_state_dict
 from windowgpt_cli.shards import shard_name, write_shard
+from windowgpt_cli.stages import evaluate as evaluate_stage
 from windowgpt_cli.stages.quantize import quantize
 
 pytestmark = pytest.mark.usefixtures("eval_single_thread")
@@ -171,3 +174,15 @@ def test_unknown_artifact(eval_data_dir, tmp_path):
     empty_dir = tmp_path / "empty"
     empty_dir.mkdir()
     assert_one_line_error(run_cli("eval-ttt", empty_dir, "--data", eval_data_dir), "empty")
+
+
+@pytest.mark.parametrize("compiling", [True, False])
+def test_the_progress_bar_says_compiling_until_the_first_batch(monkeypatch, compiling):
+    out = io.StringIO()
+    monkeypatch.setattr(evaluate_stage, "err_console", Console(file=out, force_terminal=True, width=100))
+    with evaluate_stage.batch_progress(True, "eval", compiling=compiling) as update:
+        before_first_batch = out.getvalue()
+        update(1, 4)
+    after = out.getvalue()[len(before_first_batch):]
+    assert ("eval (compiling)" in before_first_batch) == compiling
+    assert "eval" in after and "1/4" in after and "compiling" not in after

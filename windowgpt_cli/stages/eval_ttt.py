@@ -18,7 +18,7 @@ from ..cli_support import console, err_console, user_errors_exit_1, with_config_
 from ..config import apply_overrides, validate
 from ..distributed import init_distributed, shutdown
 from ..errors import ConfigError
-from ..evaluation import ChunkProgress, evaluate_ttt, load_validation_tokens
+from ..evaluation import ChunkProgress, evaluate_ttt, load_validation_tokens, should_compile
 from .evaluate import (ArtifactArg, AttnOption, BatchOption, CompileOption, DataOption, DeviceOption, EvalReport,
                        JsonOption, ScoreOnceOption, TokenizerOption, check_eval_settings, eval_record,
                        load_inputs, report, show_progress_bars)
@@ -56,7 +56,8 @@ def ttt_evaluate_artifact(artifact: Path, data_dir: Path, *, ttt_overrides: dict
         # training (here: TTT window) and evaluation lengths.
         val_tokens = load_validation_tokens(data_dir, max(seq_len, cfg.eval.eval_seq_len), cfg.model.vocab_size)
         echo = echo if ctx.is_main else None
-        with chunk_progress(show_progress and ctx.is_main, echo) as on_chunk:
+        compiling = should_compile(compile_model, ctx.device)
+        with chunk_progress(show_progress and ctx.is_main, echo, compiling) as on_chunk:
             result = evaluate_ttt(inputs.model, val_tokens, inputs.luts, ttt, seq_len=seq_len, stride=stride,
                                   batch_seqs=batch_seqs, device=ctx.device, rank=ctx.rank,
                                   world_size=ctx.world_size, score_once=score_once, compile_model=compile_model,
@@ -72,14 +73,16 @@ def ttt_evaluate_artifact(artifact: Path, data_dir: Path, *, ttt_overrides: dict
 
 
 @contextlib.contextmanager
-def chunk_progress(show_bar: bool, echo: Echo | None) -> Iterator[Callable[[ChunkProgress], None] | None]:
-    """A rich bar over chunks with the running bpb, or (without a terminal) a line every
-    few chunks; None when there is nothing to show."""
+def chunk_progress(show_bar: bool, echo: Echo | None,
+                   compiling: bool = False) -> Iterator[Callable[[ChunkProgress], None] | None]:
+    """A rich bar over chunks with the running bpb (until the first chunk is scored: whether
+    the scorer is compiling), or (without a terminal) a line every few chunks; None when
+    there is nothing to show."""
     if show_bar:
         with Progress(TextColumn("[bold]ttt"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("bpb {task.fields[bpb]}"), TimeElapsedColumn(),
                       console=err_console, transient=True) as progress:
-            task = progress.add_task("ttt", total=None, bpb="-")
+            task = progress.add_task("ttt", total=None, bpb="- (compiling)" if compiling else "-")
 
             def update_bar(info: ChunkProgress) -> None:
                 progress.update(task, completed=info.chunk, total=info.num_chunks, bpb=f"{info.val_bpb:.6f}")

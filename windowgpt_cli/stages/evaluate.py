@@ -108,17 +108,18 @@ def report(record: dict[str, Any], title: str, as_json: bool) -> None:
 
 
 @contextlib.contextmanager
-def batch_progress(enabled: bool, label: str) -> Iterator[Callable[[int, int], None] | None]:
-    """A transient rich bar over batches on stderr, or no callback at all."""
+def batch_progress(enabled: bool, label: str, compiling: bool = False) -> Iterator[Callable[[int, int], None] | None]:
+    """A transient rich bar over batches on stderr, or no callback at all. With compiling,
+    it says so until the first batch is done (compiling takes most of a first run's start)."""
     if not enabled:
         yield None
         return
-    with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err_console, transient=True) as progress:
-        task = progress.add_task(label, total=None)
+        task = progress.add_task(f"{label} (compiling)" if compiling else label, total=None)
 
         def update(done: int, total: int) -> None:
-            progress.update(task, completed=done, total=total)
+            progress.update(task, completed=done, total=total, description=label)
 
         yield update
 
@@ -149,7 +150,7 @@ def evaluate_artifact(artifact: Path, data_dir: Path, *, stride: int | None = No
         # training and evaluation lengths.
         val_tokens = load_validation_tokens(data_dir, max(cfg.train.train_seq_len, seq_len), cfg.model.vocab_size)
         compile_model = should_compile(compile_model, ctx.device)
-        with batch_progress(show_progress and ctx.is_main, "eval") as progress:
+        with batch_progress(show_progress and ctx.is_main, "eval", compiling=compile_model) as progress:
             if stride == 0 or stride == seq_len:
                 loss_fn = compiled(inputs.model, compile_model, autotune=False)
                 batch = batch_windows(batch_seqs, cfg.model, seq_len, ctx.device, full_logits=True)
