@@ -13,7 +13,9 @@ to the whole validation set, with the peak memory per window. Variants:
 - eager:             no compilation
 - a "-cudnn" suffix forces cuDNN attention;
 - "+nopm" turns Inductor's pattern-matching passes off, "+nolo" its loop reordering after
-  fusion, "+cg" runs the graph as a CUDA graph (e.g. compiled+nopm+cg).
+  fusion, "+cg" runs the graph as a CUDA graph, "+mat" lets Inductor time its own matrix
+  product kernels against cuBLAS and fuse element-wise work into them (max_autotune; e.g.
+  compiled+nopm+cg).
 
 --cold runs each variant in a fresh process with empty Inductor and Triton caches (a first
 `eval` on a new machine) and adds the compiler's own breakdown; --warm then runs it again in
@@ -53,7 +55,7 @@ from windowgpt_cli.tokenizer import load_byte_luts  # noqa: E402
 
 # Variant flags that set an Inductor option for the evaluation's one-pass graphs.
 INDUCTOR_FLAGS = {"+nopm": ("pattern_matcher", False), "+nolo": ("loop_ordering_after_fusion", False),
-                  "+cg": ("triton.cudagraphs", True)}
+                  "+cg": ("triton.cudagraphs", True), "+mat": ("max_autotune", True)}
 
 # The compiler's phases worth reporting (torch._dynamo.utils.compile_times); --phases lists all.
 COMPILE_PHASES = ("_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_compiler",
