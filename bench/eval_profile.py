@@ -57,6 +57,18 @@ from windowgpt_cli.tokenizer import load_byte_luts  # noqa: E402
 INDUCTOR_FLAGS = {"+nopm": ("pattern_matcher", False), "+nolo": ("loop_ordering_after_fusion", False),
                   "+cg": ("triton.cudagraphs", True), "+mat": ("max_autotune", True)}
 
+ONE_PASS_DEFAULTS = dict(runtime.ONE_PASS_OPTIONS)
+
+
+def set_inductor_flags(variant: str) -> None:
+    """The scorer's Inductor options: eval's, with the variant's flags on top (and no flag of
+    an earlier variant of this process)."""
+    runtime.ONE_PASS_OPTIONS.clear()
+    runtime.ONE_PASS_OPTIONS.update(ONE_PASS_DEFAULTS)
+    runtime.ONE_PASS_OPTIONS.update({option: value for flag, (option, value) in INDUCTOR_FLAGS.items()
+                                     if flag in variant})
+
+
 # The compiler's phases worth reporting (torch._dynamo.utils.compile_times); --phases lists all.
 COMPILE_PHASES = ("_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_compiler",
                   "GraphLowering.codegen", "async_compile.wait")
@@ -147,8 +159,7 @@ class Bench:
     def run(self, variant: str) -> dict:
         a = self.a
         torch._dynamo.reset()
-        runtime.ONE_PASS_OPTIONS.update({option: value for flag, (option, value) in INDUCTOR_FLAGS.items()
-                                         if flag in variant})
+        set_inductor_flags(variant)
         torch.cuda.reset_peak_memory_stats()
         attention = sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) if variant.endswith("-cudnn") else nullcontext()
         with attention:
