@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from windowgpt_cli.config import ModelConfig, tiny_preset
-from windowgpt_cli.model import (GPT, build_model, matmul_dtype, rebank_state_dict, unbank_state_dict,
-                                 use_cuda_dtypes)
+from windowgpt_cli.model import (GPT, build_model, matmul_dtype, rebank_state_dict, rms_norm, scaled_rms_norm,
+                                 unbank_state_dict, use_cuda_dtypes)
 
 
 def perturbed_tiny(**changes) -> GPT:
@@ -151,8 +151,8 @@ def test_layer_scale_is_a_float32_constant_outside_the_state_dict():
     for i, block in enumerate(model.blocks):
         factor = 1 / math.sqrt(i + 1)
         assert block.ln_scale_factor.dtype == torch.float32
-        assert torch.equal(block._scaled(x), x * factor)
-        assert torch.equal(block._scaled(x.bfloat16()), x.bfloat16() * factor)
+        for inputs in (x, x.bfloat16()):
+            assert torch.equal(scaled_rms_norm(inputs, block.ln_scale_factor), rms_norm(inputs) * factor)
 
 
 def test_layer_weights_are_the_bank_slots_cast_once():

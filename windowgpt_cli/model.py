@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -40,9 +41,15 @@ class CastedLinear(nn.Linear):
         return F.linear(x, self.weight.to(x.dtype), bias)
 
 
-class RMSNorm(nn.Module):
-    def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, (x.size(-1),))
+def rms_norm(x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def scaled_rms_norm(x: Tensor, factor: Tensor) -> Tensor:
+    """rms_norm(x) * factor, rounded as with a Python float factor: in float32, then back to
+    the norm's dtype (a bfloat16 tensor would otherwise round the factor first)."""
+    normed = rms_norm(x)
+    return (normed.float() * factor).to(normed.dtype)
 
 
 # --- Rotary embeddings -------------------------------------------------------------------
@@ -74,6 +81,73 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int) -> Tensor:
     return torch.cat((x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos), dim=-1)
 
 
+# --- The element-wise steps of a forward -------------------------------------------------
+
+@dataclass
+class Residual:
+    """The residual stream as a sum not yet formed: base + delta_scale * delta, plus
+    skip_weight * skip. The step that next reads the stream forms the sum, so that a fused
+    kernel can do it while reading its inputs once."""
+
+    base: Tensor
+    delta: Tensor | None = None
+    delta_scale: Tensor | None = None
+    skip: Tensor | None = None
+    skip_weight: Tensor | None = None
+
+    def plus_skip(self, skip: Tensor, weight: Tensor) -> "Residual":
+        return Residual(self.base, self.delta, self.delta_scale, skip, weight)
+
+
+class TorchOps:
+    """The element-wise steps between the matrix products and the attention, in plain torch:
+    the model's definition (any device, autograd, torch.compile). `kernels.FusedOps` runs
+    the same steps as fused GPU kernels."""
+
+    def stream_sum(self, stream: Residual) -> Tensor:
+        x = stream.base
+        if stream.delta is not None:
+            x = x + stream.delta_scale.to(dtype=x.dtype)[None, None, :] * stream.delta
+        if stream.skip is not None:
+            x = x + stream.skip_weight.to(dtype=x.dtype)[None, None, :] * stream.skip
+        return x
+
+    def block_input(self, stream: Residual, x0: Tensor, mix: Tensor, factor: Tensor,
+                    keep_sum: bool) -> tuple[Tensor | None, Tensor, Tensor]:
+        """(the stream's sum if keep_sum, the block's input x_in = mix[0] * x + mix[1] * x0,
+        and x_in normed and scaled by the layer's factor)."""
+        x = self.stream_sum(stream)
+        mix = mix.to(dtype=x.dtype)
+        x_in = mix[0][None, None, :] * x + mix[1][None, None, :] * x0
+        return (x if keep_sum else None), x_in, scaled_rms_norm(x_in, factor)
+
+    def residual_norm(self, stream: Residual, factor: Tensor) -> tuple[Tensor, Tensor]:
+        """(the stream's sum, and that sum normed and scaled by factor)."""
+        x = self.stream_sum(stream)
+        return x, scaled_rms_norm(x, factor)
+
+    def final_norm(self, stream: Residual) -> Tensor:
+        return rms_norm(self.stream_sum(stream))
+
+    def head_prep(self, x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None) -> Tensor:
+        """Queries or keys [B, T, H, D]: each head normed, rotated, and scaled by its gain."""
+        x = rms_norm(x)
+        x = apply_rotary(x, cos.to(dtype=x.dtype), sin.to(dtype=x.dtype), rope_dims)
+        return x if gain is None else x * gain.to(dtype=x.dtype)[None, None, :, None]
+
+    def exclude_self_value(self, y: Tensor, v: Tensor) -> Tensor:
+        return exclude_self_value(y, v)
+
+    def leaky_square(self, h: Tensor, negative_slope: float) -> Tensor:
+        return F.leaky_relu(h, negative_slope=negative_slope).square()
+
+    def softcap(self, logits: Tensor, cap: float) -> Tensor:
+        return cap * torch.tanh(logits / cap)
+
+
+TORCH_OPS = TorchOps()
+
+
 # --- Blocks ------------------------------------------------------------------------------
 
 class CausalSelfAttention(nn.Module):
@@ -91,7 +165,8 @@ class CausalSelfAttention(nn.Module):
         self.observer: LinearObserver | None = None
 
     def forward(self, x: Tensor, q_w: Tensor, k_w: Tensor, v_w: Tensor, out_w: Tensor,
-                rotary: tuple[Tensor, Tensor], v_embed: Tensor | None, queries: Tensor | None = None) -> Tensor:
+                rotary: tuple[Tensor, Tensor], v_embed: Tensor | None, queries: Tensor | None = None,
+                ops: TorchOps = TORCH_OPS) -> Tensor:
         """Attention output at every position, or only at `queries` [B, K] (keys and values
         still come from every position)."""
         b, t, dim = x.shape
@@ -103,19 +178,16 @@ class CausalSelfAttention(nn.Module):
         if v_embed is not None:
             v = v + v_embed
         v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
-        q = F.rms_norm(q, (q.size(-1),))
-        k = F.rms_norm(k, (k.size(-1),))
-        cos, sin = (table.to(dtype=q.dtype) for table in rotary)
-        k = apply_rotary(k, cos, sin, self.rope_dims)
-        q_rotary = (cos, sin) if queries is None else (cos[0, queries], sin[0, queries])
-        q = apply_rotary(q, *q_rotary, self.rope_dims)
-        q = q * self.q_gain.to(dtype=q.dtype)[None, None, :, None]
+        cos, sin = rotary
+        k = ops.head_prep(k, cos, sin, self.rope_dims, None)
+        q_cos, q_sin = (cos, sin) if queries is None else (cos[0, queries], sin[0, queries])
+        q = ops.head_prep(q, q_cos, q_sin, self.rope_dims, self.q_gain)
         if queries is None:
             y, v_q = attention(q, k, v, self.window, self.sinks, self.backend), v
         else:
             y, v_q = attention_at(q, k, v, queries, self.window, self.sinks), pick_positions(v, queries)
         if self.use_xsa:
-            y = exclude_self_value(y, v_q)
+            y = ops.exclude_self_value(y, v_q)
         y = y.reshape(b, y.size(1), dim)
         self._observe(("proj",), y)
         return F.linear(y, out_w)
@@ -157,9 +229,9 @@ class MLP(nn.Module):
         self.negative_slope = negative_slope
         self.observer: LinearObserver | None = None
 
-    def forward(self, x: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:
+    def forward(self, x: Tensor, up_w: Tensor, down_w: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
         self._observe("fc", x)
-        hidden = F.leaky_relu(F.linear(x, up_w), negative_slope=self.negative_slope).square()
+        hidden = ops.leaky_square(F.linear(x, up_w), self.negative_slope)
         self._observe("proj", hidden)
         return F.linear(hidden, down_w)
 
@@ -172,8 +244,6 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         dim = cfg.model_dim
-        self.attn_norm = RMSNorm()
-        self.mlp_norm = RMSNorm()
         self.attn = CausalSelfAttention(cfg, layer)
         self.mlp = MLP(layer, cfg.negative_slope)
         self.attn_scale = nn.Parameter(torch.ones(dim, dtype=torch.float32))
@@ -184,23 +254,19 @@ class Block(nn.Module):
         factor = 1.0 / math.sqrt(layer + 1) if cfg.ln_scale else 1.0
         self.register_buffer("ln_scale_factor", torch.tensor(factor, dtype=torch.float32), persistent=False)
 
-    def forward(self, x: Tensor, x0: Tensor, weights: tuple[Tensor, ...], rotary: tuple[Tensor, Tensor],
-                v_embed: Tensor | None, queries: Tensor | None = None) -> Tensor:
-        """The block's output at every position, or only at `queries` [B, K]."""
+    def forward(self, stream: Residual, x0: Tensor, weights: tuple[Tensor, ...], rotary: tuple[Tensor, Tensor],
+                v_embed: Tensor | None, queries: Tensor | None = None, ops: TorchOps = TORCH_OPS,
+                keep_input: bool = False) -> tuple[Tensor | None, Residual]:
+        """(the stream's sum at the block's input if keep_input, the stream at its output),
+        at every position or, with `queries` [B, K], only there."""
         q_w, k_w, v_w, out_w, up_w, down_w = weights
-        mix = self.resid_mix.to(dtype=x.dtype)
-        x_in = mix[0][None, None, :] * x + mix[1][None, None, :] * x0
-        attn_out = self.attn(self._scaled(self.attn_norm(x_in)), q_w, k_w, v_w, out_w, rotary, v_embed, queries)
+        kept, x_in, normed = ops.block_input(stream, x0, self.resid_mix, self.ln_scale_factor, keep_input)
+        attn_out = self.attn(normed, q_w, k_w, v_w, out_w, rotary, v_embed, queries, ops)
         if queries is not None:
             x_in = pick_positions(x_in, queries)
-        x_out = x_in + self.attn_scale.to(dtype=x_in.dtype)[None, None, :] * attn_out
-        mlp_out = self.mlp(self._scaled(self.mlp_norm(x_out)), up_w, down_w)
-        return x_out + self.mlp_scale.to(dtype=x_out.dtype)[None, None, :] * mlp_out
-
-    def _scaled(self, normed: Tensor) -> Tensor:
-        """normed * ln_scale_factor, rounded as with a Python float factor: in float32, then
-        back to normed's dtype (a bfloat16 tensor would otherwise round the factor first)."""
-        return (normed.float() * self.ln_scale_factor).to(normed.dtype)
+        x_out, normed = ops.residual_norm(Residual(x_in, attn_out, self.attn_scale), self.ln_scale_factor)
+        mlp_out = self.mlp(normed, up_w, down_w, ops)
+        return kept, Residual(x_out, mlp_out, self.mlp_scale)
 
 
 # --- Embeddings --------------------------------------------------------------------------
@@ -289,7 +355,6 @@ class GPT(nn.Module):
         self.ve_shared = ValueEmbedding(cfg.vocab_size, cfg.ve_dim, cfg.kv_dim) if self.ve_layer_indices else None
         self.ve_layer_scales = nn.ParameterList(
             [nn.Parameter(torch.ones(1, dtype=torch.float32)) for _ in self.ve_layer_indices])
-        self.final_norm = RMSNorm()
         self.lm_head = None if cfg.tie_embeddings else CastedLinear(dim, cfg.vocab_size, bias=False)
         self._init_weights()
 
@@ -352,31 +417,41 @@ class GPT(nn.Module):
         n = self.num_layers
         return [(qo[i], kv[i], kv[n + i], qo[n + i], up[i], down[i]) for i in range(n)]
 
-    def hidden_states(self, input_ids: Tensor, queries: Tensor | None = None) -> Tensor:
-        """The trunk: final-normed hidden states [B, T, model_dim], or [B, K, model_dim] at
-        queries [B, K] only (the last block then runs its queries and MLP only there)."""
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """x0: token and bigram embeddings, normed, each position blended with the previous."""
         x = self.tok_emb(input_ids)
         if self.bigram is not None:
             x = x + self.bigram(input_ids)
-        x = F.rms_norm(x, (x.size(-1),))
-        x = self.smear(x)
-        x0 = x
+        return self.smear(rms_norm(x))
+
+    def hidden_states(self, input_ids: Tensor, queries: Tensor | None = None, ops: TorchOps = TORCH_OPS) -> Tensor:
+        """The trunk: final-normed hidden states [B, T, model_dim], or [B, K, model_dim] at
+        queries [B, K] only (the last block then runs its queries and MLP only there).
+
+        The encoder's outputs come back in reverse order as skips into the decoder. An
+        encoder block's output is the next block's input sum, kept when that block forms it;
+        the last one is also the first decoder block's skip, so it is formed on its own."""
+        x0 = self.embed(input_ids)
         seq_len = input_ids.shape[1]
         inv_freq = rotary_inv_freq(self._rope_dims, self.cfg.rope_base, seq_len, self.cfg.rope_train_seq_len,
                                    device=input_ids.device)
         rotary = rotary_tables(seq_len, inv_freq)
         ve_base = self.ve_shared(input_ids) if self.ve_shared is not None else None
-        weights = self.layer_weights(matmul_dtype(x))
-        skips: list[Tensor] = []
-        last = self.num_layers - 1
+        weights = self.layer_weights(matmul_dtype(x0))
+        stream, skips = Residual(x0), []
+        encoder, last = self.num_encoder_layers, self.num_layers - 1
         for i, block in enumerate(self.blocks):
-            if i >= self.num_encoder_layers and skips:
-                skip = self.skip_weights[i - self.num_encoder_layers]
-                x = x + skip.to(dtype=x.dtype)[None, None, :] * skips.pop()
-            x = block(x, x0, weights[i], rotary, self._value_embedding(i, ve_base), queries if i == last else None)
-            if i < self.num_encoder_layers:
-                skips.append(x)
-        return self.final_norm(x)
+            if i == encoder and encoder > 0:
+                stream = Residual(ops.stream_sum(stream))
+                skips.append(stream.base)
+            if i >= encoder and skips:
+                stream = stream.plus_skip(skips.pop(), self.skip_weights[i - encoder])
+            keep = 0 < i < encoder
+            kept, stream = block(stream, x0, weights[i], rotary, self._value_embedding(i, ve_base),
+                                 queries if i == last else None, ops, keep_input=keep)
+            if keep:
+                skips.append(kept)
+        return ops.final_norm(stream)
 
     def _value_embedding(self, layer: int, ve_base: Tensor | None) -> Tensor | None:
         if ve_base is None or layer not in self.ve_layer_indices:
@@ -384,12 +459,10 @@ class GPT(nn.Module):
         scale = self.ve_layer_scales[self.ve_layer_indices.index(layer)]
         return ve_base * scale.to(dtype=ve_base.dtype)
 
-    def logits(self, hidden: Tensor) -> Tensor:
+    def logits(self, hidden: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
         """Soft-capped logits for hidden states of any leading shape."""
         weight = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
-        projected = F.linear(hidden, weight.to(hidden.dtype))
-        cap = self.cfg.logit_softcap
-        return cap * torch.tanh(projected / cap)
+        return ops.softcap(F.linear(hidden, weight.to(hidden.dtype)), self.cfg.logit_softcap)
 
     def forward_logits(self, input_ids: Tensor) -> Tensor:
         return self.logits(self.hidden_states(input_ids))
@@ -399,11 +472,11 @@ class GPT(nn.Module):
         logits = self.forward_logits(input_ids)
         return F.cross_entropy(logits.float().flatten(0, 1), target_ids.flatten(), reduction="none").view_as(target_ids)
 
-    def logits_at(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+    def logits_at(self, input_ids: Tensor, positions: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
         """Logits [B, K, V] at positions[b, k] of input_ids[b]: the trunk runs over whole
         windows, the last block's queries, its MLP and the output layer only where a
         prediction is scored."""
-        return self.logits(self.hidden_states(input_ids, positions))
+        return self.logits(self.hidden_states(input_ids, positions, ops), ops)
 
     def forward(self, input_ids: Tensor, target_ids: Tensor) -> Tensor:
         """Mean cross-entropy, as the reference's training forward."""
