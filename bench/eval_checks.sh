@@ -7,7 +7,7 @@
 #   GPU 1  the GPU tests; then windowgpt on the reference's int6 weights (`quantize
 #          --no-gptq` reproduces them bit for bit): eval --stride 64, eval-ttt with the
 #          reference's freezing and with windowgpt's, and eval --stride 64 again (its
-#          compiled kernels now cached on disk)
+#          compiled kernels now cached on disk; the first eval starts on empty caches)
 # With SMOKE_GPU=1, GPU 1 first runs `make smoke-gpu` on the prepared data (while the
 # reference trains); with WITH_TTT=0 neither side runs TTT. On a machine with one GPU the
 # two sides run on it one after the other. Ends with a table.
@@ -40,6 +40,9 @@ gpu1() {
     > "$logs/quantize.log" 2>&1 || tail -3 "$logs/quantize.log"
   run1() { local name=$1; shift; CUDA_VISIBLE_DEVICES=$ours wg "$@" --data "$work/data" --json \
              > "$logs/$name.json" 2> "$logs/$name.err" || tail -3 "$logs/$name.err"; }
+  # The first evaluation starts on empty compiler caches, as on a new machine.
+  rm -rf "$work/caches"
+  export TRITON_CACHE_DIR="$work/caches/triton" TORCHINDUCTOR_CACHE_DIR="$work/caches/inductor"
   run1 sliding_first eval "$work/ref_rtn.ptz" --stride 64
   if [ "$with_ttt" = 1 ]; then
     run1 ttt_reference_freezing eval-ttt "$work/ref_rtn.ptz" --no-ttt-freeze-bank-slices

@@ -1,16 +1,17 @@
 """Where the sliding evaluation's time goes on one GPU: compilation, steady batches, kernels.
 
     python bench/eval_profile.py --data DATA_DIR [--batch-seqs 256] [--batches 12] [--cold [--warm]]
-        [--variants compiled,compiled-autotune,eager] [--profile] [--phases] [--cprofile N]
+        [--variants fused,compiled,compiled-autotune,eager] [--profile] [--phases] [--cprofile N]
 
 Builds the default model (random weights: speed does not depend on them), takes batches of
 stride-64 windows from the middle of the validation tokens, and times each variant of the
 scorer: its first batch (compilation included) and the median of the next ones, projected
 to the whole validation set, with the peak memory per window. Variants:
 
-- compiled:          the scorer as `eval` runs it (Inductor without autotuning)
+- fused:             the scorer as `eval` runs it on CUDA (windowgpt's fused kernels)
+- compiled:          the whole forward through torch.compile (Inductor without autotuning)
 - compiled-autotune: Inductor's defaults (each element-wise kernel built twice and timed)
-- eager:             no compilation
+- eager:             the model's torch code, not compiled
 - a "-cudnn" suffix forces cuDNN attention;
 - "+nopm" turns Inductor's pattern-matching passes off, "+nolo" its loop reordering after
   fusion, "+cg" runs the graph as a CUDA graph, "+mat" lets Inductor time its own matrix
@@ -79,8 +80,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--data", type=Path, required=True, help="directory with fineweb_val_*.bin and tokenizer.model")
     p.add_argument("--batch-seqs", type=int, default=256)
     p.add_argument("--batches", type=int, default=12, help="timed batches after the first")
-    p.add_argument("--variants", default="compiled,eager",
-                   help="comma-separated: compiled, compiled-autotune, eager; each may end in -cudnn")
+    p.add_argument("--variants", default="fused,compiled,eager",
+                   help="comma-separated: fused, compiled, compiled-autotune, eager; each may end in -cudnn")
     p.add_argument("--cold", action="store_true", help="each variant in a fresh process with empty caches")
     p.add_argument("--warm", action="store_true", help="with --cold: then again on the caches the first run filled")
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the first batch's N slowest functions")
@@ -128,7 +129,7 @@ def print_kernels(scorer: WindowScorer, plan, batch: int) -> None:
     """The CUDA kernels of three batches of a warmed-up scorer, by total time."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         timed_batches(scorer, plan, batch, 2)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=110))
 
 
 class Bench:
@@ -165,7 +166,8 @@ class Bench:
         with attention:
             scorer = WindowScorer(self.model, self.tokens, self.luts, seq_len=self.seq_len, width=self.stride,
                                   batch_rows=a.batch_seqs, device=self.device,
-                                  compile_model=variant.startswith("compiled"), autotune="-autotune" in variant)
+                                  compile_model=variant.startswith("compiled"), fused=variant.startswith("fused"),
+                                  autotune="-autotune" in variant)
             first, steady = timed_batches(scorer, self.plan, a.batch_seqs, a.batches, a.cprofile)
             if a.profile:
                 print(f"{variant}: kernels of three batches", flush=True)

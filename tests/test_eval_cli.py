@@ -166,6 +166,14 @@ def test_batch_of_zero_fits_itself_and_a_negative_batch_is_an_error(eval_run_dir
                           "--batch-seqs -2")
 
 
+def test_fused_kernels_without_cuda(eval_run_dir, eval_data_dir):
+    """--fused asks for the CUDA kernels: on the CPU it is a one-line error, not a fallback."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    for stage in ("eval", "eval-ttt"):
+        assert_one_line_error(run_cli(stage, eval_run_dir, "--data", eval_data_dir, "--fused"), "--no-fused")
+
+
 def test_unknown_artifact(eval_data_dir, tmp_path):
     assert_one_line_error(run_cli("eval", tmp_path / "missing", "--data", eval_data_dir), "missing")
     not_a_model = tmp_path / "notes.ptz"

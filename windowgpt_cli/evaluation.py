@@ -23,6 +23,7 @@ the device until the end.
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from .config import ModelConfig, TTTConfig
 from .distributed import all_reduce_, average_gradients, is_initialized
 from .errors import ConfigError, DataError
 from .model import GPT, bank_slots
-from .runtime import autocast, compiled, synchronize
+from .runtime import autocast, compiled, fused_kernels_available, synchronize
 from .shards import check_vocab, list_shards, load_tokens
 from .tokenizer import ByteLuts
 
@@ -277,15 +278,22 @@ class WindowScorer:
     """
 
     def __init__(self, model: GPT, tokens: Tensor, luts: ByteLuts, *, seq_len: int, width: int, batch_rows: int,
-                 device: torch.device, compile_model: bool, autotune: bool = False):
+                 device: torch.device, compile_model: bool, fused: bool = False, autotune: bool = False):
         if batch_rows < 1:
             raise ConfigError(f"the evaluation batch ({batch_rows} windows) must hold at least one window")
         self.model, self.tokens, self.luts = model, tokens, luts
         self.seq_len, self.width, self.batch_rows, self.device = seq_len, width, batch_rows, device
-        # Logits leave the compiled graph in the autocast dtype and the loss is taken outside
-        # it, as the reference's sliding evaluation does: the same roundings, the same numbers.
-        # One pass over the data does not repay Inductor's autotuning (autotune=False).
-        self.logits_fn = compiled(model.logits_at, compile_model, autotune=autotune)
+        # Logits leave the forward in the autocast dtype and the loss is taken outside it, as
+        # the reference's sliding evaluation does: the same roundings, the same numbers.
+        # Fused, the forward's element-wise steps are ready-made kernels (seconds to build);
+        # otherwise the whole forward may be compiled, where one pass over the data does not
+        # repay Inductor's autotuning (autotune=False).
+        if fused:
+            from .kernels import FusedOps
+
+            self.logits_fn = functools.partial(model.logits_at, ops=FusedOps())
+        else:
+            self.logits_fn = compiled(model.logits_at, compile_model, autotune=autotune)
         self.window_offsets = torch.arange(seq_len, device=device)
         self.row_offsets = torch.arange(width, device=device)
 
@@ -345,16 +353,24 @@ def should_compile(compile_model: bool | None, device: torch.device) -> bool:
     return device.type == "cuda" if compile_model is None else compile_model
 
 
+def should_fuse(fused: bool | None, device: torch.device) -> bool:
+    """Whether sliding scoring runs the fused kernels: an explicit choice, by default where they can."""
+    if fused and not fused_kernels_available(device):
+        raise ConfigError("the fused kernels need a CUDA device and Triton; pass --no-fused")
+    return fused_kernels_available(device) if fused is None else fused
+
+
 def evaluate_sliding(model: GPT, val_tokens: Tensor, luts: ByteLuts, *, seq_len: int, stride: int,
                      device: torch.device, batch_seqs: int = 0, rank: int = 0, world_size: int = 1,
-                     score_once: bool = False, compile_model: bool | None = None,
+                     score_once: bool = False, compile_model: bool | None = None, fused: bool | None = None,
                      progress: BatchProgress | None = None) -> EvalResult:
     """The reference's `eval_val_sliding` (windows from `plan_windows`, min_length=1).
 
     The rank scores windows [W * rank // world, W * (rank + 1) // world); sums are
     all-reduced when torch.distributed is initialized. batch_seqs windows (rows; 0: as many as
-    fit, see `batch_windows`) go through the model at once; compile_model (default: on CUDA)
-    runs it through torch.compile.
+    fit, see `batch_windows`) go through the model at once, with the fused kernels (default:
+    where they can run, see `should_fuse`) or else through torch.compile with compile_model
+    (default: on CUDA).
     """
     start = _sync_clock(device)
     total_tokens = val_tokens.numel() - 1
@@ -362,7 +378,7 @@ def evaluate_sliding(model: GPT, val_tokens: Tensor, luts: ByteLuts, *, seq_len:
     plan = plan.select(slice(*rank_share(len(plan), rank, world_size)))
     scorer = WindowScorer(model, _device_tokens(val_tokens, device), luts.to(device), seq_len=seq_len, width=stride,
                           batch_rows=batch_windows(batch_seqs, model.cfg, seq_len, device), device=device,
-                          compile_model=should_compile(compile_model, device))
+                          compile_model=should_compile(compile_model, device), fused=should_fuse(fused, device))
     sums = scorer.score(plan, progress)
     all_reduce_(sums)
     return _result("sliding", sums, _sync_clock(device) - start, seq_len, stride, scorer.batch_rows)
@@ -479,8 +495,9 @@ def ttt_learning_rate(base_lr: float, chunk: int, num_chunks: int) -> float:
 
 def evaluate_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTConfig, *, seq_len: int, stride: int,
                  device: torch.device, batch_seqs: int = 0, rank: int = 0, world_size: int = 1,
-                 score_once: bool = False, compile_model: bool | None = None, compile_training: bool | None = None,
-                 on_chunk: Callable[[ChunkProgress], None] | None = None, log: Log | None = None) -> EvalResult:
+                 score_once: bool = False, compile_model: bool | None = None, fused: bool | None = None,
+                 compile_training: bool | None = None, on_chunk: Callable[[ChunkProgress], None] | None = None,
+                 log: Log | None = None) -> EvalResult:
     """The reference's `eval_val_sliding_ttt`: score-first test-time training.
 
     Windows (`plan_windows` with min_length=stride) go to the chunk of ttt_chunk_tokens
@@ -489,8 +506,9 @@ def evaluate_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTConfig,
     model trains on the chunk's whole sequences of seq_len for ttt_epochs epochs (batches of
     ttt_batch_seqs split over ranks, gradients averaged) with SGD and momentum at a cosine-
     decayed learning rate. Every target is therefore scored before any update that could have
-    seen it. The model's weights are changed. compile_model (default: on CUDA) compiles the
-    scoring forward, compile_training (default: off) the training step's: TTT trains a few
+    seen it. The model's weights are changed. Scoring runs the fused kernels (fused, default:
+    where they can run) or else compiles its forward with compile_model (default: on CUDA);
+    compile_training (default: off) compiles the training step's: TTT trains a few
     small batches per chunk in one pass over the data, too little to repay compiling a
     backward graph.
     `result.per_chunk` holds each chunk's sums; on_chunk sees running sums after each chunk.
@@ -510,7 +528,7 @@ def evaluate_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTConfig,
     tokens = _device_tokens(val_tokens, device)
     scorer = WindowScorer(model, tokens, luts.to(device), seq_len=seq_len, width=stride,
                           batch_rows=batch_windows(batch_seqs, model.cfg, seq_len, device), device=device,
-                          compile_model=compile_model)
+                          compile_model=compile_model, fused=should_fuse(fused, device))
     trainer = _ChunkTrainer(model, params, ttt, tokens, seq_len=seq_len, device=device, rank=rank,
                             world_size=world_size, compile_model=compile_training)
     chunk_sums = torch.zeros(num_chunks, 3, dtype=torch.float64, device=device)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import random
 import sys
 
@@ -77,6 +78,11 @@ def compiled(fn, enabled: bool = True, *, autotune: bool = True):
     if not enabled:
         return fn
     return _Compiled(fn, None if autotune else ONE_PASS_OPTIONS)
+
+
+def fused_kernels_available(device: torch.device) -> bool:
+    """Whether `kernels.FusedOps` can run here: CUDA with Triton."""
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
 def synchronize(device: torch.device) -> None:

@@ -18,9 +18,9 @@ from ..cli_support import console, err_console, user_errors_exit_1, with_config_
 from ..config import apply_overrides, validate
 from ..distributed import init_distributed, shutdown
 from ..errors import ConfigError
-from ..evaluation import ChunkProgress, evaluate_ttt, load_validation_tokens, should_compile
+from ..evaluation import ChunkProgress, evaluate_ttt, load_validation_tokens, should_compile, should_fuse
 from .evaluate import (ArtifactArg, AttnOption, BatchOption, CompileOption, DataOption, DeviceOption, EvalReport,
-                       JsonOption, ScoreOnceOption, TokenizerOption, check_eval_settings, eval_record,
+                       FusedOption, JsonOption, ScoreOnceOption, TokenizerOption, check_eval_settings, eval_record,
                        load_inputs, report, show_progress_bars)
 
 LOG_EVERY_CHUNKS = 10  # without a terminal, a line every this many chunks (as the reference)
@@ -31,8 +31,8 @@ Echo = Callable[[str], None]
 def ttt_evaluate_artifact(artifact: Path, data_dir: Path, *, ttt_overrides: dict[str, Any] | None = None,
                           stride: int | None = None, seq_len: int | None = None, batch_seqs: int | None = None,
                           tokenizer: Path | None = None, device: str = "auto", attn_backend: str = "auto",
-                          score_once: bool = False, compile_model: bool | None = None, show_progress: bool = False,
-                          echo: Echo | None = None) -> EvalReport:
+                          score_once: bool = False, compile_model: bool | None = None, fused: bool | None = None,
+                          show_progress: bool = False, echo: Echo | None = None) -> EvalReport:
     """Score the artifact with score-first TTT on DATA_DIR's validation shards.
 
     ttt_overrides ({field: value} of TTTConfig) change the artifact's saved TTT settings.
@@ -56,12 +56,12 @@ def ttt_evaluate_artifact(artifact: Path, data_dir: Path, *, ttt_overrides: dict
         # training (here: TTT window) and evaluation lengths.
         val_tokens = load_validation_tokens(data_dir, max(seq_len, cfg.eval.eval_seq_len), cfg.model.vocab_size)
         echo = echo if ctx.is_main else None
-        compiling = should_compile(compile_model, ctx.device)
+        compiling = should_fuse(fused, ctx.device) or should_compile(compile_model, ctx.device)
         with chunk_progress(show_progress and ctx.is_main, echo, compiling) as on_chunk:
             result = evaluate_ttt(inputs.model, val_tokens, inputs.luts, ttt, seq_len=seq_len, stride=stride,
                                   batch_seqs=batch_seqs, device=ctx.device, rank=ctx.rank,
                                   world_size=ctx.world_size, score_once=score_once, compile_model=compile_model,
-                                  on_chunk=on_chunk, log=echo)
+                                  fused=fused, on_chunk=on_chunk, log=echo)
         record = eval_record(result, inputs, Path(artifact))
         record["score_once"] = score_once
         record["ttt"] = dataclasses.asdict(ttt)
@@ -119,6 +119,7 @@ def command(
     attn_backend: AttnOption = "auto",
     score_once: ScoreOnceOption = False,
     compile_model: CompileOption = None,
+    fused: FusedOption = None,
     as_json: JsonOption = False,
     overrides: dict[str, dict[str, Any]] | None = None,
 ) -> None:
@@ -127,7 +128,7 @@ def command(
     out = ttt_evaluate_artifact(artifact, data, ttt_overrides=(overrides or {}).get("ttt"), stride=stride,
                                 seq_len=seq_len, batch_seqs=batch_seqs, tokenizer=tokenizer, device=device,
                                 attn_backend=attn_backend, score_once=score_once, compile_model=compile_model,
-                                show_progress=show_progress_bars(),
+                                fused=fused, show_progress=show_progress_bars(),
                                 echo=lambda line: log_console.print(line, highlight=False, soft_wrap=True))
     if out.is_main:
         report(out.record, "eval-ttt (score-first test-time training)", as_json)

@@ -23,7 +23,7 @@ from ..config import RunConfig
 from ..distributed import DistContext, init_distributed, shutdown
 from ..errors import ConfigError, DataError
 from ..evaluation import (EvalResult, batch_windows, evaluate_sliding, evaluate_standard, load_validation_tokens,
-                          should_compile)
+                          should_compile, should_fuse)
 from ..model import GPT
 from ..runtime import compiled, enable_fast_math
 from ..tokenizer import ByteLuts, load_byte_luts, resolve_tokenizer
@@ -136,7 +136,7 @@ class EvalReport:
 def evaluate_artifact(artifact: Path, data_dir: Path, *, stride: int | None = None, seq_len: int | None = None,
                       batch_seqs: int | None = None, tokenizer: Path | None = None, device: str = "auto",
                       attn_backend: str = "auto", score_once: bool = False, compile_model: bool | None = None,
-                      show_progress: bool = False) -> EvalReport:
+                      fused: bool | None = None, show_progress: bool = False) -> EvalReport:
     """Score the artifact on DATA_DIR's validation shards (standard or sliding evaluation)."""
     ctx = init_distributed(device)
     try:
@@ -149,9 +149,11 @@ def evaluate_artifact(artifact: Path, data_dir: Path, *, stride: int | None = No
         # As the reference: the tokens are cut to whole sequences of the longer of the
         # training and evaluation lengths.
         val_tokens = load_validation_tokens(data_dir, max(cfg.train.train_seq_len, seq_len), cfg.model.vocab_size)
+        standard = stride == 0 or stride == seq_len
         compile_model = should_compile(compile_model, ctx.device)
-        with batch_progress(show_progress and ctx.is_main, "eval", compiling=compile_model) as progress:
-            if stride == 0 or stride == seq_len:
+        compiling = compile_model or (not standard and should_fuse(fused, ctx.device))
+        with batch_progress(show_progress and ctx.is_main, "eval", compiling=compiling) as progress:
+            if standard:
                 loss_fn = compiled(inputs.model, compile_model, autotune=False)
                 batch = batch_windows(batch_seqs, cfg.model, seq_len, ctx.device, full_logits=True)
                 result = evaluate_standard(loss_fn, val_tokens, inputs.luts, seq_len=seq_len,
@@ -161,7 +163,7 @@ def evaluate_artifact(artifact: Path, data_dir: Path, *, stride: int | None = No
                 result = evaluate_sliding(inputs.model, val_tokens, inputs.luts, seq_len=seq_len, stride=stride,
                                           batch_seqs=batch_seqs, device=ctx.device, rank=ctx.rank,
                                           world_size=ctx.world_size, score_once=score_once,
-                                          compile_model=compile_model, progress=progress)
+                                          compile_model=compile_model, fused=fused, progress=progress)
         record = eval_record(result, inputs, Path(artifact))
         if result.mode == "sliding":
             record["score_once"] = score_once
@@ -200,6 +202,9 @@ ScoreOnceOption = Annotated[bool, typer.Option(
     "in each of its final, shorter windows; by default so does this, to give its numbers.")]
 CompileOption = Annotated[Optional[bool], typer.Option(
     "--compile/--no-compile", help="torch.compile the model (default: on CUDA).", show_default=False)]
+FusedOption = Annotated[Optional[bool], typer.Option(
+    "--fused/--no-fused", help="Score sliding windows with windowgpt's fused GPU kernels (default: on CUDA with "
+    "Triton); --no-fused runs the model's torch code, compiled with --compile.", show_default=False)]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print the results as JSON on stdout (and nothing else).")]
 
 
@@ -221,11 +226,12 @@ def command(
     attn_backend: AttnOption = "auto",
     score_once: ScoreOnceOption = False,
     compile_model: CompileOption = None,
+    fused: FusedOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Score an artifact on the validation shards: val_loss and val_bpb (standard or sliding window)."""
     out = evaluate_artifact(artifact, data, stride=stride, seq_len=seq_len, batch_seqs=batch_seqs,
                             tokenizer=tokenizer, device=device, attn_backend=attn_backend, score_once=score_once,
-                            compile_model=compile_model, show_progress=show_progress_bars())
+                            compile_model=compile_model, fused=fused, show_progress=show_progress_bars())
     if out.is_main:
         report(out.record, f"eval ({out.result.mode})", as_json)
