@@ -3,9 +3,9 @@
 `FusedOps` runs `model.TorchOps`'s steps with one kernel each: every step reads its inputs
 once and writes its outputs once, in float32 arithmetic rounded where the torch steps round
 under bf16 autocast (the inputs of matrix products and of the attention). The matrix
-products and the attention stay cuBLAS's and cuDNN's. Compiling these few small kernels
-takes seconds where compiling the whole forward takes tens of seconds, and they run as
-fast as the whole forward compiled, so sliding evaluation scores with them on CUDA.
+products and the attention stay cuBLAS's and cuDNN's. These few small kernels build in
+seconds where compiling the whole forward takes tens of seconds, and a batch runs within
+about 10% of the compiled forward's time, so sliding evaluation scores with them on CUDA.
 
 Inference only (no autograd). Triton is imported here alone; `runtime.fused_kernels_available`
 says whether they can run.
