@@ -1,8 +1,9 @@
 """The fused kernels compute the model's own element-wise steps (`TorchOps`).
 
-On the CPU the kernels run in Triton's interpreter (where Triton is installed); it rounds
-to bfloat16 its own way, so kernel and torch agree to a bfloat16 step or two. On CUDA
-(tests marked gpu) they are compared compiled, at the model's full size.
+They round where the compiled forward stores a tensor, not after every operation as eager
+torch does, and on the CPU they run in Triton's interpreter (where Triton is installed),
+which rounds to bfloat16 its own way: kernel and torch agree to a bfloat16 step or two. On
+CUDA (tests marked gpu) they are compared with the compiled model at its full size.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from windowgpt_cli.config import RunConfig
-from windowgpt_cli.model import TORCH_OPS, Residual, build_model, rotary_inv_freq, rotary_tables
+from windowgpt_cli.model import TORCH_OPS, Residual, ValueInjection, build_model, rotary_inv_freq, rotary_tables, smear
 
 from test_model import perturbed_tiny
 
@@ -22,6 +23,9 @@ if importlib.util.find_spec("triton") is None:
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
 
+import triton  # noqa: E402
+
+from windowgpt_cli import kernels  # noqa: E402
 from windowgpt_cli.kernels import FusedOps  # noqa: E402
 
 FUSED = FusedOps()
@@ -34,31 +38,62 @@ def close(fused: torch.Tensor, reference: torch.Tensor, steps: float = BF16_STEP
 
 
 @pytest.fixture
-def stream() -> tuple[Residual, torch.Tensor, torch.Tensor]:
+def embedded():
+    """x0 both ways for a small batch: (fused, torch)."""
     torch.manual_seed(0)
-    b, t, d = 2, 5, 48  # a width that is not a power of two: masked columns
-    stream = Residual(torch.randn(b, t, d), torch.randn(b, t, d).bfloat16(), torch.randn(d),
-                      torch.randn(b, t, d), torch.randn(d))
-    return stream, torch.randn(b, t, d), torch.randn(2, d)
+    b, t, d, vocab = 2, 5, 48, 11  # a width that is not a power of two: masked columns
+    ids, table = torch.randint(0, vocab, (b, t)), torch.randn(vocab, d)
+    bigram, scale, gate = torch.randn(b, t, d).bfloat16(), torch.tensor(0.3), torch.randn(d)
+    return FUSED.embed(ids, table, bigram, scale, gate), TORCH_OPS.embed(ids, table, bigram, scale, gate)
 
 
-def test_block_input_forms_the_sum_mixes_and_norms(stream):
-    residual, x0, mix = stream
-    factor = torch.tensor(0.7)
-    kept, x_in, normed = FUSED.block_input(residual, x0, mix, factor, keep_sum=True)
-    ref_kept, ref_in, ref_normed = TORCH_OPS.block_input(residual, x0, mix, factor, keep_sum=True)
-    assert torch.allclose(kept, ref_kept, atol=1e-5) and torch.allclose(x_in, ref_in, atol=1e-5)
-    assert normed.dtype == torch.bfloat16 and close(normed, ref_normed)
-    assert FUSED.block_input(residual, x0, mix, factor, keep_sum=False)[0] is None
+def test_embed_norms_and_leaves_the_smear_to_its_readers(embedded):
+    fused, reference = embedded
+    assert close(smear(fused.normed, fused.gate), reference)
+    ids, table = torch.tensor([[2, 0, 1]]), torch.randn(3, 16)  # no bigram table
+    assert close(FUSED.embed(ids, table, None, None, torch.zeros(16)).normed,
+                 torch.nn.functional.rms_norm(table[ids], (16,)))
 
 
-def test_residual_and_final_norms(stream):
-    residual, _, _ = stream
-    for partial in (Residual(residual.base), Residual(residual.base, residual.delta, residual.delta_scale), residual):
-        out, normed = FUSED.residual_norm(partial, torch.tensor(0.5))
-        ref_out, ref_normed = TORCH_OPS.residual_norm(partial, torch.tensor(0.5))
-        assert torch.allclose(out, ref_out, atol=1e-5) and close(normed, ref_normed)
-        assert close(FUSED.final_norm(partial), TORCH_OPS.final_norm(partial))
+def _streams(x_in: torch.Tensor) -> list[Residual]:
+    torch.manual_seed(4)
+    b, t, d = x_in.shape
+    attn, mlp, skip = (torch.randn(b, t, d).bfloat16() for _ in range(3))
+    scale_a, scale_m, weight = torch.randn(d), torch.randn(d), torch.randn(d)
+    base = Residual(x_in).plus(attn, scale_a).plus(mlp, scale_m)
+    return [Residual(x_in), Residual(x_in).plus(attn, scale_a), base, base.plus_skip(skip, weight),
+            base.plus_skip(None, weight)]
+
+
+def test_block_input_forms_the_sum_mixes_and_norms(embedded):
+    fused_x0, x0 = embedded
+    mix, factor = torch.randn(2, x0.size(-1)), torch.tensor(0.7)
+    streams = [(Residual(fused_x0), Residual(x0))] + [(s, s) for s in _streams(torch.randn_like(x0))]
+    for fused_stream, stream in streams:
+        kept, x_in, normed = FUSED.block_input(fused_stream, fused_x0, mix, factor, keep_sum=True)
+        ref_kept, ref_in, ref_normed = TORCH_OPS.block_input(stream, x0, mix, factor, keep_sum=True)
+        assert close(kept, ref_kept) and close(x_in, ref_in) and kept.dtype == x_in.dtype == x0.dtype
+        assert normed.dtype == torch.bfloat16 and close(normed, ref_normed)
+        assert FUSED.block_input(fused_stream, fused_x0, mix, factor, keep_sum=False)[0] is None
+
+
+def test_residual_and_final_norms(embedded):
+    for stream in _streams(torch.randn_like(embedded[1])):
+        same, normed = FUSED.residual_norm(stream, torch.tensor(0.5))
+        assert same is stream and close(normed, TORCH_OPS.residual_norm(stream, torch.tensor(0.5))[1])
+        assert close(FUSED.final_norm(stream), TORCH_OPS.final_norm(stream))
+
+
+def test_values_add_the_value_embedding():
+    torch.manual_seed(5)
+    v, projected = torch.randn(2, 3, 32).bfloat16(), torch.randn(2, 3, 32).bfloat16()
+    injection = ValueInjection(projected, torch.tensor(0.1), torch.tensor([0.8]))
+    for_attention, for_xsa = FUSED.values(v, injection)
+    exact = ValueInjection(projected.float(), injection.scale, injection.layer_scale)  # no bf16 product
+    reference = TORCH_OPS.values(v.float(), exact)[0]
+    assert for_attention.dtype == v.dtype and for_xsa.dtype == torch.float32
+    assert torch.allclose(for_xsa, reference, atol=1e-6) and close(for_attention, reference)
+    assert FUSED.values(v, None) == (v, v)
 
 
 @pytest.mark.parametrize("rope_dims", [8, 0])  # part of each head rotated, or all of it
@@ -108,28 +143,49 @@ def test_the_model_scores_the_same_with_fused_steps():
     assert abs(loss[0] - loss[1]) < 1e-3
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fused_steps_match_the_compiled_model_on_cuda():
-    """The full-size model on CUDA: fused and compiled logits agree to bfloat16 precision and
-    their mean losses over 2048 predictions to 1e-4 nats (a logit's rounding may go the other
-    way: 1/16 at 8 for bfloat16)."""
+@pytest.fixture(scope="module")
+def cuda_model():
+    """The full-size model on CUDA, every weight (gates and scales too) off its initial value."""
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = build_model(RunConfig().model, device)
     with torch.no_grad():
         for p in model.parameters():
-            if p.ndim >= 2:
-                p.normal_(std=0.02)
+            p.add_(torch.randn_like(p), alpha=0.02)
     model.set_attention_backend("auto", device)
-    x = torch.randint(0, model.cfg.vocab_size, (32, 2048), device=device)
-    positions = torch.arange(2048 - 64, 2048, device=device).expand(32, 64).contiguous()
-    targets = torch.randint(0, model.cfg.vocab_size, positions.shape, device=device)
-    compiled = torch.compile(model.logits_at, dynamic=False, fullgraph=True)
+    return model
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_warm_up_builds_every_kernel_that_scoring_runs(cuda_model):
+    """After `warm_up` (parallel builds on one window), a scoring forward of another batch
+    size builds nothing more. (The first GPU test of this module: nothing is built before.)"""
+    jitted = [k for k in vars(kernels).values() if isinstance(k, triton.runtime.JITFunction)]
+
+    def built() -> int:
+        return sum(len(caches[0]) for kernel in jitted for caches in kernel.device_caches.values())
+
+    FUSED.warm_up(cuda_model, 2048, 64)
+    after_warm_up = built()
+    x = torch.randint(0, cuda_model.cfg.vocab_size, (3, 2048), device="cuda")
+    positions = torch.arange(64, device="cuda").expand(3, 64).contiguous()
     with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
-        fused = model.logits_at(x, positions, ops=FUSED)
-        reference = compiled(x, positions)
-    assert close(fused, reference)
+        cuda_model.logits_at(x, positions, ops=FUSED)
+    assert after_warm_up >= 7 and built() == after_warm_up
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_scoring_matches_the_compiled_model_on_cuda(cuda_model):
+    """Logits at chosen positions (the last block pruned to them): within two bf16 steps of
+    the compiled model's, and the mean losses over 2048 predictions within 1e-4 nats."""
+    x = torch.randint(0, cuda_model.cfg.vocab_size, (32, 2048), device="cuda")
+    positions = torch.arange(2048 - 64, 2048, device="cuda").expand(32, 64).contiguous()
+    targets = torch.randint(0, cuda_model.cfg.vocab_size, positions.shape, device="cuda")
+    compiled = torch.compile(cuda_model.logits_at, dynamic=False, fullgraph=True)
+    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+        fused, reference = cuda_model.logits_at(x, positions, ops=FUSED), compiled(x, positions)
     loss = [torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
             for logits in (fused, reference)]
-    assert abs(loss[0] - loss[1]).item() < 1e-4
+    assert close(fused, reference) and abs(loss[0] - loss[1]).item() < 1e-4

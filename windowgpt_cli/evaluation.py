@@ -291,7 +291,9 @@ class WindowScorer:
         if fused:
             from .kernels import FusedOps
 
-            self.logits_fn = functools.partial(model.logits_at, ops=FusedOps())
+            ops = FusedOps()
+            ops.warm_up(model, seq_len, width)
+            self.logits_fn = functools.partial(model.logits_at, ops=ops)
         else:
             self.logits_fn = compiled(model.logits_at, compile_model, autotune=autotune)
         self.window_offsets = torch.arange(seq_len, device=device)

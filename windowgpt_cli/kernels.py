@@ -1,110 +1,190 @@
 """Fused GPU kernels for the element-wise steps of an inference forward (Triton).
 
 `FusedOps` runs `model.TorchOps`'s steps with one kernel each: every step reads its inputs
-once and writes its outputs once, in float32 arithmetic rounded where the torch steps round
-under bf16 autocast (the inputs of matrix products and of the attention). The matrix
-products and the attention stay cuBLAS's and cuDNN's. These few small kernels build in
-seconds where compiling the whole forward takes tens of seconds, and a batch runs within
-about 10% of the compiled forward's time, so sliding evaluation scores with them on CUDA.
+once and writes its outputs once. The matrix products and the attention stay cuBLAS's and
+cuDNN's. These few small kernels, built in parallel (`FusedOps.warm_up`), take a second or
+two where compiling the whole forward takes tens of seconds, so sliding evaluation scores
+with them on CUDA.
+
+They round as the compiled forward does (Inductor, which the reference's own evaluation
+runs): arithmetic in float32 from the stored values, rounded only where the compiled forward
+stores a tensor. So the residual stream is summed afresh from its bf16 parts where it is
+read, x0 is formed again from the normed embedding in every block, and a rotation's four
+products are each rounded before their sums. On the reference's weights, sliding evaluation
+then gives the reference's val_bpb to within 1e-8; eager torch, which rounds after every
+operation, is 3e-5 away.
 
 Inference only (no autograd). Triton is imported here alone; `runtime.fused_kernels_available`
 says whether they can run.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from .model import Residual, TorchOps
+from .model import GPT, Residual, TorchOps, ValueInjection, rotary_inv_freq, rotary_tables
 
 FLOAT32_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's default epsilon for float32
 NORMALIZE_EPS = 1e-12  # F.normalize's
 # Rows per program: a program per row of a million-row batch would spend its time starting.
-STREAM_ROWS = 8  # rows of the residual stream (model_dim wide)
-HEAD_ROWS = 64  # rows of one head (head_dim wide)
+STREAM_ROWS, STREAM_WARPS = 4, 4  # rows of the residual stream (model_dim wide), warps per program
+HEAD_ROWS, HEAD_WARPS = 32, 4  # rows of one head (head_dim wide)
+ELEMENTS = 4096  # elements per program of an element-wise kernel
 
 
 # --- Kernels -----------------------------------------------------------------------------
 
 @triton.jit
-def _stream_norm_kernel(base_ptr, delta_ptr, delta_scale_ptr, skip_ptr, skip_weight_ptr, x0_ptr, mix_ptr,
-                        factor_ptr, sum_ptr, out_ptr, normed_ptr, rows, width, eps,
-                        HAS_DELTA: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_MIX: tl.constexpr,
-                        STORE_SUM: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """ROWS rows of the residual stream: x = base + delta_scale * delta + skip_weight * skip
-    (stored in sum_ptr with STORE_SUM); with HAS_MIX, out = mix[0] * x + mix[1] * x0, else
-    out = x; normed = bf16(rms_norm(out) * factor)."""
+def _embed_kernel(ids_ptr, table_ptr, extra_ptr, extra_scale_ptr, out_ptr, rows, width, eps,
+                  HAS_EXTRA: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """ROWS positions: n = rms_norm(table[id] + extra * extra_scale), stored in out's dtype."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
-    mask = (row < rows) & (cols < width)
-    offsets = row * width + cols
-    x = tl.load(base_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    if HAS_DELTA:
-        scale = tl.load(delta_scale_ptr + cols, mask=cols < width, other=0.0)
-        x = x + scale * tl.load(delta_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SKIP:
-        weight = tl.load(skip_weight_ptr + cols, mask=cols < width, other=0.0)
-        x = x + weight * tl.load(skip_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    if STORE_SUM:
-        tl.store(sum_ptr + offsets, x, mask=mask)
-    if HAS_MIX:
-        mix_x = tl.load(mix_ptr + cols, mask=cols < width, other=0.0)
-        mix_x0 = tl.load(mix_ptr + width + cols, mask=cols < width, other=0.0)
-        x = mix_x * x + mix_x0 * tl.load(x0_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offsets, x, mask=mask)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / width + eps)
-    factor = tl.load(factor_ptr)
-    tl.store(normed_ptr + offsets, (x * inv_rms[:, None] * factor).to(tl.bfloat16), mask=mask)
+    live = row < rows
+    mask = live & (cols < width)
+    token = tl.load(ids_ptr + row, mask=live, other=0).to(tl.int64)
+    x = tl.load(table_ptr + token * width + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_EXTRA:
+        x = x + tl.load(extra_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(extra_scale_ptr)
+    inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / width + eps)
+    tl.store(out_ptr + row * width + cols, x * inv_rms[:, None], mask=mask)
 
 
 @triton.jit
+def _x0_rows(n_ptr, gate_ptr, row, cols, mask, col_mask, rows_per_seq, width):
+    """x0 at these rows: the normed embedding n blended with the previous position's through
+    the SmearGate, (1 - g) * n + g * n_prev (zeros before a sequence's first position)."""
+    g = tl.sigmoid(tl.load(gate_ptr + cols, mask=col_mask, other=0.0).to(tl.float32))
+    n = tl.load(n_ptr + row * width + cols, mask=mask, other=0.0).to(tl.float32)
+    n_prev = tl.load(n_ptr + (row - 1) * width + cols, mask=mask & (row % rows_per_seq != 0), other=0.0)
+    return (1.0 - g) * n + g * n_prev.to(tl.float32)
+
+
+# What a `_stream_norm_kernel` call does: a bit mask, read at run time, so that one compiled
+# kernel serves every block (each variant would cost a compilation on a fresh machine).
+_BASE_IS_X0: tl.constexpr = tl.constexpr(1)
+_NEEDS_X0: tl.constexpr = tl.constexpr(2)
+_DELTA1: tl.constexpr = tl.constexpr(4)
+_DELTA2: tl.constexpr = tl.constexpr(8)
+_SKIP_TENSOR: tl.constexpr = tl.constexpr(16)
+_SKIP_ITSELF: tl.constexpr = tl.constexpr(32)
+_MIX: tl.constexpr = tl.constexpr(64)
+_KEEP: tl.constexpr = tl.constexpr(128)
+
+
+@triton.jit(do_not_specialize=["mode"])
+def _stream_norm_kernel(base_ptr, delta1_ptr, scale1_ptr, delta2_ptr, scale2_ptr, skip_ptr, skip_weight_ptr,
+                        n_ptr, gate_ptr, mix_ptr, factor_ptr, kept_ptr, x_in_ptr, normed_ptr,
+                        rows, rows_per_seq, width, eps, mode, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """ROWS rows of the residual stream: x = base + scale1 * delta1 + scale2 * delta2, plus
+    skip_weight * skip (_SKIP_TENSOR) or skip_weight * x (_SKIP_ITSELF), stored in kept with
+    _KEEP; with _MIX, x = mix[0] * x + mix[1] * x0, stored in x_in; then normed =
+    rms_norm(x) * factor. With _NEEDS_X0, x0 is formed from n and the gate (and is the base
+    with _BASE_IS_X0)."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    col_mask = cols < width
+    mask = (row < rows) & col_mask
+    offsets = row * width + cols
+    x0 = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+    if (mode & _NEEDS_X0) != 0:
+        x0 = _x0_rows(n_ptr, gate_ptr, row, cols, mask, col_mask, rows_per_seq, width)
+    if (mode & _BASE_IS_X0) != 0:
+        x = x0
+    else:
+        x = tl.load(base_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if (mode & _DELTA1) != 0:
+        x = x + tl.load(scale1_ptr + cols, mask=col_mask, other=0.0) * tl.load(
+            delta1_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if (mode & _DELTA2) != 0:
+        x = x + tl.load(scale2_ptr + cols, mask=col_mask, other=0.0) * tl.load(
+            delta2_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if (mode & _SKIP_TENSOR) != 0:
+        x = x + tl.load(skip_weight_ptr + cols, mask=col_mask, other=0.0) * tl.load(
+            skip_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if (mode & _SKIP_ITSELF) != 0:
+        x = x + tl.load(skip_weight_ptr + cols, mask=col_mask, other=0.0) * x
+    if (mode & _KEEP) != 0:
+        tl.store(kept_ptr + offsets, x, mask=mask)
+    if (mode & _MIX) != 0:
+        x = tl.load(mix_ptr + cols, mask=col_mask, other=0.0) * x + tl.load(
+            mix_ptr + width + cols, mask=col_mask, other=0.0) * x0
+        tl.store(x_in_ptr + offsets, x, mask=mask)
+    inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / width + eps)
+    tl.store(normed_ptr + offsets, x * inv_rms[:, None] * tl.load(factor_ptr), mask=mask)
+
+
+@triton.jit(do_not_specialize=["heads", "has_gain"])
 def _head_prep_kernel(x_ptr, cos_ptr, sin_ptr, gain_ptr, out_ptr, rows, rows_per_seq, cos_seq_stride,
-                      cos_row_stride, eps, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr,
-                      HAS_GAIN: tl.constexpr, ROWS: tl.constexpr):
-    """ROWS heads (a row is one head at one position, HEADS rows per position, contiguous):
+                      cos_row_stride, eps, heads, has_gain, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr,
+                      ROWS: tl.constexpr):
+    """ROWS heads (a row is one head at one position, `heads` rows per position, contiguous):
     each normed, its first 2 * ROPE_HALF channels rotated (pairs c, c + ROPE_HALF), times its
-    gain; stored contiguous in bf16."""
+    gain if has_gain. A rotated channel is the sum of two products, each rounded to out's
+    dtype first."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     col = tl.arange(0, HEAD_DIM)[None, :]
     live = row < rows
-    position, head = row // HEADS, row % HEADS
+    position, head = row // heads, row % heads
     seq, pos = position // rows_per_seq, position % rows_per_seq
     in_first = col < ROPE_HALF
     rotated = col < 2 * ROPE_HALF
-    partner = tl.where(in_first, col + ROPE_HALF, tl.where(rotated, col - ROPE_HALF, col))
     x = tl.load(x_ptr + row * HEAD_DIM + col, mask=live, other=0.0).to(tl.float32)
-    x_partner = tl.load(x_ptr + row * HEAD_DIM + partner, mask=live, other=0.0).to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+    # each channel's partner (c + ROPE_HALF or c - ROPE_HALF): the halves of every group of
+    # 2 * ROPE_HALF channels swapped in registers (only the first group's are used)
+    groups = tl.reshape(x, (ROWS, HEAD_DIM // (2 * ROPE_HALF), 2, ROPE_HALF))
+    x_partner = tl.reshape(tl.flip(groups, 2), (ROWS, HEAD_DIM))
+    inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
     x, x_partner = x * inv_rms, x_partner * inv_rms
     table = seq * cos_seq_stride + pos * cos_row_stride + tl.where(in_first, col, col - ROPE_HALF)
     cos = tl.load(cos_ptr + table, mask=live & rotated, other=1.0)
     sin = tl.load(sin_ptr + table, mask=live & rotated, other=0.0)
     # (x1, x2) -> (x1 cos + x2 sin, x1 (-sin) + x2 cos), x1 the first channel of a pair
-    out = tl.where(in_first, x * cos + x_partner * sin, tl.where(rotated, x_partner * (-sin) + x * cos, x))
-    if HAS_GAIN:
+    dtype = out_ptr.dtype.element_ty
+    first = (x * cos).to(dtype).to(tl.float32) + (x_partner * sin).to(dtype).to(tl.float32)
+    second = (x_partner * -sin).to(dtype).to(tl.float32) + (x * cos).to(dtype).to(tl.float32)
+    out = tl.where(in_first, first, tl.where(rotated, second, x))
+    if has_gain:
         out = out * tl.load(gain_ptr + head, mask=live, other=0.0)
-    tl.store(out_ptr + row * HEAD_DIM + col, out.to(tl.bfloat16), mask=live)
+    tl.store(out_ptr + row * HEAD_DIM + col, out, mask=live)
 
 
 @triton.jit
+def _values_kernel(v_ptr, projected_ptr, scale_ptr, layer_scale_ptr, attn_ptr, xsa_ptr, numel, BLOCK: tl.constexpr):
+    """v + projected * scale * layer_scale, stored twice: for the attention (attn's dtype) and
+    for XSA (xsa's, float32)."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    projected = tl.load(projected_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    v = v + projected * tl.load(scale_ptr) * tl.load(layer_scale_ptr)
+    tl.store(attn_ptr + offsets, v, mask=mask)
+    tl.store(xsa_ptr + offsets, v, mask=mask)
+
+
+@triton.jit(do_not_specialize=["heads", "group"])
 def _exclude_self_value_kernel(y_ptr, v_ptr, out_ptr, rows, rows_per_seq, y_seq_stride, y_row_stride,
-                               y_head_stride, v_seq_stride, v_row_stride, v_head_stride, eps,
-                               HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                               ROWS: tl.constexpr):
+                               y_head_stride, v_seq_stride, v_row_stride, v_head_stride, eps, heads, group,
+                               HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
     """XSA for ROWS heads (a row is one head at one position): each head's output minus its
     component along its group's normalized value; stored contiguous in bf16."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     col = tl.arange(0, HEAD_DIM)[None, :]
     live = row < rows
-    position, head = row // HEADS, row % HEADS
+    position, head = row // heads, row % heads
     seq, pos = position // rows_per_seq, position % rows_per_seq
     y = tl.load(y_ptr + seq * y_seq_stride + pos * y_row_stride + head * y_head_stride + col, mask=live, other=0.0)
-    v = tl.load(v_ptr + seq * v_seq_stride + pos * v_row_stride + (head // GROUP) * v_head_stride + col,
+    v = tl.load(v_ptr + seq * v_seq_stride + pos * v_row_stride + (head // group) * v_head_stride + col,
                 mask=live, other=0.0)
     y, v = y.to(tl.float32), v.to(tl.float32)
-    v_unit = v / tl.maximum(tl.sqrt(tl.sum(v * v, axis=1)), eps)[:, None]
+    v_unit = v / tl.maximum(tl.sqrt_rn(tl.sum(v * v, axis=1)), eps)[:, None]
     projection = tl.sum(y * v_unit, axis=1)[:, None] * v_unit
     tl.store(out_ptr + row * HEAD_DIM + col, (y - projection).to(tl.bfloat16), mask=live)
 
@@ -115,90 +195,174 @@ def _leaky_square_kernel(h_ptr, out_ptr, numel, negative_slope, BLOCK: tl.conste
     mask = offsets < numel
     h = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     leaky = tl.where(h > 0, h, h * negative_slope)
-    leaky = leaky.to(h_ptr.dtype.element_ty).to(tl.float32)  # leaky_relu's output has h's dtype
     tl.store(out_ptr + offsets, (leaky * leaky).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # --- The steps ---------------------------------------------------------------------------
 
+@dataclass
+class SmearedEmbedding:
+    """x0 as `FusedOps` passes it: the normed embedding [B, T, D] and the SmearGate's gate.
+    The kernels that read x0 blend each position with the previous one themselves."""
+
+    normed: Tensor
+    gate: Tensor
+
+
 class FusedOps(TorchOps):
     """`TorchOps` with its per-layer steps as fused kernels (CUDA, inference, bf16 autocast).
 
     Outputs that feed a matrix product or the attention are bf16, as autocast would cast
-    them there; the residual stream stays float32. The stream's sum on its own (once per
-    forward) and the soft cap keep torch's code."""
+    them there; the residual stream's stored parts (a block's input, a kept skip) have the
+    embedding table's dtype, as the stream has in torch."""
 
-    def block_input(self, stream: Residual, x0: Tensor, mix: Tensor, factor: Tensor,
+    def warm_up(self, model: GPT, seq_len: int, queries: int) -> None:
+        """Build every kernel that scoring windows of seq_len with `queries` predictions per
+        row runs, each on one window of zeros, in parallel threads: a build mostly waits on
+        Triton's ptxas and C compiler processes, so the builds overlap, where a first forward
+        would run them one after another. Arguments keep the real ones' dtypes and shapes'
+        divisibility, so the real calls find the kernels built."""
+        cfg, table = model.cfg, model.tok_emb.weight.detach()
+        device, width = table.device, table.size(1)
+        activations = functools.partial(torch.zeros, device=device, dtype=torch.bfloat16)
+        ids = torch.zeros(1, seq_len, dtype=torch.long, device=device)
+        x0 = SmearedEmbedding(torch.zeros(1, seq_len, width, device=device, dtype=table.dtype),
+                              _float32(model.smear.gate, table))
+        block = model.blocks[0]
+        inv_freq = rotary_inv_freq(model.rotary_dims, cfg.rope_base, seq_len, cfg.rope_train_seq_len, device=device)
+        cos, sin = rotary_tables(seq_len, inv_freq)
+        y = activations(1, queries, cfg.num_heads, cfg.head_dim)
+        tasks = [
+            lambda: self.embed(ids, table, activations(1, seq_len, width) if model.bigram is not None else None,
+                               model.bigram.scale if model.bigram is not None else None, model.smear.gate),
+            lambda: self.block_input(Residual(x0), x0, block.resid_mix, block.ln_scale_factor, keep_sum=True),
+            lambda: self.head_prep(activations(1, seq_len, cfg.num_heads, cfg.head_dim), cos, sin, cfg.rope_dims,
+                                   block.attn.q_gain),
+            lambda: self.leaky_square(activations(1, seq_len, cfg.mlp_dim), cfg.negative_slope),
+        ]
+        if cfg.xsa_last_n > 0:  # values in bf16, and in float32 where a value embedding was added
+            dtypes = (torch.bfloat16, torch.float32) if model.ve_shared is not None else (torch.bfloat16,)
+            tasks.append(lambda: [self.exclude_self_value(y, torch.zeros(1, queries, cfg.num_kv_heads, cfg.head_dim,
+                                                                         device=device, dtype=dtype))
+                                  for dtype in dtypes])
+        if model.ve_shared is not None:
+            tasks.append(lambda: self.values(activations(1, seq_len, cfg.kv_dim), ValueInjection(
+                activations(1, seq_len, cfg.kv_dim), model.ve_shared.scale, model.ve_layer_scales[0])))
+
+        def run(task):
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), \
+                    torch.inference_mode():
+                task()
+
+        with ThreadPoolExecutor(max_workers=len(tasks)) as pool:
+            for future in [pool.submit(run, task) for task in tasks]:
+                future.result()
+
+    def embed(self, ids: Tensor, table: Tensor, bigram: Tensor | None, bigram_scale: Tensor | None,
+              gate: Tensor) -> SmearedEmbedding:
+        width = table.size(1)
+        normed = torch.empty(*ids.shape, width, device=ids.device, dtype=table.dtype)
+        rows = ids.numel()
+        _embed_kernel[(triton.cdiv(rows, STREAM_ROWS),)](
+            ids.contiguous(), table.contiguous(), bigram.contiguous() if bigram is not None else normed,
+            _float32(bigram_scale, normed), normed, rows, width, FLOAT32_EPS, HAS_EXTRA=bigram is not None,
+            ROWS=STREAM_ROWS, BLOCK=triton.next_power_of_2(width), num_warps=STREAM_WARPS)
+        return SmearedEmbedding(normed, gate.detach().float().contiguous())
+
+    def block_input(self, stream: Residual, x0: SmearedEmbedding, mix: Tensor, factor: Tensor,
                     keep_sum: bool) -> tuple[Tensor | None, Tensor, Tensor]:
-        kept = torch.empty_like(stream.base, dtype=torch.float32) if keep_sum else None
-        x_in, normed = _stream_norm(stream, factor, x0=x0, mix=mix, kept=kept)
+        kept = torch.empty_like(x0.normed) if keep_sum else None
+        x_in = torch.empty_like(x0.normed)
+        normed = _stream_norm(stream, x0, factor, mix=mix, kept=kept, x_in=x_in)
         return kept, x_in, normed
 
-    def residual_norm(self, stream: Residual, factor: Tensor) -> tuple[Tensor, Tensor]:
-        return _stream_norm(stream, factor)
+    def residual_norm(self, stream: Residual, factor: Tensor) -> tuple[Residual, Tensor]:
+        return stream, _stream_norm(stream, None, factor)
 
     def final_norm(self, stream: Residual) -> Tensor:
-        return _stream_norm(stream, torch.ones((), device=stream.base.device))[1]
+        return _stream_norm(stream, None, None)
+
+    def values(self, v: Tensor, injection: ValueInjection | None) -> tuple[Tensor, Tensor]:
+        if injection is None:
+            return v, v
+        v, projected = v.contiguous(), injection.projected.contiguous()
+        for_attention, for_xsa = torch.empty_like(v), torch.empty_like(v, dtype=torch.float32)
+        _values_kernel[(triton.cdiv(v.numel(), ELEMENTS),)](
+            v, projected, _float32(injection.scale, v), _float32(injection.layer_scale, v), for_attention, for_xsa,
+            v.numel(), BLOCK=ELEMENTS)
+        return for_attention, for_xsa
 
     def head_prep(self, x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None) -> Tensor:
         b, t, heads, head_dim = x.shape
-        if not _powers_of_two(heads, head_dim):
+        rope_half = (rope_dims if 0 < rope_dims < head_dim else head_dim) // 2
+        if not _powers_of_two(head_dim, rope_half):
             return super().head_prep(x, cos, sin, rope_dims, gain)
         x = x.contiguous()
-        rope_half = (rope_dims if 0 < rope_dims < head_dim else head_dim) // 2
         cos, sin = (table.expand(b if table.size(0) > 1 else 1, t, 1, rope_half).float().contiguous()
                     for table in (cos, sin))
         out = torch.empty(b, t, heads, head_dim, device=x.device, dtype=torch.bfloat16)
         rows = b * t * heads
         _head_prep_kernel[(triton.cdiv(rows, HEAD_ROWS),)](
-            x, cos, sin, gain if gain is not None else cos, out, rows, t, cos.stride(0) if cos.size(0) > 1 else 0,
-            cos.stride(1), FLOAT32_EPS, HEADS=heads, HEAD_DIM=head_dim, ROPE_HALF=rope_half,
-            HAS_GAIN=gain is not None, ROWS=HEAD_ROWS)
+            x, cos, sin, _float32(gain, cos), out, rows, t, cos.stride(0) if cos.size(0) > 1 else 0,
+            cos.stride(1), FLOAT32_EPS, heads, int(gain is not None), HEAD_DIM=head_dim, ROPE_HALF=rope_half,
+            ROWS=HEAD_ROWS, num_warps=HEAD_WARPS)
         return out
 
     def exclude_self_value(self, y: Tensor, v: Tensor) -> Tensor:
         b, t, heads, head_dim = y.shape
-        if not _powers_of_two(heads, head_dim) or y.stride(-1) != 1 or v.stride(-1) != 1:
+        if not _powers_of_two(head_dim) or y.stride(-1) != 1 or v.stride(-1) != 1:
             return super().exclude_self_value(y, v)
         out = torch.empty(b, t, heads, head_dim, device=y.device, dtype=torch.bfloat16)
         rows = b * t * heads
         _exclude_self_value_kernel[(triton.cdiv(rows, HEAD_ROWS),)](
             y, v, out, rows, t, y.stride(0), y.stride(1), y.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            NORMALIZE_EPS, HEADS=heads, GROUP=heads // v.size(2), HEAD_DIM=head_dim, ROWS=HEAD_ROWS)
+            NORMALIZE_EPS, heads, heads // v.size(2), HEAD_DIM=head_dim, ROWS=HEAD_ROWS)
         return out
 
     def leaky_square(self, h: Tensor, negative_slope: float) -> Tensor:
         h = h.contiguous()
         out = torch.empty_like(h, dtype=torch.bfloat16)
-        block = 4096
-        _leaky_square_kernel[(triton.cdiv(h.numel(), block),)](h, out, h.numel(), negative_slope, BLOCK=block)
+        _leaky_square_kernel[(triton.cdiv(h.numel(), ELEMENTS),)](h, out, h.numel(), negative_slope, BLOCK=ELEMENTS)
         return out
 
     def softcap(self, logits: Tensor, cap: float) -> Tensor:
-        return (cap * torch.tanh(logits.float() / cap)).to(logits.dtype)
+        # times the reciprocal, as the compiled forward divides by a constant
+        return (torch.tanh(logits.float() * (1.0 / cap)) * cap).to(logits.dtype)
 
 
-def _stream_norm(stream: Residual, factor: Tensor, *, x0: Tensor | None = None, mix: Tensor | None = None,
-                 kept: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(out, normed) of `_stream_norm_kernel` over every row of the stream."""
-    base = stream.base.contiguous()
-    width = base.size(-1)
-    out = torch.empty_like(base, dtype=torch.float32)
-    normed = torch.empty_like(base, dtype=torch.bfloat16)
-    delta = stream.delta.contiguous() if stream.delta is not None else base
-    skip = stream.skip.contiguous() if stream.skip is not None else base
-    rows = base.numel() // width
+def _stream_norm(stream: Residual, x0: SmearedEmbedding | None, factor: Tensor | None, *,
+                 mix: Tensor | None = None, kept: Tensor | None = None, x_in: Tensor | None = None) -> Tensor:
+    """`_stream_norm_kernel` over every row of the stream: returns normed (bf16, times factor
+    if given); fills kept and x_in where given. Arguments the call does not use are filled
+    with tensors of the used ones' dtypes, so that every call shares one compiled kernel."""
+    if len(stream.deltas) > 2:
+        raise ValueError(f"the fused residual stream sums at most two scaled terms, not {len(stream.deltas)}")
+    base_is_x0 = isinstance(stream.base, SmearedEmbedding)
+    x0 = stream.base if base_is_x0 else x0
+    like = x0.normed if x0 is not None else stream.base  # an activation: any unused tensor argument
+    width = like.size(-1)
+    rows = like.numel() // width
+    normed = torch.empty(*like.shape, device=like.device, dtype=torch.bfloat16)
+    factor = factor.float() if factor is not None else torch.ones((), device=like.device)  # any unused parameter
+    deltas = [(delta.contiguous(), _float32(scale, factor)) for delta, scale in stream.deltas]
+    deltas += [(like, factor)] * (2 - len(deltas))
+    mode = ((_BASE_IS_X0.value if base_is_x0 else 0) | (_NEEDS_X0.value if x0 is not None else 0)
+            | (_DELTA1.value if len(stream.deltas) > 0 else 0) | (_DELTA2.value if len(stream.deltas) > 1 else 0)
+            | (_MIX.value if mix is not None else 0) | (_KEEP.value if kept is not None else 0))
+    if stream.skip_weight is not None:
+        mode |= _SKIP_ITSELF.value if stream.skip is None else _SKIP_TENSOR.value
     _stream_norm_kernel[(triton.cdiv(rows, STREAM_ROWS),)](
-        base, delta, _float32(stream.delta_scale, base), skip, _float32(stream.skip_weight, base),
-        x0.contiguous() if x0 is not None else base, _float32(mix, base), factor.float(),
-        kept if kept is not None else out, out, normed, rows, width, FLOAT32_EPS,
-        HAS_DELTA=stream.delta is not None, HAS_SKIP=stream.skip is not None, HAS_MIX=mix is not None,
-        STORE_SUM=kept is not None, ROWS=STREAM_ROWS, BLOCK=triton.next_power_of_2(width), num_warps=8)
-    return out, normed
+        like if base_is_x0 else stream.base.contiguous(), *deltas[0], *deltas[1],
+        stream.skip.contiguous() if stream.skip is not None else like, _float32(stream.skip_weight, factor),
+        x0.normed if x0 is not None else like, x0.gate if x0 is not None else factor, _float32(mix, factor),
+        factor, kept if kept is not None else like, x_in if x_in is not None else like, normed,
+        rows, like.size(-2), width, FLOAT32_EPS, mode, ROWS=STREAM_ROWS, BLOCK=triton.next_power_of_2(width),
+        num_warps=STREAM_WARPS)
+    return normed
 
 
 def _powers_of_two(*sizes: int) -> bool:
-    """Tiles of these sizes (heads, head dimension) fit a kernel's block shape exactly."""
+    """Tiles of these sizes (a head, half its rotated channels) fit a kernel's block shape."""
     return all(n > 0 and n & (n - 1) == 0 for n in sizes)
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -85,31 +85,64 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int) -> Tensor:
 
 @dataclass
 class Residual:
-    """The residual stream as a sum not yet formed: base + delta_scale * delta, plus
-    skip_weight * skip. The step that next reads the stream forms the sum, so that a fused
-    kernel can do it while reading its inputs once."""
+    """The residual stream as a sum not yet formed: base + scale_1 * delta_1 + ..., then plus
+    skip_weight * skip when a skip is added (skip None: the sum itself, as in the first
+    decoder block, whose skip is its own input). The step that next reads the stream forms
+    the sum, so that a fused kernel can do it while reading its inputs once.
 
-    base: Tensor
-    delta: Tensor | None = None
-    delta_scale: Tensor | None = None
+    At the first block, base is x0 as the ops represent it (see `TorchOps.embed`)."""
+
+    base: Any
+    deltas: tuple[tuple[Tensor, Tensor], ...] = ()
     skip: Tensor | None = None
     skip_weight: Tensor | None = None
 
-    def plus_skip(self, skip: Tensor, weight: Tensor) -> "Residual":
-        return Residual(self.base, self.delta, self.delta_scale, skip, weight)
+    def plus(self, delta: Tensor, scale: Tensor) -> "Residual":
+        return replace(self, deltas=self.deltas + ((delta, scale),))
+
+    def plus_skip(self, skip: Tensor | None, weight: Tensor) -> "Residual":
+        return replace(self, skip=skip, skip_weight=weight)
+
+
+@dataclass
+class ValueInjection:
+    """A layer's value embedding, projected * scale * layer_scale, left as its factors for
+    the step that adds it to the values."""
+
+    projected: Tensor
+    scale: Tensor
+    layer_scale: Tensor
+
+
+def smear(x: Tensor, gate: Tensor) -> Tensor:
+    """Blend each position with the previous one through a per-channel gate (sigmoid)."""
+    g = torch.sigmoid(gate.to(dtype=x.dtype))[None, None, :]
+    x_prev = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+    return (1 - g) * x + g * x_prev
 
 
 class TorchOps:
     """The element-wise steps between the matrix products and the attention, in plain torch:
     the model's definition (any device, autograd, torch.compile). `kernels.FusedOps` runs
-    the same steps as fused GPU kernels."""
+    the same steps as fused GPU kernels.
+
+    x0 (the embedding every block mixes in) is whatever `embed` returns: here a tensor."""
+
+    def embed(self, ids: Tensor, table: Tensor, bigram: Tensor | None, bigram_scale: Tensor | None,
+              gate: Tensor) -> Tensor:
+        """x0: token embeddings plus bigram * bigram_scale, normed, then smeared."""
+        x = F.embedding(ids, table)
+        if bigram is not None:
+            x = x + bigram * bigram_scale.to(dtype=bigram.dtype)
+        return smear(rms_norm(x), gate)
 
     def stream_sum(self, stream: Residual) -> Tensor:
         x = stream.base
-        if stream.delta is not None:
-            x = x + stream.delta_scale.to(dtype=x.dtype)[None, None, :] * stream.delta
-        if stream.skip is not None:
-            x = x + stream.skip_weight.to(dtype=x.dtype)[None, None, :] * stream.skip
+        for delta, scale in stream.deltas:
+            x = x + scale.to(dtype=x.dtype)[None, None, :] * delta
+        if stream.skip_weight is not None:
+            skip = x if stream.skip is None else stream.skip
+            x = x + stream.skip_weight.to(dtype=x.dtype)[None, None, :] * skip
         return x
 
     def block_input(self, stream: Residual, x0: Tensor, mix: Tensor, factor: Tensor,
@@ -121,13 +154,23 @@ class TorchOps:
         x_in = mix[0][None, None, :] * x + mix[1][None, None, :] * x0
         return (x if keep_sum else None), x_in, scaled_rms_norm(x_in, factor)
 
-    def residual_norm(self, stream: Residual, factor: Tensor) -> tuple[Tensor, Tensor]:
-        """(the stream's sum, and that sum normed and scaled by factor)."""
+    def residual_norm(self, stream: Residual, factor: Tensor) -> tuple[Residual, Tensor]:
+        """(the stream, and its sum normed and scaled by factor). The stream comes back
+        summed here; a fused kernel may leave it a sum, formed again where it is next read."""
         x = self.stream_sum(stream)
-        return x, scaled_rms_norm(x, factor)
+        return Residual(x), scaled_rms_norm(x, factor)
 
     def final_norm(self, stream: Residual) -> Tensor:
         return rms_norm(self.stream_sum(stream))
+
+    def values(self, v: Tensor, injection: ValueInjection | None) -> tuple[Tensor, Tensor]:
+        """(the values the attention reads, the values XSA reads): v plus the layer's value
+        embedding, if it has one."""
+        if injection is not None:
+            projected = injection.projected
+            embed = projected * injection.scale.to(dtype=projected.dtype)
+            v = v + embed * injection.layer_scale.to(dtype=embed.dtype)
+        return v, v
 
     def head_prep(self, x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None) -> Tensor:
         """Queries or keys [B, T, H, D]: each head normed, rotated, and scaled by its gain."""
@@ -165,7 +208,7 @@ class CausalSelfAttention(nn.Module):
         self.observer: LinearObserver | None = None
 
     def forward(self, x: Tensor, q_w: Tensor, k_w: Tensor, v_w: Tensor, out_w: Tensor,
-                rotary: tuple[Tensor, Tensor], v_embed: Tensor | None, queries: Tensor | None = None,
+                rotary: tuple[Tensor, Tensor], v_embed: ValueInjection | None, queries: Tensor | None = None,
                 ops: TorchOps = TORCH_OPS) -> Tensor:
         """Attention output at every position, or only at `queries` [B, K] (keys and values
         still come from every position)."""
@@ -174,18 +217,16 @@ class CausalSelfAttention(nn.Module):
         x_q = x if queries is None else pick_positions(x, queries)
         q = F.linear(x_q, q_w).reshape(b, x_q.size(1), self.num_heads, self.head_dim)
         k = F.linear(x, k_w).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = F.linear(x, v_w)
-        if v_embed is not None:
-            v = v + v_embed
-        v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
+        v, v_xsa = ops.values(F.linear(x, v_w), v_embed)
+        v, v_xsa = (values.reshape(b, t, self.num_kv_heads, self.head_dim) for values in (v, v_xsa))
         cos, sin = rotary
         k = ops.head_prep(k, cos, sin, self.rope_dims, None)
         q_cos, q_sin = (cos, sin) if queries is None else (cos[0, queries], sin[0, queries])
         q = ops.head_prep(q, q_cos, q_sin, self.rope_dims, self.q_gain)
         if queries is None:
-            y, v_q = attention(q, k, v, self.window, self.sinks, self.backend), v
+            y, v_q = attention(q, k, v, self.window, self.sinks, self.backend), v_xsa
         else:
-            y, v_q = attention_at(q, k, v, queries, self.window, self.sinks), pick_positions(v, queries)
+            y, v_q = attention_at(q, k, v, queries, self.window, self.sinks), pick_positions(v_xsa, queries)
         if self.use_xsa:
             y = ops.exclude_self_value(y, v_q)
         y = y.reshape(b, y.size(1), dim)
@@ -254,8 +295,8 @@ class Block(nn.Module):
         factor = 1.0 / math.sqrt(layer + 1) if cfg.ln_scale else 1.0
         self.register_buffer("ln_scale_factor", torch.tensor(factor, dtype=torch.float32), persistent=False)
 
-    def forward(self, stream: Residual, x0: Tensor, weights: tuple[Tensor, ...], rotary: tuple[Tensor, Tensor],
-                v_embed: Tensor | None, queries: Tensor | None = None, ops: TorchOps = TORCH_OPS,
+    def forward(self, stream: Residual, x0: Any, weights: tuple[Tensor, ...], rotary: tuple[Tensor, Tensor],
+                v_embed: ValueInjection | None, queries: Tensor | None = None, ops: TorchOps = TORCH_OPS,
                 keep_input: bool = False) -> tuple[Tensor | None, Residual]:
         """(the stream's sum at the block's input if keep_input, the stream at its output),
         at every position or, with `queries` [B, K], only there."""
@@ -264,9 +305,9 @@ class Block(nn.Module):
         attn_out = self.attn(normed, q_w, k_w, v_w, out_w, rotary, v_embed, queries, ops)
         if queries is not None:
             x_in = pick_positions(x_in, queries)
-        x_out, normed = ops.residual_norm(Residual(x_in, attn_out, self.attn_scale), self.ln_scale_factor)
+        stream, normed = ops.residual_norm(Residual(x_in).plus(attn_out, self.attn_scale), self.ln_scale_factor)
         mlp_out = self.mlp(normed, up_w, down_w, ops)
-        return kept, Residual(x_out, mlp_out, self.mlp_scale)
+        return kept, stream.plus(mlp_out, self.mlp_scale)
 
 
 # --- Embeddings --------------------------------------------------------------------------
@@ -279,9 +320,7 @@ class SmearGate(nn.Module):
         self.gate = nn.Parameter(torch.zeros(dim, dtype=torch.float32))
 
     def forward(self, x: Tensor) -> Tensor:
-        g = torch.sigmoid(self.gate.to(dtype=x.dtype))[None, None, :]
-        x_prev = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
-        return (1 - g) * x + g * x_prev
+        return smear(x, self.gate)
 
 
 class ProjectedEmbedding(nn.Module):
@@ -296,10 +335,13 @@ class ProjectedEmbedding(nn.Module):
             nn.init.zeros_(self.proj.weight)
         self.scale = nn.Parameter(torch.tensor(scale, dtype=torch.float32))
 
-    def project(self, ids: Tensor) -> Tensor:
+    def projected(self, ids: Tensor) -> Tensor:
+        """The looked-up rows, projected but not yet scaled."""
         h = self.embed(ids)
-        if self.proj is not None:
-            h = self.proj(h)
+        return self.proj(h) if self.proj is not None else h
+
+    def project(self, ids: Tensor) -> Tensor:
+        h = self.projected(ids)
         return h * self.scale.to(dtype=h.dtype)
 
 
@@ -363,7 +405,7 @@ class GPT(nn.Module):
         return self.cfg.num_layers
 
     @property
-    def _rope_dims(self) -> int:
+    def rotary_dims(self) -> int:
         return self.cfg.rope_dims or self.cfg.head_dim
 
     def _init_weights(self) -> None:
@@ -417,12 +459,12 @@ class GPT(nn.Module):
         n = self.num_layers
         return [(qo[i], kv[i], kv[n + i], qo[n + i], up[i], down[i]) for i in range(n)]
 
-    def embed(self, input_ids: Tensor) -> Tensor:
+    def embed(self, input_ids: Tensor, ops: TorchOps = TORCH_OPS) -> Any:
         """x0: token and bigram embeddings, normed, each position blended with the previous."""
-        x = self.tok_emb(input_ids)
+        bigram, bigram_scale = None, None
         if self.bigram is not None:
-            x = x + self.bigram(input_ids)
-        return self.smear(rms_norm(x))
+            bigram, bigram_scale = self.bigram.projected(self.bigram.hash(input_ids)), self.bigram.scale
+        return ops.embed(input_ids, self.tok_emb.weight, bigram, bigram_scale, self.smear.gate)
 
     def hidden_states(self, input_ids: Tensor, queries: Tensor | None = None, ops: TorchOps = TORCH_OPS) -> Tensor:
         """The trunk: final-normed hidden states [B, T, model_dim], or [B, K, model_dim] at
@@ -430,34 +472,34 @@ class GPT(nn.Module):
 
         The encoder's outputs come back in reverse order as skips into the decoder. An
         encoder block's output is the next block's input sum, kept when that block forms it;
-        the last one is also the first decoder block's skip, so it is formed on its own."""
-        x0 = self.embed(input_ids)
+        the last one is the first decoder block's own input sum, so that block adds its sum
+        to itself."""
+        x0 = self.embed(input_ids, ops)
         seq_len = input_ids.shape[1]
-        inv_freq = rotary_inv_freq(self._rope_dims, self.cfg.rope_base, seq_len, self.cfg.rope_train_seq_len,
+        inv_freq = rotary_inv_freq(self.rotary_dims, self.cfg.rope_base, seq_len, self.cfg.rope_train_seq_len,
                                    device=input_ids.device)
         rotary = rotary_tables(seq_len, inv_freq)
-        ve_base = self.ve_shared(input_ids) if self.ve_shared is not None else None
-        weights = self.layer_weights(matmul_dtype(x0))
+        ve_projected = self.ve_shared.projected(input_ids) if self.ve_shared is not None else None
+        weights = self.layer_weights(matmul_dtype(self.tok_emb.weight))
         stream, skips = Residual(x0), []
         encoder, last = self.num_encoder_layers, self.num_layers - 1
         for i, block in enumerate(self.blocks):
-            if i == encoder and encoder > 0:
-                stream = Residual(ops.stream_sum(stream))
-                skips.append(stream.base)
-            if i >= encoder and skips:
+            if i == encoder and encoder > 0:  # the last encoder block's output: this block's input
+                stream = stream.plus_skip(None, self.skip_weights[0])
+            elif i > encoder and skips:
                 stream = stream.plus_skip(skips.pop(), self.skip_weights[i - encoder])
             keep = 0 < i < encoder
-            kept, stream = block(stream, x0, weights[i], rotary, self._value_embedding(i, ve_base),
+            kept, stream = block(stream, x0, weights[i], rotary, self._value_injection(i, ve_projected),
                                  queries if i == last else None, ops, keep_input=keep)
             if keep:
                 skips.append(kept)
         return ops.final_norm(stream)
 
-    def _value_embedding(self, layer: int, ve_base: Tensor | None) -> Tensor | None:
-        if ve_base is None or layer not in self.ve_layer_indices:
+    def _value_injection(self, layer: int, ve_projected: Tensor | None) -> ValueInjection | None:
+        if ve_projected is None or layer not in self.ve_layer_indices:
             return None
-        scale = self.ve_layer_scales[self.ve_layer_indices.index(layer)]
-        return ve_base * scale.to(dtype=ve_base.dtype)
+        layer_scale = self.ve_layer_scales[self.ve_layer_indices.index(layer)]
+        return ValueInjection(ve_projected, self.ve_shared.scale, layer_scale)
 
     def logits(self, hidden: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
         """Soft-capped logits for hidden states of any leading shape."""
