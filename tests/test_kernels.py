@@ -87,9 +87,9 @@ def test_residual_and_final_norms(embedded):
 def test_values_add_the_value_embedding():
     torch.manual_seed(5)
     v, projected = torch.randn(2, 3, 32).bfloat16(), torch.randn(2, 3, 32).bfloat16()
-    injection = ValueInjection(projected, torch.tensor(0.1), torch.tensor([0.8]))
-    for_attention, for_xsa = FUSED.values(v, injection)
-    exact = ValueInjection(projected.float(), injection.scale, injection.layer_scale)  # no bf16 product
+    scale, layer_scale = torch.tensor(0.1), torch.tensor([0.8])
+    for_attention, for_xsa = FUSED.values(v, ValueInjection(FUSED.shared_values(projected, scale), layer_scale))
+    exact = ValueInjection(TORCH_OPS.shared_values(projected.float(), scale), layer_scale)  # no bf16 product
     reference = TORCH_OPS.values(v.float(), exact)[0]
     assert for_attention.dtype == v.dtype and for_xsa.dtype == torch.float32
     assert torch.allclose(for_xsa, reference, atol=1e-6) and close(for_attention, reference)

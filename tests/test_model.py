@@ -137,6 +137,11 @@ def test_reference_state_dict_loads_strictly_and_gives_same_logits(shared_dir, t
         x = torch.randint(0, 1024, (2, length))
         assert torch.allclose(ours.forward_logits(x), reference.forward_logits(x), atol=1e-6)
         assert torch.allclose(ours(x, x), reference(x, x), atol=1e-6)
+    # The same operations in the same order: training's gradients are the reference's, bit for bit.
+    ours(x, x).backward()
+    reference(x, x).backward()
+    reference_grads = dict(reference.named_parameters())
+    assert all(torch.equal(p.grad, reference_grads[name].grad) for name, p in ours.named_parameters())
 
 
 def test_layer_scale_is_a_float32_constant_outside_the_state_dict():

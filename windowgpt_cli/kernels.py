@@ -201,6 +201,15 @@ def _leaky_square_kernel(h_ptr, out_ptr, numel, negative_slope, BLOCK: tl.conste
 # --- The steps ---------------------------------------------------------------------------
 
 @dataclass
+class ScaledProjection:
+    """The shared value embedding as `FusedOps` passes it: projected and scale, multiplied
+    where the values are formed."""
+
+    projected: Tensor
+    scale: Tensor
+
+
+@dataclass
 class SmearedEmbedding:
     """x0 as `FusedOps` passes it: the normed embedding [B, T, D] and the SmearGate's gate.
     The kernels that read x0 blend each position with the previous one themselves."""
@@ -246,8 +255,9 @@ class FusedOps(TorchOps):
                                                                          device=device, dtype=dtype))
                                   for dtype in dtypes])
         if model.ve_shared is not None:
-            tasks.append(lambda: self.values(activations(1, seq_len, cfg.kv_dim), ValueInjection(
-                activations(1, seq_len, cfg.kv_dim), model.ve_shared.scale, model.ve_layer_scales[0])))
+            shared = self.shared_values(activations(1, seq_len, cfg.kv_dim), model.ve_shared.scale)
+            tasks.append(lambda: self.values(activations(1, seq_len, cfg.kv_dim),
+                                             ValueInjection(shared, model.ve_layer_scales[0])))
 
         def run(task):
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), \
@@ -282,13 +292,16 @@ class FusedOps(TorchOps):
     def final_norm(self, stream: Residual) -> Tensor:
         return _stream_norm(stream, None, None)
 
+    def shared_values(self, projected: Tensor, scale: Tensor) -> ScaledProjection:
+        return ScaledProjection(projected.contiguous(), _float32(scale, projected))
+
     def values(self, v: Tensor, injection: ValueInjection | None) -> tuple[Tensor, Tensor]:
         if injection is None:
             return v, v
-        v, projected = v.contiguous(), injection.projected.contiguous()
+        v, shared = v.contiguous(), injection.shared
         for_attention, for_xsa = torch.empty_like(v), torch.empty_like(v, dtype=torch.float32)
         _values_kernel[(triton.cdiv(v.numel(), ELEMENTS),)](
-            v, projected, _float32(injection.scale, v), _float32(injection.layer_scale, v), for_attention, for_xsa,
+            v, shared.projected, shared.scale, _float32(injection.layer_scale, v), for_attention, for_xsa,
             v.numel(), BLOCK=ELEMENTS)
         return for_attention, for_xsa
 

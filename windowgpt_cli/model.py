@@ -106,11 +106,10 @@ class Residual:
 
 @dataclass
 class ValueInjection:
-    """A layer's value embedding, projected * scale * layer_scale, left as its factors for
-    the step that adds it to the values."""
+    """A layer's value embedding: the shared one (`TorchOps.shared_values`) times the layer's
+    scale, left as its factors for the step that adds it to the values."""
 
-    projected: Tensor
-    scale: Tensor
+    shared: Any
     layer_scale: Tensor
 
 
@@ -163,13 +162,16 @@ class TorchOps:
     def final_norm(self, stream: Residual) -> Tensor:
         return rms_norm(self.stream_sum(stream))
 
+    def shared_values(self, projected: Tensor, scale: Tensor) -> Tensor:
+        """The value embedding the layers that take one share: projected * scale."""
+        return projected * scale.to(dtype=projected.dtype)
+
     def values(self, v: Tensor, injection: ValueInjection | None) -> tuple[Tensor, Tensor]:
         """(the values the attention reads, the values XSA reads): v plus the layer's value
         embedding, if it has one."""
         if injection is not None:
-            projected = injection.projected
-            embed = projected * injection.scale.to(dtype=projected.dtype)
-            v = v + embed * injection.layer_scale.to(dtype=embed.dtype)
+            shared = injection.shared
+            v = v + shared * injection.layer_scale.to(dtype=shared.dtype)
         return v, v
 
     def head_prep(self, x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None) -> Tensor:
@@ -479,7 +481,9 @@ class GPT(nn.Module):
         inv_freq = rotary_inv_freq(self.rotary_dims, self.cfg.rope_base, seq_len, self.cfg.rope_train_seq_len,
                                    device=input_ids.device)
         rotary = rotary_tables(seq_len, inv_freq)
-        ve_projected = self.ve_shared.projected(input_ids) if self.ve_shared is not None else None
+        ve_shared = None
+        if self.ve_shared is not None:
+            ve_shared = ops.shared_values(self.ve_shared.projected(input_ids), self.ve_shared.scale)
         weights = self.layer_weights(matmul_dtype(self.tok_emb.weight))
         stream, skips = Residual(x0), []
         encoder, last = self.num_encoder_layers, self.num_layers - 1
@@ -489,17 +493,16 @@ class GPT(nn.Module):
             elif i > encoder and skips:
                 stream = stream.plus_skip(skips.pop(), self.skip_weights[i - encoder])
             keep = 0 < i < encoder
-            kept, stream = block(stream, x0, weights[i], rotary, self._value_injection(i, ve_projected),
+            kept, stream = block(stream, x0, weights[i], rotary, self._value_injection(i, ve_shared),
                                  queries if i == last else None, ops, keep_input=keep)
             if keep:
                 skips.append(kept)
         return ops.final_norm(stream)
 
-    def _value_injection(self, layer: int, ve_projected: Tensor | None) -> ValueInjection | None:
-        if ve_projected is None or layer not in self.ve_layer_indices:
+    def _value_injection(self, layer: int, ve_shared: Any) -> ValueInjection | None:
+        if ve_shared is None or layer not in self.ve_layer_indices:
             return None
-        layer_scale = self.ve_layer_scales[self.ve_layer_indices.index(layer)]
-        return ValueInjection(ve_projected, self.ve_shared.scale, layer_scale)
+        return ValueInjection(ve_shared, self.ve_layer_scales[self.ve_layer_indices.index(layer)])
 
     def logits(self, hidden: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
         """Soft-capped logits for hidden states of any leading shape."""
