@@ -271,7 +271,7 @@ def test_hessians_are_averaged_per_batch_and_damped(quant_config):
         assert torch.linalg.eigvalsh(h.double()).min() > 0
     # Block 0's attention sees rms_norm(x0) while resid_mix is at its initial (1, 0).
     with torch.no_grad():
-        x0 = model.smear(torch.nn.functional.rms_norm(model.tok_emb(x) + model.bigram(x), (dim,)))
+        x0 = model.embed(x)
         inputs = torch.nn.functional.rms_norm(x0, (dim,)).reshape(-1, dim)
     raw = inputs.T @ inputs
     expected = raw + quant.HESSIAN_DAMPING * raw.diag().mean() * torch.eye(dim)

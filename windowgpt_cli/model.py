@@ -326,7 +326,8 @@ class SmearGate(nn.Module):
 
 
 class ProjectedEmbedding(nn.Module):
-    """A low-dimensional embedding table, projected to out_dim and scaled."""
+    """A low-dimensional embedding table projected to out_dim, and a learned scale that the
+    step adding the embedding applies (`TorchOps.embed`, `TorchOps.shared_values`)."""
 
     def __init__(self, num: int, dim: int, out_dim: int, scale: float, init_embed: Callable[[Tensor], object]):
         super().__init__()
@@ -337,14 +338,10 @@ class ProjectedEmbedding(nn.Module):
             nn.init.zeros_(self.proj.weight)
         self.scale = nn.Parameter(torch.tensor(scale, dtype=torch.float32))
 
-    def projected(self, ids: Tensor) -> Tensor:
+    def forward(self, ids: Tensor) -> Tensor:
         """The looked-up rows, projected but not yet scaled."""
         h = self.embed(ids)
         return self.proj(h) if self.proj is not None else h
-
-    def project(self, ids: Tensor) -> Tensor:
-        h = self.projected(ids)
-        return h * self.scale.to(dtype=h.dtype)
 
 
 class BigramHashEmbedding(ProjectedEmbedding):
@@ -363,7 +360,7 @@ class BigramHashEmbedding(ProjectedEmbedding):
         return out.long()
 
     def forward(self, tokens: Tensor) -> Tensor:
-        return self.project(self.hash(tokens))
+        return super().forward(self.hash(tokens))
 
 
 class ValueEmbedding(ProjectedEmbedding):
@@ -371,9 +368,6 @@ class ValueEmbedding(ProjectedEmbedding):
 
     def __init__(self, vocab_size: int, dim: int, kv_dim: int):
         super().__init__(vocab_size, dim, kv_dim, scale=0.1, init_embed=lambda w: nn.init.normal_(w, std=0.01))
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        return self.project(tokens)
 
 
 # --- The model ---------------------------------------------------------------------------
@@ -465,7 +459,7 @@ class GPT(nn.Module):
         """x0: token and bigram embeddings, normed, each position blended with the previous."""
         bigram, bigram_scale = None, None
         if self.bigram is not None:
-            bigram, bigram_scale = self.bigram.projected(self.bigram.hash(input_ids)), self.bigram.scale
+            bigram, bigram_scale = self.bigram(input_ids), self.bigram.scale
         return ops.embed(input_ids, self.tok_emb.weight, bigram, bigram_scale, self.smear.gate)
 
     def hidden_states(self, input_ids: Tensor, queries: Tensor | None = None, ops: TorchOps = TORCH_OPS) -> Tensor:
@@ -483,7 +477,7 @@ class GPT(nn.Module):
         rotary = rotary_tables(seq_len, inv_freq)
         ve_shared = None
         if self.ve_shared is not None:
-            ve_shared = ops.shared_values(self.ve_shared.projected(input_ids), self.ve_shared.scale)
+            ve_shared = ops.shared_values(self.ve_shared(input_ids), self.ve_shared.scale)
         weights = self.layer_weights(matmul_dtype(self.tok_emb.weight))
         stream, skips = Residual(x0), []
         encoder, last = self.num_encoder_layers, self.num_layers - 1
