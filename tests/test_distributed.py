@@ -124,6 +124,7 @@ def sharded_muon_worker(rank: int, port: int, out: str) -> None:
         if rank == 0:
             torch.save({"params": [p.detach() for p in params], "reloaded": [p.detach() for p in copies],
                         "state": state}, out)
+        dist.barrier()  # no rank tears gloo down while another still uses it
     finally:
         dist.destroy_process_group()
 
