@@ -141,6 +141,9 @@ class QuantConfig:
     gptq_calib_samples: int = 64  # calibration batches of train_batch_tokens
     gptq_block_size: int = 128
     gptq_percdamp: float = 0.01
+    # Under a wallclock cap, training with use_gptq stops this long before it to collect the
+    # Hessians inside the budget (the reference's GPTQ_RESERVE_MS).
+    gptq_reserve_seconds: float = 14.0
 
 
 @dataclass
@@ -363,6 +366,10 @@ def validate(cfg: RunConfig) -> None:
         (cfg.eval.eval_batch_seqs >= 0, "eval_batch_seqs must not be negative (0: as many as fit)"),
         (cfg.ttt.ttt_chunk_tokens > 0 and cfg.ttt.ttt_batch_seqs > 0, "ttt_chunk_tokens and ttt_batch_seqs must be positive"),
         (1 <= cfg.quant.quant_clip_range <= 127, f"quant_clip_range={cfg.quant.quant_clip_range} must be in 1..127"),
+        (cfg.quant.gptq_reserve_seconds >= 0, "gptq_reserve_seconds must not be negative"),
+        (not (cfg.quant.use_gptq and 0 < t.max_wallclock_seconds <= cfg.quant.gptq_reserve_seconds),
+         f"gptq_reserve_seconds={cfg.quant.gptq_reserve_seconds} leaves no training time within "
+         f"max_wallclock_seconds={t.max_wallclock_seconds}"),
     ]
     for ok, message in checks:
         if not ok:

@@ -359,8 +359,15 @@ def _gptq_chunk(sd: Mapping[str, Tensor], problems: list[GPTQProblem], clip_rang
 
 def collect_hessians(model: torch.nn.Module, batches: Iterable[tuple[Tensor, Tensor]], device: torch.device,
                      on_batch: Callable[[], None] | None = None) -> dict[tuple[str, ...], Tensor]:
-    """Sum x^T x of every block matrix's input over the calibration batches (the model's
-    `observe_linear_inputs`), then average per batch and damp, as the reference."""
+    """The calibration Hessians of the batches: their sums, averaged per batch and damped."""
+    sums, count = accumulate_hessians(model, batches, device, on_batch)
+    return finalize_hessians(sums, count)
+
+
+def accumulate_hessians(model: torch.nn.Module, batches: Iterable[tuple[Tensor, Tensor]], device: torch.device,
+                        on_batch: Callable[[], None] | None = None) -> tuple[dict[tuple[str, ...], Tensor], int]:
+    """Sum x^T x of every block matrix's input over the batches (the model's
+    `observe_linear_inputs`), as the reference; returns the sums and the number of batches."""
     sums: dict[tuple[str, ...], Tensor] = {}
 
     def accumulate(names: tuple[str, ...], x: Tensor) -> None:
@@ -382,7 +389,7 @@ def collect_hessians(model: torch.nn.Module, batches: Iterable[tuple[Tensor, Ten
                     on_batch()
     finally:
         model.train(was_training)
-    return finalize_hessians(sums, count)
+    return sums, count
 
 
 def finalize_hessians(sums: Mapping[tuple[str, ...], Tensor], num_batches: int) -> dict[tuple[str, ...], Tensor]:

@@ -85,6 +85,11 @@ def fused_kernels_available(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
+def device_name(device: torch.device) -> str:
+    """The GPU's name ("NVIDIA H100 80GB HBM3"), or "cpu"."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

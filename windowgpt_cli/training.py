@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .artifacts import sha256_file
+from .calibration import HESSIANS_FILENAME, calibrate, save_hessians, weights_sha256
 from .checkpoint import FILENAME as CHECKPOINT_FILENAME
 from .checkpoint import Checkpoint, save_checkpoint
 from .config import RunConfig
@@ -29,7 +30,7 @@ from .errors import ConfigError, DataError
 from .evaluation import evaluate_standard, load_validation_tokens
 from .model import GPT, build_model
 from .optim import Optimizers, WeightAverages, build_optimizers, lr_scale, muon_momentum_at
-from .runtime import autocast, compiled, enable_fast_math, seed_everything, synchronize
+from .runtime import autocast, compiled, device_name, enable_fast_math, seed_everything, synchronize
 from .shards import list_shards
 from .tokenizer import ByteLuts, load_byte_luts, resolve_tokenizer, tokenizer_vocab_size
 
@@ -46,6 +47,8 @@ class TrainResult:
     post_ema_val_loss: float | None = None
     post_ema_val_bpb: float | None = None
     checkpoint: Path | None = None
+    calibration: dict[str, Any] | None = None  # GPTQ calibration inside training (summary.json's record)
+    devices: list[str] | None = None  # each rank's GPU name, or "cpu"
 
 
 class RunLog:
@@ -159,6 +162,11 @@ class Trainer:
         self.s, self.out_dir, self.log, self.progress = setup, out_dir, log, progress
         t = setup.cfg.train
         self.wallclock_ms = 1000.0 * t.max_wallclock_seconds if t.max_wallclock_seconds > 0 else None
+        # GPTQ calibration counts as training: under a cap, training leaves it this much time.
+        self.gptq_reserve_ms = 0.0
+        if setup.cfg.quant.use_gptq and self.wallclock_ms is not None:
+            self.gptq_reserve_ms = 1000.0 * setup.cfg.quant.gptq_reserve_seconds
+            self.wallclock_ms -= self.gptq_reserve_ms
         data_seed = t.data_seed if t.data_seed >= 0 else t.seed
         self.stream = TokenStream(setup.train_files, data_seed, setup.ctx.rank, setup.ctx.world_size, setup.cfg.model.vocab_size)
         self.step = 0
@@ -275,6 +283,9 @@ class Trainer:
         prefetcher = Prefetcher(self.stream, t.train_batch_tokens, s.seq_len, s.grad_accum_steps, device)
         tokens_per_step = t.train_batch_tokens
         last_val: tuple[float, float] | None = None
+        if self.gptq_reserve_ms > 0:
+            self.log.line(f"gptq:reserving {self.gptq_reserve_ms:.0f}ms from training budget, "
+                          f"effective={self.wallclock_ms:.0f}ms")
         try:
             synchronize(device)
             t0 = time.perf_counter()
@@ -351,7 +362,8 @@ class Trainer:
         path = self.checkpoint(prefetcher)
         live = {k: v.detach().clone() for k, v in s.model.state_dict().items()}
         self.log.line("ema:applying EMA weights")
-        s.model.load_state_dict({k: v.to(live[k].dtype) for k, v in zip(s.averages.names, s.averages.ema)}, strict=True)
+        ema = {k: v.to(live[k].dtype) for k, v in zip(s.averages.names, s.averages.ema)}
+        s.model.load_state_dict(ema, strict=True)
         synchronize(s.ctx.device)
         t_eval = time.perf_counter()
         ema_loss, ema_bpb = self.validate()
@@ -359,10 +371,36 @@ class Trainer:
         self.log.line(f"DIAGNOSTIC post_ema val_loss:{ema_loss:.4f} val_bpb:{ema_bpb:.4f} "
                       f"eval_time:{1000.0 * (time.perf_counter() - t_eval):.0f}ms")
         self.log.metrics(step=self.step, post_ema_val_loss=ema_loss, post_ema_val_bpb=ema_bpb)
+        calibration = self.calibrate(ema) if s.cfg.quant.use_gptq else None
         s.model.load_state_dict(live, strict=True)
         val_loss, val_bpb = last_val if last_val is not None else (math.nan, math.nan)
         return TrainResult(self.step, self.training_time_ms, finished=True, val_loss=val_loss, val_bpb=val_bpb,
-                           post_ema_val_loss=ema_loss, post_ema_val_bpb=ema_bpb, checkpoint=path)
+                           post_ema_val_loss=ema_loss, post_ema_val_bpb=ema_bpb, checkpoint=path,
+                           calibration=calibration, devices=gather_from_ranks(device_name(s.ctx.device)))
+
+    def calibrate(self, ema: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """GPTQ's Hessians from training batches under the EMA weights (loaded in the model),
+        as the reference collects them in its reserve; rank 0 writes RUN/hessians.safetensors."""
+        s, q = self.s, self.s.cfg.quant
+        self.log.line(f"gptq:calibrating with {q.gptq_calib_samples} batches (training data)...")
+        calibration = calibrate(s.model, s.cfg, s.train_files, s.ctx.device, rank=s.ctx.rank,
+                                world_size=s.ctx.world_size)
+        total_ms = self.training_time_ms + 1000.0 * calibration.seconds
+        self.log.line(f"gptq:calibrated {calibration.layers} layers in {calibration.seconds:.1f}s "
+                      f"({calibration.batches} batches, {calibration.tokens} tokens)")
+        overran = self.gptq_reserve_ms > 0 and 1000.0 * calibration.seconds > self.gptq_reserve_ms
+        if overran:
+            self.log.line(f"gptq:calibration overran its reserve of {self.gptq_reserve_ms:.0f}ms: "
+                          f"training+calibration={total_ms:.0f}ms, "
+                          f"max_wallclock={self.wallclock_ms + self.gptq_reserve_ms:.0f}ms")
+        if s.ctx.is_main:
+            calibration.step, calibration.weights_sha256 = self.step, weights_sha256(ema)
+            save_hessians(self.out_dir / HESSIANS_FILENAME, calibration)
+        barrier()
+        return {"seconds": round(calibration.seconds, 3), "batches": calibration.batches,
+                "tokens": calibration.tokens, "layers": calibration.layers, "world_size": s.ctx.world_size,
+                "reserve_seconds": self.gptq_reserve_ms / 1000.0 if self.gptq_reserve_ms > 0 else None,
+                "overran_reserve": overran, "hessians": HESSIANS_FILENAME}
 
     def _log_train(self, loss: float, approx_ms: float, scale: float, tokens_per_step: int) -> None:
         t = self.s.cfg.train

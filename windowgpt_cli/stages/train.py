@@ -45,17 +45,22 @@ def train(cfg: RunConfig, out_dir: Path, *, resume: bool = False, stop_at_step: 
             with StopRequests().installed() as stops:
                 result = trainer.run(stop_at_step, stops)
         if ctx.is_main and result.finished:
-            atomic_write_json(out_dir / "summary.json", _summary(result))
+            atomic_write_json(out_dir / "summary.json", _summary(result, cfg))
         return result
     finally:
         shutdown()
 
 
-def _summary(result: TrainResult) -> dict[str, Any]:
+def _summary(result: TrainResult, cfg: RunConfig) -> dict[str, Any]:
+    calibration = result.calibration
+    total_ms = result.training_time_ms + (1000.0 * calibration["seconds"] if calibration else 0.0)
     return {"step": result.step, "training_time_ms": round(result.training_time_ms, 1),
             "val_loss": result.val_loss, "val_bpb": result.val_bpb,
             "post_ema_val_loss": result.post_ema_val_loss, "post_ema_val_bpb": result.post_ema_val_bpb,
-            "checkpoint": str(result.checkpoint)}
+            "checkpoint": str(result.checkpoint),
+            "max_wallclock_seconds": cfg.train.max_wallclock_seconds, "calibration": calibration,
+            "training_plus_calibration_ms": round(total_ms, 1),
+            "world_size": len(result.devices or [None]), "devices": result.devices}
 
 
 class _ProgressBar:
@@ -91,7 +96,7 @@ class _ProgressBar:
 
 
 @user_errors_exit_1
-@with_config_flags("model", "optim", "train", "eval")
+@with_config_flags("model", "optim", "train", "eval", "quant")
 def command(
     out: Annotated[Path, typer.Option("--out", help="Run directory for config, logs, metrics and checkpoint.")],
     data: Annotated[Optional[Path], typer.Option("--data", help="Directory of fineweb_{train,val}_*.bin shards.",

@@ -1,0 +1,145 @@
+"""GPTQ calibration: Hessians of every block matrix's input over training batches.
+
+The challenge counts calibration on training data as training, so `train --use-gptq`
+collects the Hessians inside its wallclock budget, from the final (EMA) weights, and writes
+them beside the checkpoint; `export` carries them along with the EMA weights, and
+`quantize --gptq` uses them. Without them `quantize` calibrates the same batches itself,
+after training, and says so. Either way the batches come from `calibration_batches` and the
+sums from `quant.accumulate_hessians`.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Mapping
+
+import torch
+from torch import Tensor
+
+from . import tensorfile
+from .config import RunConfig
+from .data import TokenStream
+from .distributed import all_reduce_
+from .errors import ArtifactError, ConfigError
+from .model_io import LoadedWeights
+from .quant import accumulate_hessians, finalize_hessians
+from .runtime import synchronize
+
+HESSIANS_FILENAME = "hessians.safetensors"
+FORMAT = "windowgpt.hessians"
+FORMAT_VERSION = "1"
+# Where an artifact's Hessians came from, as quantize reports it.
+INSIDE_TRAINING = "inside training"
+AFTER_TRAINING = "calibrated after training"
+
+
+@dataclass
+class Calibration:
+    hessians: dict[tuple[str, ...], Tensor]  # weights that share one input -> averaged, damped E[x^T x]
+    batches: int
+    tokens: int
+    seconds: float
+    step: int | None = None  # the training step whose EMA weights were calibrated (None: after training)
+    weights_sha256: str = ""  # weights_sha256() of the weights they were collected under
+
+    @property
+    def layers(self) -> int:
+        """Weight matrices covered (the reference's count: 6 per block)."""
+        return sum(len(names) for names in self.hessians)
+
+
+def calibration_batches(cfg: RunConfig, train_files: list[Path], rank: int = 0,
+                        world_size: int = 1) -> Iterator[tuple[Tensor, Tensor]]:
+    """The reference's calibration batches: gptq_calib_samples batches of train_batch_tokens /
+    grad_accum_steps tokens from a fresh stream seeded with the run's seed. With N ranks,
+    every rank draws the same batches and keeps every N-th sequence of each, so the ranks
+    together see exactly what one process sees."""
+    from .training import grad_accum_steps_for  # training imports this module
+
+    t = cfg.train
+    accum = grad_accum_steps_for(cfg, 1)
+    rows = t.train_batch_tokens // accum // t.train_seq_len
+    if rows < world_size:
+        raise ConfigError(f"calibration batches of {rows} sequences cannot be shared by {world_size} ranks; "
+                          "raise --train-batch-tokens")
+    stream = TokenStream(train_files, t.seed, vocab_size=cfg.model.vocab_size)
+    for _ in range(cfg.quant.gptq_calib_samples):
+        x, y = stream.next_batch(t.train_batch_tokens, t.train_seq_len, accum)
+        yield x[rank::world_size], y[rank::world_size]
+
+
+def calibrate(model: torch.nn.Module, cfg: RunConfig, train_files: list[Path], device: torch.device, *,
+              rank: int = 0, world_size: int = 1, on_batch: Callable[[], None] | None = None) -> Calibration:
+    """Hessians of the model's current weights over the calibration batches. Every rank sums
+    its share; the sums are added up over the ranks, so N ranks take 1/N of the time."""
+    synchronize(device)
+    started = time.perf_counter()
+    tokens = 0
+
+    def counted() -> Iterator[tuple[Tensor, Tensor]]:
+        nonlocal tokens
+        for x, y in calibration_batches(cfg, train_files, rank, world_size):
+            tokens += y.numel()
+            yield x, y
+
+    sums, _ = accumulate_hessians(model, counted(), device, on_batch)
+    for total in sums.values():
+        all_reduce_(total)
+    total_tokens = int(all_reduce_(torch.tensor(tokens, dtype=torch.int64, device=device)).item())
+    hessians = finalize_hessians(sums, cfg.quant.gptq_calib_samples)
+    synchronize(device)
+    return Calibration(hessians, cfg.quant.gptq_calib_samples, total_tokens, time.perf_counter() - started)
+
+
+def weights_sha256(state_dict: Mapping[str, Tensor]) -> str:
+    """A fingerprint of weights by content (names, dtypes, shapes, values), whatever file
+    holds them: a run's EMA weights and their export give the same one."""
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        t = state_dict[name]
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(tensorfile.tensor_bytes(t))
+    return digest.hexdigest()
+
+
+# --- On disk ---------------------------------------------------------------------------
+
+def save_hessians(path: Path, calibration: Calibration) -> Path:
+    """One float32 tensor per input, named by the weights that share it (comma-separated)."""
+    tensors = {",".join(names): h.detach().float().cpu() for names, h in calibration.hessians.items()}
+    metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "weights": "ema",
+                "weights_sha256": calibration.weights_sha256, "step": str(calibration.step),
+                "batches": str(calibration.batches), "tokens": str(calibration.tokens),
+                "seconds": f"{calibration.seconds:.3f}"}
+    return tensorfile.save(path, tensors, metadata)
+
+
+def load_hessians(path: Path) -> Calibration:
+    tensors, meta = tensorfile.load(path)
+    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(f"{path}: not windowgpt Hessians of format version {FORMAT_VERSION}")
+    try:
+        return Calibration({tuple(key.split(",")): h for key, h in tensors.items()}, int(meta["batches"]),
+                           int(meta["tokens"]), float(meta["seconds"]), int(meta["step"]), meta["weights_sha256"])
+    except (KeyError, ValueError) as exc:
+        raise ArtifactError(f"{path}: incomplete Hessian metadata ({exc})") from None
+
+
+def hessians_path(weights: LoadedWeights) -> Path | None:
+    """Where a run's or an export's Hessians from training would be (None for a .ptz)."""
+    return weights.path.parent / HESSIANS_FILENAME if weights.kind in ("run", "export") else None
+
+
+def stored_calibration(weights: LoadedWeights) -> Calibration | None:
+    """The Hessians training collected for these weights, or None when there are none.
+    Hessians collected under other weights are refused, never used."""
+    path = hessians_path(weights)
+    if path is None or not path.is_file():
+        return None
+    calibration = load_hessians(path)
+    if calibration.weights_sha256 != weights_sha256(weights.state_dict):
+        raise ArtifactError(f"{path} was collected under other weights than {weights.path}; remove it, or "
+                            "calibrate afresh with --recalibrate --data DATA")
+    return calibration
