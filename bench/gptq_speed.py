@@ -134,7 +134,8 @@ def bench_gptq(model: Path, data: Path, calib: int, device: str, reference, laye
     dev = resolve_device(device)
     weights = load_weights(model)
     cfg = quant_settings(weights.config, True, calib, None)
-    hessians, t_hessians = timed(lambda: calibration_hessians(weights, cfg, data, dev, None), dev)
+    calibration, t_hessians = timed(lambda: calibration_hessians(weights, cfg, data, dev, None), dev)
+    hessians = calibration.hessians
     sd = unbank_state_dict(weights.state_dict, cfg.model.num_layers)
     q = cfg.quant
     ours, t_gptq = timed(lambda: quantize_state_dict(sd, q.quant_clip_range, hessians, q.gptq_block_size,

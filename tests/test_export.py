@@ -15,7 +15,8 @@ from windowgpt_cli.cli import app
 from windowgpt_cli.errors import ArtifactError, ConfigError
 from windowgpt_cli.model import unbank_state_dict
 from windowgpt_cli.stages.export import export
-from windowgpt_cli.stages.quantize import code_bytes, quantize, report_path
+from windowgpt_cli.codesize import code_bytes
+from windowgpt_cli.stages.quantize import quantize, report_path
 
 pytestmark = pytest.mark.usefixtures("quant_single_thread")
 WIDE = {"COLUMNS": "200"}

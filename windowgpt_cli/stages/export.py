@@ -2,7 +2,9 @@
 
 MODEL_DIR/model.safetensors holds the weights under the reference's per-layer names
 (blocks.{i}.attn.c_q.weight, ...), MODEL_DIR/config.json the run configuration and
-MODEL_DIR/export.json what was exported from where.
+MODEL_DIR/export.json what was exported from where. An export of the EMA weights carries
+the Hessians training collected for them (MODEL_DIR/hessians.safetensors); one of other
+weights does not, since those Hessians belong to the EMA weights.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import typer
 from rich.table import Table
 
 from .. import tensorfile
-from ..artifacts import atomic_write_json, sha256_file
+from ..artifacts import atomic_write_bytes, atomic_write_json, sha256_file
+from ..calibration import HESSIANS_FILENAME
 from ..checkpoint import WEIGHT_CHOICES, checkpoint_path, load_checkpoint
 from ..cli_support import console, user_errors_exit_1
 from ..errors import ConfigError
@@ -30,6 +33,7 @@ def export(run_dir: Path, out: Path, weights: str = "ema") -> dict[str, Any]:
     out = Path(out)
     tensorfile.save(out / EXPORT_WEIGHTS, tensors, {"format": EXPORT_FORMAT, "format_version": EXPORT_VERSION})
     ckpt.config.save(out / EXPORT_CONFIG)
+    hessians = _carry_hessians(Path(run_dir), out, weights)
     info = {
         "format": EXPORT_FORMAT,
         "format_version": EXPORT_VERSION,
@@ -42,9 +46,21 @@ def export(run_dir: Path, out: Path, weights: str = "ema") -> dict[str, Any]:
         "tensor_count": len(tensors),
         "parameter_count": sum(t.numel() for t in tensors.values()),
         "sha256": sha256_file(out / EXPORT_WEIGHTS),
+        "hessians": hessians,
     }
     atomic_write_json(out / EXPORT_INFO, info)  # written last: its presence marks a complete export
     return info
+
+
+def _carry_hessians(run_dir: Path, out: Path, weights: str) -> str | None:
+    """Copy the run's Hessians (collected under its EMA weights) into an export of those
+    weights; leave none behind in an export of other weights."""
+    source, target = checkpoint_path(run_dir).parent / HESSIANS_FILENAME, out / HESSIANS_FILENAME
+    if weights != "ema" or not source.is_file():
+        target.unlink(missing_ok=True)
+        return None
+    atomic_write_bytes(target, source.read_bytes())
+    return HESSIANS_FILENAME
 
 
 @user_errors_exit_1

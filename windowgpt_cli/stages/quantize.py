@@ -1,7 +1,10 @@
 """`windowgpt quantize`: the scored artifact, a `.ptz`, and what it costs of the budget.
 
 Parameter Golf counts the code plus the compressed weights against 16,000,000 bytes. The
-code here is the package's Python source, as the challenge counts a training script.
+code is the source of the package modules a record run imports (`codesize`), as the
+challenge counts a training script. GPTQ uses the Hessians training collected within its
+budget when the run or export has them, and otherwise calibrates after training, which the
+report says.
 """
 from __future__ import annotations
 
@@ -16,24 +19,20 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .. import ptz
+from .. import codesize, ptz
 from ..artifacts import atomic_write_bytes, atomic_write_json, sha256_bytes
+from ..calibration import AFTER_TRAINING, INSIDE_TRAINING, Calibration, calibrate, hessians_path, stored_calibration
 from ..cli_support import console, err_console, user_errors_exit_1
 from ..config import RunConfig
 from ..errors import ArtifactError, ConfigError
 from ..model import build_model, is_control_tensor, unbank_state_dict
 from ..model_io import LoadedWeights, load_weights
-from ..quant import INT6, QuantizedTensor, classify_param, collect_hessians, quantize_state_dict
+from ..quant import INT6, QuantizedTensor, classify_param, quantize_state_dict
 from ..runtime import resolve_device, synchronize
+from ..shards import list_shards
 
 DEFAULT_BUDGET = 16_000_000
-PACKAGE_DIR = Path(__file__).resolve().parents[1]
 GROUPS = ("attn", "mlp", "embed", "other", "control")
-
-
-def code_bytes(package_dir: Path = PACKAGE_DIR) -> int:
-    """The package's Python source, as the challenge counts the training script's bytes."""
-    return sum(p.stat().st_size for p in package_dir.rglob("*.py"))
 
 
 def report_path(artifact: Path) -> Path:
@@ -49,11 +48,13 @@ StartPhase = Callable[[str, int], Callable[[int], None]]  # (description, total 
 
 def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir: Path | None = None,
              calib_batches: int | None = None, clip_range: int | None = None, compressor: str = ptz.DEFAULT_COMPRESSOR,
-             budget: int = DEFAULT_BUDGET, device: str = "auto",
+             budget: int = DEFAULT_BUDGET, device: str = "auto", recalibrate: bool = False,
              progress: StartPhase | None = None) -> dict[str, Any]:
     """Quantize a run or export into a .ptz at `out` and write the report beside it.
 
-    Settings left as None come from the model's configuration (its `quant` group).
+    Settings left as None come from the model's configuration (its `quant` group). GPTQ
+    uses the Hessians training collected (RUN/hessians.safetensors, carried by an export of
+    the EMA weights) unless `recalibrate`; without them it calibrates on `data_dir`.
     `progress(description, total)` may return a callback advanced as work is done.
     Returns the report (also written as JSON next to the artifact).
     """
@@ -67,10 +68,12 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
     dev = resolve_device(device)
     timings: dict[str, float] = {"load": time.perf_counter() - started}
 
-    hessians = None
+    hessians, calibration, where = None, None, None
     if cfg.quant.use_gptq:
         t0 = time.perf_counter()
-        hessians = calibration_hessians(weights, cfg, data_dir, dev, progress)
+        calibration, where = run_calibration(weights, cfg, calib_batches, data_dir, dev, recalibrate, progress)
+        cfg = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, gptq_calib_samples=calibration.batches))
+        hessians = calibration.hessians
         synchronize(dev)
         timings["hessians"] = time.perf_counter() - t0
 
@@ -95,6 +98,7 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
     timings["total"] = time.perf_counter() - started
 
     report = _report(out, data, payload, sd, tensors, cfg, compressor, budget, dev, timings, artifact.source)
+    report.update(_calibration_record(calibration, where, weights) if calibration else {"calibration": None})
     atomic_write_json(report_path(out), report)
     return report
 
@@ -113,28 +117,42 @@ def quant_settings(cfg: RunConfig, gptq: bool | None, calib_batches: int | None,
     return dataclasses.replace(cfg, quant=q)
 
 
-def calibration_hessians(weights: LoadedWeights, cfg: RunConfig, data_dir: Path | None, dev: torch.device,
-               progress: StartPhase | None) -> dict[tuple[str, ...], torch.Tensor]:
-    """Hessians from `gptq_calib_samples` training batches of train_batch_tokens / grad_accum
-    tokens each: the batches the reference calibrates on."""
-    from ..data import TokenStream
-    from ..shards import list_shards
-    from ..training import grad_accum_steps_for
+def run_calibration(weights: LoadedWeights, cfg: RunConfig, calib_batches: int | None, data_dir: Path | None,
+                    dev: torch.device, recalibrate: bool, progress: StartPhase | None) -> tuple[Calibration, str]:
+    """The Hessians training collected for these weights, or else a calibration now; and
+    which of the two it is."""
+    stored = None if recalibrate else stored_calibration(weights)
+    if stored is None:
+        return calibration_hessians(weights, cfg, data_dir, dev, progress), AFTER_TRAINING
+    if calib_batches is not None and calib_batches != stored.batches:
+        raise ConfigError(f"the Hessians from training cover {stored.batches} batches; --calib-batches "
+                          f"{calib_batches} needs --recalibrate")
+    return stored, INSIDE_TRAINING
 
+
+def calibration_hessians(weights: LoadedWeights, cfg: RunConfig, data_dir: Path | None, dev: torch.device,
+                         progress: StartPhase | None) -> Calibration:
+    """Calibrate the weights now, on the batches training would have calibrated on."""
     data = data_dir or (Path(cfg.data.data_path) if cfg.data.data_path else None)
     if data is None:
-        raise ConfigError("--gptq needs --data DATA_DIR (the training shards to calibrate on)")
-    stream = TokenStream(list_shards(Path(data), "train"), cfg.train.seed, vocab_size=cfg.model.vocab_size)
-    accum = grad_accum_steps_for(cfg, 1)
-    count = cfg.quant.gptq_calib_samples
-    batches = (stream.next_batch(cfg.train.train_batch_tokens, cfg.train.train_seq_len, accum) for _ in range(count))
+        raise ConfigError("--gptq needs --data DATA_DIR (the training shards to calibrate on): "
+                          f"{weights.path} holds no Hessians from training")
     model = build_model(cfg.model, dev)
     model.load_state_dict(weights.state_dict, strict=True)
     model.set_attention_backend(cfg.train.attn_backend, dev)
-    advance = progress("calibrating", count) if progress else None
-    hessians = collect_hessians(model, batches, dev, on_batch=(lambda: advance(1)) if advance else None)
+    advance = progress("calibrating", cfg.quant.gptq_calib_samples) if progress else None
+    calibration = calibrate(model, cfg, list_shards(Path(data), "train"), dev,
+                            on_batch=(lambda: advance(1)) if advance else None)
     del model
-    return hessians
+    return calibration
+
+
+def _calibration_record(calibration: Calibration, where: str, weights: LoadedWeights) -> dict[str, Any]:
+    info = {"batches": calibration.batches, "tokens": calibration.tokens, "layers": calibration.layers,
+            "seconds": round(calibration.seconds, 3)}
+    if where == INSIDE_TRAINING:
+        info.update(step=calibration.step, hessians=str(hessians_path(weights)))
+    return {"calibration": where, "calibration_info": info}
 
 
 def _source(weights: LoadedWeights) -> dict[str, Any]:
@@ -154,14 +172,15 @@ def _report(out: Path, data: bytes, payload: bytes, sd: dict[str, torch.Tensor],
         row["quantized_bytes"] += qt.stored_bytes
         label = f"{qt.scheme}_{qt.method}" if qt.scheme == INT6 else qt.scheme
         schemes[label] = schemes.get(label, 0) + 1
-    code = code_bytes()
+    code = codesize.code_bytes()
     total = len(data) + code
     return {
         "artifact": str(out), "sha256": sha256_bytes(data), "format_version": ptz.FORMAT_VERSION,
         "compressor": compressor, "source": source, "device": str(dev),
         "gptq": cfg.quant.use_gptq, "calib_batches": cfg.quant.gptq_calib_samples if cfg.quant.use_gptq else 0,
         "clip_range": cfg.quant.quant_clip_range, "schemes": schemes, "groups": groups,
-        "payload_bytes": len(payload), "model_bytes": len(data), "code_bytes": code, "total_bytes": total,
+        "payload_bytes": len(payload), "model_bytes": len(data), "code_bytes": code,
+        "code_counted": codesize.COUNTED_FORM, "code_modules": codesize.record_modules(), "total_bytes": total,
         "budget_bytes": budget, "headroom_bytes": budget - total, "within_budget": total <= budget,
         "timings_s": {k: round(v, 3) for k, v in timings.items()},
     }
@@ -195,7 +214,7 @@ def _budget_table(report: dict[str, Any]) -> Table:
     table.add_section()
     table.add_row("payload", "", "", "", f"{report['payload_bytes']:,}")
     table.add_row("compressed model", "", "", "", f"{report['model_bytes']:,}")
-    table.add_row("code", "", "", "", f"{report['code_bytes']:,}")
+    table.add_row(f"code ({len(report['code_modules'])} modules)", "", "", "", f"{report['code_bytes']:,}")
     style = "green" if report["within_budget"] else "bold red"
     table.add_row("total", "", "", "", f"[{style}]{report['total_bytes']:,}[/]")
     table.add_row("budget", "", "", "", f"{report['budget_bytes']:,}")
@@ -207,6 +226,18 @@ def _timing_line(report: dict[str, Any]) -> str:
     return "time: " + ", ".join(f"{k} {v:.2f}s" for k, v in report["timings_s"].items()) + f" on {report['device']}"
 
 
+def _calibration_line(report: dict[str, Any]) -> str | None:
+    """Where GPTQ's Hessians came from: only Hessians from inside training make a record artifact."""
+    if report["calibration"] is None:
+        return None
+    info = report["calibration_info"]
+    line = (f"calibration: {report['calibration']} ({info['batches']} batches, {info['tokens']:,} tokens, "
+            f"{info['seconds']:.1f}s")
+    if report["calibration"] == INSIDE_TRAINING:
+        return line + f" at step {info['step']}, {info['hessians']})"
+    return line + "): outside the training budget, not a record artifact"
+
+
 @user_errors_exit_1
 def command(
     model_dir: Annotated[Path, typer.Argument(help="An export directory, or a run directory (its EMA weights).",
@@ -214,8 +245,8 @@ def command(
     out: Annotated[Path, typer.Option("--out", help="The .ptz file to write.", show_default=False)],
     gptq: Annotated[Optional[bool], typer.Option("--gptq/--no-gptq", help="Quantize attention and MLP matrices "
                     "with GPTQ on calibration Hessians. [default: the config's use_gptq]", show_default=False)] = None,
-    data: Annotated[Optional[Path], typer.Option("--data", help="Training shards for GPTQ calibration. "
-                    "[default: the config's data_path]", show_default=False)] = None,
+    data: Annotated[Optional[Path], typer.Option("--data", help="Training shards for GPTQ calibration, when the "
+                    "run holds no Hessians from training. [default: the config's data_path]", show_default=False)] = None,
     calib_batches: Annotated[Optional[int], typer.Option("--calib-batches", help="Calibration batches of "
                              "train_batch_tokens / grad_accum tokens. [default: the config's gptq_calib_samples]",
                              show_default=False)] = None,
@@ -226,18 +257,23 @@ def command(
     budget: Annotated[int, typer.Option("--budget", help="Bytes allowed for code plus compressed model; "
                       "exceeding it exits 1 (the artifact is still written).")] = DEFAULT_BUDGET,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    recalibrate: Annotated[bool, typer.Option("--recalibrate", help="Calibrate GPTQ on --data even when the run "
+                           "holds Hessians from training.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON instead of a table.")] = False,
 ) -> None:
     """Quantize to int6/int8 (optionally GPTQ), compress, and check the size budget."""
     with _progress_bars(not json_output) as progress:
         report = quantize(model_dir, out, gptq=gptq, data_dir=data, calib_batches=calib_batches,
                           clip_range=clip_range, compressor=compressor, budget=budget, device=device,
-                          progress=progress)
+                          recalibrate=recalibrate, progress=progress)
     if json_output:
         console.print_json(data=report)
     else:
         console.print(_budget_table(report))
         console.print(_timing_line(report), highlight=False)
+        calibration = _calibration_line(report)
+        if calibration:
+            console.print(calibration, highlight=False)
         console.print(f"wrote {out} (sha256 {report['sha256'][:16]}...) and {report_path(out)}", highlight=False)
     if not report["within_budget"]:
         raise ArtifactError(f"{out}: {report['total_bytes']:,} bytes (model {report['model_bytes']:,} + code "

@@ -1,0 +1,81 @@
+"""The code bytes of the artifact: the source of the modules a record run imports.
+
+The challenge counts the bytes of the code that trains and evaluates the model. A record
+run runs the stages train, export, quantize, eval and eval-ttt; what they import, directly
+or not (found by reading their import statements, including those inside functions), is
+counted as it is on disk. The command-line entry point (`cli.py`, which also registers
+prepare and the other commands), data preparation, tests and benchmarks are not.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = "windowgpt_cli"
+PACKAGE_DIR = Path(__file__).resolve().parent
+RECORD_STAGES = tuple(f"{PACKAGE}.stages.{name}" for name in ("train", "export", "quantize", "evaluate", "eval_ttt"))
+COUNTED_FORM = "Python source as on disk (uncompressed)"
+
+
+def module_file(module: str, package_dir: Path = PACKAGE_DIR) -> Path | None:
+    """The file of a module of the package, or None if it is not one."""
+    parts = module.split(".")
+    if parts[0] != PACKAGE:
+        return None
+    base = package_dir.joinpath(*parts[1:])
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def imported_modules(module: str, package_dir: Path = PACKAGE_DIR) -> set[str]:
+    """The package's modules that `module`'s import statements name (with their packages)."""
+    path = module_file(module, package_dir)
+    assert path is not None, module
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(module, is_package, node.module, node.level)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from . import ptz`
+    with_parents = {".".join(name.split(".")[:i + 1]) for name in found for i in range(name.count(".") + 1)}
+    return {name for name in with_parents if module_file(name, package_dir) is not None}
+
+
+def _absolute(module: str, is_package: bool, target: str | None, level: int) -> str:
+    if level == 0:
+        return target or ""
+    parts = module.split(".")
+    anchor = parts if is_package else parts[:-1]
+    anchor = anchor[:len(anchor) - (level - 1)]
+    return ".".join(anchor + ([target] if target else []))
+
+
+def import_closure(roots: tuple[str, ...] = RECORD_STAGES, package_dir: Path = PACKAGE_DIR) -> list[str]:
+    """The roots and every package module they import, directly or not, sorted."""
+    seen: set[str] = set()
+    pending = [name for root in roots for name in _with_packages(root)]
+    while pending:
+        name = pending.pop()
+        if name not in seen:
+            seen.add(name)
+            pending.extend(imported_modules(name, package_dir) - seen)
+    return sorted(seen)
+
+
+def _with_packages(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i + 1]) for i in range(len(parts))]
+
+
+def record_modules() -> list[str]:
+    """The package's source files a record run imports, relative to the package's parent."""
+    return [str(module_file(m).relative_to(PACKAGE_DIR.parent)) for m in import_closure()]
+
+
+def code_bytes() -> int:
+    return sum((PACKAGE_DIR.parent / path).stat().st_size for path in record_modules())
