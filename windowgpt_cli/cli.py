@@ -7,7 +7,7 @@ import typer
 
 from . import __version__
 from .cli_support import err_console
-from .stages import eval_ttt, evaluate, export, prepare, quantize, tokenizer_meta, train
+from .stages import eval_ttt, evaluate, export, prepare, quantize, report, tokenizer_meta, train
 
 app = typer.Typer(
     name="windowgpt",
@@ -39,6 +39,7 @@ app.command("export")(export.command)
 app.command("quantize")(quantize.command)
 app.command("eval")(evaluate.command)
 app.command("eval-ttt")(eval_ttt.command)
+app.command("report")(report.command)
 
 
 def main() -> None:

@@ -15,3 +15,7 @@ class DataError(WindowGPTError):
 
 class ArtifactError(WindowGPTError):
     """A checkpoint, export or .ptz that is missing, truncated or of another format."""
+
+
+class RecordError(WindowGPTError):
+    """A record run that breaks a rule of the challenge."""

@@ -495,6 +495,11 @@ def ttt_learning_rate(base_lr: float, chunk: int, num_chunks: int) -> float:
     return base_lr * 0.5 * (1.0 + math.cos(math.pi * chunk / max(num_chunks - 1, 1)))
 
 
+# The order evaluate_ttt keeps, as records state it: each chunk is scored before the model
+# trains on it, so no token is scored by a model that has seen it (the challenge's rule).
+TTT_ORDER = "score-first"
+
+
 def evaluate_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTConfig, *, seq_len: int, stride: int,
                  device: torch.device, batch_seqs: int = 0, rank: int = 0, world_size: int = 1,
                  score_once: bool = False, compile_model: bool | None = None, fused: bool | None = None,

@@ -18,7 +18,8 @@ from ..cli_support import console, err_console, user_errors_exit_1, with_config_
 from ..config import apply_overrides, validate
 from ..distributed import init_distributed, shutdown
 from ..errors import ConfigError
-from ..evaluation import ChunkProgress, evaluate_ttt, load_validation_tokens, should_compile, should_fuse
+from ..evaluation import (TTT_ORDER, ChunkProgress, evaluate_ttt, load_validation_tokens, should_compile,
+                          should_fuse)
 from .evaluate import (ArtifactArg, AttnOption, BatchOption, CompileOption, DataOption, DeviceOption, EvalReport,
                        FusedOption, JsonOption, ScoreOnceOption, TokenizerOption, check_eval_settings, eval_record,
                        load_inputs, report, show_progress_bars)
@@ -65,6 +66,7 @@ def ttt_evaluate_artifact(artifact: Path, data_dir: Path, *, ttt_overrides: dict
         record = eval_record(result, inputs, Path(artifact))
         record["score_once"] = score_once
         record["ttt"] = dataclasses.asdict(ttt)
+        record["ttt_order"] = TTT_ORDER
         record["per_chunk"] = [{"loss_sum": c.loss_sum, "tokens": c.tokens, "bytes": c.bytes, "val_bpb": c.val_bpb}
                                for c in result.per_chunk]
         return EvalReport(result, record, ctx.is_main)
