@@ -18,9 +18,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from typer.testing import CliRunner
 
+from windowgpt_cli.calibration import HESSIANS_FILENAME, calibrate, load_hessians, weights_sha256
 from windowgpt_cli.checkpoint import load_checkpoint
 from windowgpt_cli.cli import app
+from windowgpt_cli.model import build_model
 from windowgpt_cli.optim import Muon
+from windowgpt_cli.shards import list_shards
 from windowgpt_cli.stages.evaluate import evaluate_artifact
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +36,8 @@ TRAIN_FLAGS = ["--preset", "tiny", "--device", "cpu", "--iterations", "6", "--tr
 # clipping on, two ranks drift slightly from one; without it they agree to rounding.
 NO_CLIP = ["--grad-clip-norm", "0"]
 MIXED = ["--train-seq-len-long", "256", "--num-gpus-long", "1"]
-RUN_FILES = {"config.json", "train.log", "metrics.jsonl", "checkpoint.pt", "summary.json"}
+GPTQ = ["--use-gptq"]  # calibrates after training, each rank on its share
+RUN_FILES = {"config.json", "train.log", "metrics.jsonl", "checkpoint.pt", "summary.json", "hessians.safetensors"}
 
 
 # --- Launching ---------------------------------------------------------------------------
@@ -163,9 +167,9 @@ def test_sharded_muon_equals_one_process_on_the_mean_gradient(tmp_path: Path):
 
 @pytest.fixture(scope="module")
 def dist_two_rank_run(tiny_data_dir: Path, tmp_path_factory) -> tuple[Path, str]:
-    """Six steps on two ranks, without clipping; (run dir, torchrun's stdout)."""
+    """Six steps on two ranks, without clipping, with GPTQ; (run dir, torchrun's stdout)."""
     out = tmp_path_factory.mktemp("dist") / "two"
-    done = torchrun("train", *TRAIN_FLAGS, *NO_CLIP, "--data", str(tiny_data_dir), "--out", str(out))
+    done = torchrun("train", *TRAIN_FLAGS, *NO_CLIP, *GPTQ, "--data", str(tiny_data_dir), "--out", str(out))
     return out, done.stdout
 
 
@@ -181,7 +185,7 @@ def test_two_ranks_train_as_one_process_and_only_rank_0_writes(dist_two_rank_run
     two, stdout = dist_two_rank_run
     one = tmp_path / "one"
     with one_thread():
-        result = CliRunner().invoke(app, ["train", *TRAIN_FLAGS, *NO_CLIP, "--data", str(tiny_data_dir),
+        result = CliRunner().invoke(app, ["train", *TRAIN_FLAGS, *NO_CLIP, *GPTQ, "--data", str(tiny_data_dir),
                                           "--out", str(one)], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     a, b = train_losses(one), train_losses(two)
@@ -225,6 +229,27 @@ def test_stopped_and_resumed_two_rank_run_matches_an_uninterrupted_one(dist_mixe
     a, b = load_checkpoint(dist_mixed_run), load_checkpoint(paused)
     assert all(torch.equal(a.model[k], b.model[k]) for k in a.model)
     assert all(torch.equal(a.ema[k], b.ema[k]) for k in a.ema)
+
+
+def test_two_ranks_calibrate_their_shares_and_sum_them(dist_two_rank_run, tiny_data_dir):
+    """Each rank takes half of every calibration batch; the summed Hessians are what one
+    process computes over the whole batches, with the same weights."""
+    two, _ = dist_two_rank_run
+    stored = load_hessians(two / HESSIANS_FILENAME)
+    ckpt = load_checkpoint(two)
+    assert stored.weights_sha256 == weights_sha256(ckpt.weights("ema"))
+    model = build_model(ckpt.config.model, torch.device("cpu"))
+    model.load_state_dict(ckpt.weights("ema"))
+    with one_thread():
+        one = calibrate(model, ckpt.config, list_shards(tiny_data_dir, "train"), torch.device("cpu"))
+    assert (stored.batches, stored.tokens) == (one.batches, one.tokens) == (4, 4 * 4096 // 4)
+    assert stored.hessians.keys() == one.hessians.keys()
+    for names, h in one.hessians.items():
+        # Summed in another order: equal to float32 rounding of the largest entries.
+        assert (stored.hessians[names] - h).abs().max() <= 1e-6 * h.abs().max(), names
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["devices"] == ["cpu", "cpu"]
+    assert summary["calibration"]["world_size"] == 2
 
 
 # --- Evaluation --------------------------------------------------------------------------
