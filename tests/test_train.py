@@ -65,7 +65,8 @@ def test_help_lists_the_settings_as_kebab_case_flags():
     result = runner.invoke(app, ["train", "--help"], env=WIDE)
     assert result.exit_code == 0
     for flag in ("--window-attn-size", "--num-sink-tokens", "--matrix-lr", "--max-wallclock-seconds",
-                 "--attn-backend", "--resume", "--stop-at-step", "--ve-layers", "--no-tie-embeddings"):
+                 "--attn-backend", "--resume", "--stop-at-step", "--ve-layers", "--no-tie-embeddings",
+                 "--use-gptq", "--gptq-calib-samples", "--gptq-reserve-seconds"):
         assert flag in result.output
 
 
@@ -73,6 +74,7 @@ def test_help_lists_the_settings_as_kebab_case_flags():
     (["--num-heads", "3"], "does not divide model_dim"),
     (["--window-attn-size", "16", "--window-attn-layers", "1,9"], "window_attn_layers names layer 9"),
     (["--vocab-size", "2048"], "has 1024 tokens but vocab_size=2048"),
+    (["--use-gptq", "--max-wallclock-seconds", "10", "--gptq-reserve-seconds", "10"], "leaves no training time"),
 ])
 def test_invalid_settings_are_one_line_errors(tiny_data_dir, tmp_path, flags, message):
     args = ["train", "--preset", "tiny", "--data", str(tiny_data_dir), "--out", str(tmp_path / "r"), *flags]
