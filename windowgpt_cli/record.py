@@ -28,6 +28,7 @@ SUMMARY, CONFIG, QUANT_REPORT = "train/summary.json", "train/config.json", "mode
 SLIDING, TTT = "eval.json", "eval-ttt.json"
 RECORD_JSON, RECORD_README = "record.json", "README.md"
 WALL_SUFFIX = ".wall_s"  # OUT/eval.wall_s: seconds of the whole `eval` command, written by make
+TIMED_STAGES = ("train", "quantize", "eval", "eval-ttt")
 PASS, FAIL, NOT_APPLICABLE = "pass", "fail", "n/a"
 
 
@@ -67,9 +68,11 @@ def read_run(out: Path) -> RunFiles:
     out = Path(out)
     docs = [_read_json(out / name) for name in (SUMMARY, CONFIG, QUANT_REPORT, SLIDING, TTT)]
     wall = {}
-    for path in sorted(out.glob(f"*{WALL_SUFFIX}")):
+    for stage in TIMED_STAGES:
+        path = out / f"{stage}{WALL_SUFFIX}"
         try:
-            wall[path.name[:-len(WALL_SUFFIX)]] = float(path.read_text().strip())
+            if path.is_file():
+                wall[stage] = float(path.read_text().strip())
         except ValueError:
             raise ArtifactError(f"{path}: not a number of seconds") from None
     return RunFiles(*docs, wall=wall)
@@ -244,6 +247,7 @@ def render_markdown(record: dict[str, Any]) -> str:
         f"| training + calibration | {t['total']:.1f} s |",
         f"| evaluation: sliding / TTT | {e['sliding']:.1f} s / {e['ttt']:.1f} s ({e['measured']}) |",
         f"| GPUs | {hw['world_size']} x {devices} |",
+        f"| whole commands' wall times | {_wall_cell(record['stage_wall_seconds'])} |",
         "",
         "## Checks",
         "",
@@ -263,6 +267,10 @@ def render_markdown(record: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _wall_cell(wall: dict[str, float]) -> str:
+    return ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in wall.items()) or "not recorded"
 
 
 def _calibration_cell(record: dict[str, Any]) -> str:
