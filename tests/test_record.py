@@ -196,3 +196,24 @@ def test_report_flags_broken_rules_and_the_command_exits_1(record_flow, tmp_path
     assert status["TTT trains only on tokens already scored"] == status["GPTQ calibrated inside the training budget"] \
         == FAIL
     assert record["training_seconds"]["total"] > summary["training_plus_calibration_ms"] / 1000  # it counts too
+
+
+def test_a_reserve_too_small_for_calibration_is_logged_and_fails_the_report(record_flow, tiny_data_dir, tmp_path,
+                                                                          quant_single_thread):
+    from windowgpt_cli.config import apply_overrides, tiny_preset
+    from windowgpt_cli.stages.train import train
+
+    cap = 3.0
+    cfg = apply_overrides(tiny_preset(), {"data": {"data_path": str(tiny_data_dir)},
+                                          "train": {"iterations": 10000, "max_wallclock_seconds": cap},
+                                          "quant": {"use_gptq": True, "gptq_reserve_seconds": 0.001}})
+    train(cfg, tmp_path / "run")
+    log = (tmp_path / "run" / "train.log").read_text()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["calibration"]["overran_reserve"]
+    assert "gptq:calibration overran its reserve of 1ms" in log and summary["training_plus_calibration_ms"] > 1000 * cap
+    out = copy_of(record_flow[0], tmp_path)
+    shutil.copyfile(tmp_path / "run" / "summary.json", out / "train" / "summary.json")
+    check = next(c for c in write_report(out, Rules(gpus=1, train_seconds=cap))["checks"]
+                 if c["rule"] == "training + GPTQ calibration")
+    assert check["status"] == FAIL and check["value"] == f"{summary['training_plus_calibration_ms'] / 1000:.1f} s"

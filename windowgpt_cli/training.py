@@ -371,14 +371,14 @@ class Trainer:
         self.log.line(f"DIAGNOSTIC post_ema val_loss:{ema_loss:.4f} val_bpb:{ema_bpb:.4f} "
                       f"eval_time:{1000.0 * (time.perf_counter() - t_eval):.0f}ms")
         self.log.metrics(step=self.step, post_ema_val_loss=ema_loss, post_ema_val_bpb=ema_bpb)
-        calibration = self.calibrate(ema) if s.cfg.quant.use_gptq else None
+        calibration = self.calibrate_gptq(ema) if s.cfg.quant.use_gptq else None
         s.model.load_state_dict(live, strict=True)
         val_loss, val_bpb = last_val if last_val is not None else (math.nan, math.nan)
         return TrainResult(self.step, self.training_time_ms, finished=True, val_loss=val_loss, val_bpb=val_bpb,
                            post_ema_val_loss=ema_loss, post_ema_val_bpb=ema_bpb, checkpoint=path,
                            calibration=calibration, devices=gather_from_ranks(device_name(s.ctx.device)))
 
-    def calibrate(self, ema: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def calibrate_gptq(self, ema: dict[str, torch.Tensor]) -> dict[str, Any]:
         """GPTQ's Hessians from training batches under the EMA weights (loaded in the model),
         as the reference collects them in its reserve; rank 0 writes RUN/hessians.safetensors."""
         s, q = self.s, self.s.cfg.quant
