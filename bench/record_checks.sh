@@ -21,10 +21,12 @@ echo "prepare: done at ${SECONDS}s"
 mkdir -p "$work/ref/datasets" && ln -sfn "$work/data" "$work/ref/datasets/fineweb10B_sp1024"
 rm -f "$work/ref/seed_log.txt"
 
-CUDA_VISIBLE_DEVICES=1 setsid bash "$shared/seed/run_seed.sh" "$shared" "$work/ref" USE_GPTQ=1 ITERATIONS=200 \
+set -m  # the reference runs in its own process group, so that it can be stopped whole
+CUDA_VISIBLE_DEVICES=1 bash "$shared/seed/run_seed.sh" "$shared" "$work/ref" USE_GPTQ=1 ITERATIONS=200 \
   TRAIN_BATCH_TOKENS=131072 MAX_WALLCLOCK_SECONDS=0 WARMDOWN_ITERS=60 WINDOW_ATTN_SIZE=512 NUM_SINK_TOKENS=4 \
   WINDOW_ATTN_LAYERS=2,4,6,8,10 > "$logs/reference.out" 2>&1 &
 ref_pid=$!
+set +m
 stop_reference() { kill -- "-$ref_pid" 2>/dev/null; wait "$ref_pid" 2>/dev/null; }
 (
   until grep -q "^gptq:calibrated .* layers in" "$work/ref/seed_log.txt" 2>/dev/null; do
