@@ -7,7 +7,7 @@ import typer
 
 from . import __version__
 from .cli_support import err_console
-from .stages import eval_ttt, evaluate, export, prepare, quantize, report, tokenizer_meta, train
+from .stages import eval_ttt, evaluate, export, generate, prepare, quantize, report, tokenizer_meta, train
 
 app = typer.Typer(
     name="windowgpt",
@@ -40,6 +40,7 @@ app.command("quantize")(quantize.command)
 app.command("eval")(evaluate.command)
 app.command("eval-ttt")(eval_ttt.command)
 app.command("report")(report.command)
+app.command("generate")(generate.command)
 
 
 def main() -> None:

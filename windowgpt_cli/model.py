@@ -208,6 +208,7 @@ class CausalSelfAttention(nn.Module):
         self.use_xsa = layer >= cfg.num_layers - cfg.xsa_last_n
         self.backend = "sdpa"
         self.observer: LinearObserver | None = None
+        self.kv_cache: Any = None  # set during incremental decoding (`generation.KVCache`)
 
     def forward(self, x: Tensor, q_w: Tensor, k_w: Tensor, v_w: Tensor, out_w: Tensor,
                 rotary: tuple[Tensor, Tensor], v_embed: ValueInjection | None, queries: Tensor | None = None,
@@ -225,7 +226,9 @@ class CausalSelfAttention(nn.Module):
         k = ops.head_prep(k, cos, sin, self.rope_dims, None)
         q_cos, q_sin = (cos, sin) if queries is None else (cos[0, queries], sin[0, queries])
         q = ops.head_prep(q, q_cos, q_sin, self.rope_dims, self.q_gain)
-        if queries is None:
+        if self.kv_cache is not None:  # new positions against the cached ones
+            y, v_q = self.kv_cache.attend(q, k, v, self.window, self.sinks), v_xsa
+        elif queries is None:
             y, v_q = attention(q, k, v, self.window, self.sinks, self.backend), v_xsa
         else:
             y, v_q = attention_at(q, k, v, queries, self.window, self.sinks), pick_positions(v_xsa, queries)
@@ -471,10 +474,19 @@ class GPT(nn.Module):
         the last one is the first decoder block's own input sum, so that block adds its sum
         to itself."""
         x0 = self.embed(input_ids, ops)
-        seq_len = input_ids.shape[1]
+        return self.trunk(input_ids, x0, self.rotary(input_ids.shape[1], input_ids.device), queries, ops)
+
+    def rotary(self, seq_len: int, device: torch.device, start: int = 0) -> tuple[Tensor, Tensor]:
+        """cos and sin at positions start..seq_len - 1 of a sequence of seq_len tokens."""
         inv_freq = rotary_inv_freq(self.rotary_dims, self.cfg.rope_base, seq_len, self.cfg.rope_train_seq_len,
-                                   device=input_ids.device)
-        rotary = rotary_tables(seq_len, inv_freq)
+                                   device=device)
+        cos, sin = rotary_tables(seq_len, inv_freq)
+        return cos[:, start:], sin[:, start:]
+
+    def trunk(self, input_ids: Tensor, x0: Any, rotary: tuple[Tensor, Tensor], queries: Tensor | None = None,
+              ops: TorchOps = TORCH_OPS) -> Tensor:
+        """The blocks and the final norm over the positions of input_ids, whose x0 and rotary
+        tables are given (see `hidden_states`)."""
         ve_shared = None
         if self.ve_shared is not None:
             ve_shared = ops.shared_values(self.ve_shared(input_ids), self.ve_shared.scale)
