@@ -25,6 +25,7 @@ from ..calibration import AFTER_TRAINING, INSIDE_TRAINING, Calibration, calibrat
 from ..cli_support import console, err_console, user_errors_exit_1
 from ..config import RunConfig
 from ..errors import ArtifactError, ConfigError
+from ..lineage import weights_lineage, without_paths
 from ..model import build_model, is_control_tensor, unbank_state_dict
 from ..model_io import LoadedWeights, load_weights
 from ..quant import INT6, QuantizedTensor, classify_param, quantize_state_dict
@@ -90,14 +91,16 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
         timings["gptq"] = phases["gptq"]
 
     t0 = time.perf_counter()
-    artifact = ptz.PtzArtifact(cfg, tensors, weights.tokenizer_sha256, _source(weights), q.quant_clip_range)
+    artifact = ptz.PtzArtifact(without_paths(cfg), tensors, weights.tokenizer_sha256, weights_lineage(weights),
+                               q.quant_clip_range)
     payload = ptz.payload_bytes(artifact)
     data = ptz.compress_payload(payload, compressor)
     timings["compress"] = time.perf_counter() - t0
     atomic_write_bytes(out, data)
     timings["total"] = time.perf_counter() - started
 
-    report = _report(out, data, payload, sd, tensors, cfg, compressor, budget, dev, timings, artifact.source)
+    source = {**artifact.source, "path": str(weights.path)}  # the payload holds no paths; the report does
+    report = _report(out, data, payload, sd, tensors, cfg, compressor, budget, dev, timings, source)
     report.update(_calibration_record(calibration, where, weights) if calibration else {"calibration": None})
     atomic_write_json(report_path(out), report)
     return report
@@ -153,10 +156,6 @@ def _calibration_record(calibration: Calibration, where: str, weights: LoadedWei
     if where == INSIDE_TRAINING:
         info.update(step=calibration.step, hessians=str(hessians_path(weights)))
     return {"calibration": where, "calibration_info": info}
-
-
-def _source(weights: LoadedWeights) -> dict[str, Any]:
-    return {"kind": weights.kind, "path": str(weights.path), "sha256": weights.sha256}
 
 
 def _report(out: Path, data: bytes, payload: bytes, sd: dict[str, torch.Tensor], tensors: dict[str, QuantizedTensor],
