@@ -123,6 +123,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     attn_backend: str = "auto"  # auto | fa3 | flex | sdpa
     compile: bool = True  # torch.compile on CUDA
+    sample_every: int = 0  # log a short greedy sample every N steps; 0 = never
+    sample_prompt: str = "The"  # the prompt of those samples
+    logger: str = "none"  # none | tensorboard | wandb: also send the metrics there
 
 
 @dataclass
@@ -361,6 +364,8 @@ def validate(cfg: RunConfig) -> None:
         (t.attn_backend in {"auto", "fa3", "flex", "sdpa"}, f"attn_backend={t.attn_backend!r} must be auto, fa3, flex or sdpa"),
         (0.0 <= t.ema_decay < 1.0, f"ema_decay={t.ema_decay} must be in [0, 1)"),
         (t.swa_every > 0, "swa_every must be positive"),
+        (t.sample_every >= 0, f"sample_every={t.sample_every} must not be negative (0: no samples)"),
+        (t.logger in {"none", "tensorboard", "wandb"}, f"logger={t.logger!r} must be none, tensorboard or wandb"),
         (0.0 < t.warmdown_max_fraction <= 1.0, f"warmdown_max_fraction={t.warmdown_max_fraction} must be in (0, 1]"),
         (cfg.eval.eval_stride >= 0 and cfg.eval.eval_seq_len > 0, "eval_stride must not be negative and eval_seq_len must be positive"),
         (cfg.eval.eval_batch_seqs >= 0, "eval_batch_seqs must not be negative (0: as many as fit)"),

@@ -55,9 +55,10 @@ class RunLog:
     """The reference's log lines on stdout and in train.log, one JSON object per logged
     step in metrics.jsonl; silent on every rank but the first."""
 
-    def __init__(self, out_dir: Path, enabled: bool, echo: Callable[[str], None] = print):
+    def __init__(self, out_dir: Path, enabled: bool, echo: Callable[[str], None] = print, sink: Any = None):
         self.enabled, self.echo = enabled, echo
         self.log_path, self.metrics_path = out_dir / "train.log", out_dir / "metrics.jsonl"
+        self.sink = sink  # `metric_sinks.MetricSink`: TensorBoard or W&B, or None
 
     def line(self, message: str) -> None:
         if not self.enabled:
@@ -70,6 +71,8 @@ class RunLog:
         if self.enabled:
             with open(self.metrics_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(values) + "\n")
+            if self.sink is not None:
+                self.sink.log(values)
 
 
 class StopRequests:
@@ -114,6 +117,7 @@ class Setup:
     tokenizer_sha256: str
     grad_accum_steps: int
     seq_len: int  # this rank's training sequence length
+    tokenizer: Path | None = None
 
 
 def grad_accum_steps_for(cfg: RunConfig, world_size: int) -> int:
@@ -154,6 +158,7 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
         averages=WeightAverages(model, cfg.train.ema_decay, cfg.train.ema_warmup), luts=luts, val_tokens=val_tokens,
         train_files=train_files, tokenizer_sha256=sha256_file(tokenizer),
         grad_accum_steps=grad_accum_steps_for(cfg, ctx.world_size), seq_len=rank_seq_len(cfg, ctx),
+        tokenizer=tokenizer,
     )
 
 
@@ -317,6 +322,11 @@ class Trainer:
                 if t.train_log_every > 0 and (self.step <= 10 or self.step % t.train_log_every == 0
                                               or self.stop_after_step is not None):
                     self._log_train(self._global_mean(train_loss), approx_ms, scale, tokens_per_step)
+                if t.sample_every > 0 and self.step % t.sample_every == 0 and s.ctx.is_main:
+                    synchronize(device)  # sampling time is not training time
+                    self.training_time_ms += 1000.0 * (time.perf_counter() - t0)
+                    self._log_sample()
+                    t0 = time.perf_counter()
                 if self.progress is not None:
                     self.progress({"step": self.step, "iterations": t.iterations, "loss": train_loss,
                                    "tokens_per_s": tokens_per_step * self.step / max(approx_ms / 1000.0, 1e-9)})
@@ -410,6 +420,12 @@ class Trainer:
         self.log.metrics(step=self.step, train_loss=loss, train_time_ms=round(approx_ms, 1),
                          step_avg_ms=round(step_avg, 2), lr_scale=scale,
                          tokens_per_s=round(tokens_per_step / max(step_avg / 1000.0, 1e-9)))
+
+    def _log_sample(self) -> None:
+        from .generation import greedy_sample
+
+        text = greedy_sample(self.s.model, self.s.tokenizer, self.s.cfg.train.sample_prompt)
+        self.log.line(f"sample step:{self.step} {self.s.cfg.train.sample_prompt + text!r}")
 
     def _log_validation(self, val_loss: float, val_bpb: float) -> None:
         t = self.s.cfg.train

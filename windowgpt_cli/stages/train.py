@@ -14,9 +14,11 @@ from ..artifacts import atomic_write_json
 from ..config import RunConfig, apply_overrides
 from ..distributed import init_distributed, shutdown
 from ..errors import ConfigError
+from ..metric_sinks import open_sink
 from ..training import RunLog, StopRequests, Trainer, TrainResult, build_setup, describe
 
-RESUMABLE_OVERRIDES = {"data_path", "tokenizer_path", "tokenizer_meta_path", "device", "attn_backend", "compile"}
+RESUMABLE_OVERRIDES = {"data_path", "tokenizer_path", "tokenizer_meta_path", "device", "attn_backend", "compile",
+                       "sample_every", "sample_prompt", "logger"}
 
 
 def train(cfg: RunConfig, out_dir: Path, *, resume: bool = False, stop_at_step: int | None = None,
@@ -28,13 +30,15 @@ def train(cfg: RunConfig, out_dir: Path, *, resume: bool = False, stop_at_step: 
         raise ConfigError(f"{out_dir} already holds a checkpoint: pass --resume to continue it, or choose a new --out")
     cfg = cfg.resolved()
     ctx = init_distributed(cfg.train.device)
+    sink = None
     try:
         if ctx.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(out_dir / "config.json")
+            sink = open_sink(cfg.train.logger, out_dir, cfg)
         setup = build_setup(cfg, ctx)
         with _ProgressBar(show_progress and ctx.is_main, cfg.train.iterations) as (echo, on_step):
-            log = RunLog(out_dir, enabled=ctx.is_main, echo=echo)
+            log = RunLog(out_dir, enabled=ctx.is_main, echo=echo, sink=sink)
             trainer = Trainer(setup, out_dir, log, progress=on_step)
             if ckpt is not None:
                 trainer.restore(ckpt)
@@ -48,6 +52,8 @@ def train(cfg: RunConfig, out_dir: Path, *, resume: bool = False, stop_at_step: 
             atomic_write_json(out_dir / "summary.json", _summary(result, cfg))
         return result
     finally:
+        if sink is not None:
+            sink.close()
         shutdown()
 
 
@@ -119,6 +125,7 @@ def command(
         given = {name for values in overrides.values() for name in values} - RESUMABLE_OVERRIDES
         if given or config_file or preset_name:
             raise ConfigError("--resume takes its settings from the checkpoint; only --data, --tokenizer, --device, "
+                              "--sample-every, --sample-prompt, --logger, "
                               "--attn-backend and --compile may change")
         cfg = apply_overrides(load_checkpoint(out).config, overrides)
     else:
