@@ -7,7 +7,8 @@ import typer
 
 from . import __version__
 from .cli_support import err_console
-from .stages import eval_ttt, evaluate, export, generate, prepare, quantize, report, tokenizer_meta, train
+from .stages import (compare, eval_ttt, evaluate, export, generate, inspect, plot, prepare, quantize, report,
+                     tokenizer_meta, train)
 
 app = typer.Typer(
     name="windowgpt",
@@ -41,6 +42,9 @@ app.command("eval")(evaluate.command)
 app.command("eval-ttt")(eval_ttt.command)
 app.command("report")(report.command)
 app.command("generate")(generate.command)
+app.command("inspect")(inspect.command)
+app.command("plot")(plot.command)
+app.command("compare")(compare.command)
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from ..cli_support import console, err_console, user_errors_exit_1, with_config_
 from ..config import apply_overrides, validate
 from ..distributed import init_distributed, shutdown
 from ..errors import ConfigError
+from ..eval_results import save_eval_result
 from ..evaluation import (TTT_ORDER, ChunkProgress, evaluate_ttt, load_validation_tokens, should_compile,
                           should_fuse)
 from .evaluate import (ArtifactArg, AttnOption, BatchOption, CompileOption, DataOption, DeviceOption, EvalReport,
@@ -69,6 +70,8 @@ def ttt_evaluate_artifact(artifact: Path, data_dir: Path, *, ttt_overrides: dict
         record["ttt_order"] = TTT_ORDER
         record["per_chunk"] = [{"loss_sum": c.loss_sum, "tokens": c.tokens, "bytes": c.bytes, "val_bpb": c.val_bpb}
                                for c in result.per_chunk]
+        if ctx.is_main:  # beside the artifact, for `compare` and `inspect`
+            save_eval_result(Path(artifact), record)
         return EvalReport(result, record, ctx.is_main)
     finally:
         shutdown()

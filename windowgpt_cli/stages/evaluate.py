@@ -22,6 +22,7 @@ from ..cli_support import console, err_console, user_errors_exit_1
 from ..config import RunConfig
 from ..distributed import DistContext, init_distributed, shutdown
 from ..errors import ConfigError, DataError
+from ..eval_results import save_eval_result
 from ..evaluation import (EvalResult, batch_windows, evaluate_sliding, evaluate_standard, load_validation_tokens,
                           should_compile, should_fuse)
 from ..model import GPT
@@ -167,6 +168,8 @@ def evaluate_artifact(artifact: Path, data_dir: Path, *, stride: int | None = No
         record = eval_record(result, inputs, Path(artifact))
         if result.mode == "sliding":
             record["score_once"] = score_once
+        if ctx.is_main:  # beside the artifact, for `compare` and `inspect`
+            save_eval_result(Path(artifact), record)
         return EvalReport(result, record, ctx.is_main)
     finally:
         shutdown()
