@@ -40,7 +40,8 @@ def generate_text(artifact: Path, prompt: str, *, max_new_tokens: int = 64, temp
         raise ConfigError("--temperature and --top-k must not be negative")
     tokenizer_path = find_tokenizer(Path(artifact), data_dir, tokenizer)
     ctx = DistContext(0, 1, 0, resolve_device(device))
-    inputs = load_inputs(Path(artifact), data_dir or tokenizer_path.parent, tokenizer_path, ctx)
+    # sdpa: --no-kv-cache runs every length once, which FlexAttention would compile anew each time
+    inputs = load_inputs(Path(artifact), data_dir or tokenizer_path.parent, tokenizer_path, ctx, "sdpa")
     sp = load_sentencepiece(inputs.tokenizer)
     prompt_ids = [BOS_ID, *sp.encode(prompt)]  # every training document starts with BOS
     out = generate(inputs.model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
