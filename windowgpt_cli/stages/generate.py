@@ -14,7 +14,7 @@ from ..generation import continuation, generate
 from ..model_io import load_weights
 from ..runtime import resolve_device
 from ..tokenizer import BOS_ID, load_sentencepiece, resolve_tokenizer
-from .evaluate import ArtifactArg, DeviceOption, JsonOption, TokenizerOption, load_inputs
+from .evaluate import ArtifactArg, DeviceOption, JsonOption, load_inputs
 
 
 def find_tokenizer(artifact: Path, data_dir: Path | None, tokenizer: Path | None) -> Path:
@@ -61,7 +61,7 @@ def generate_text(artifact: Path, prompt: str, *, max_new_tokens: int = 64, temp
 @user_errors_exit_1
 def command(
     artifact: ArtifactArg,
-    prompt: Annotated[str, typer.Option("--prompt", help="The text to continue.")] = "",
+    prompt: Annotated[str, typer.Option("--prompt", help="The text to continue (empty: a document's start).")] = "",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Tokens to generate at most "
                               "(generation also stops at the start of a new document).")] = 64,
     temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature; 0 is greedy.")] = 0.8,
@@ -69,7 +69,8 @@ def command(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the sampler (same seed, same text).")] = 0,
     data: Annotated[Optional[Path], typer.Option("--data", help="A data directory holding tokenizer.model "
                     "(default: the tokenizer the run was trained with).", show_default=False)] = None,
-    tokenizer: TokenizerOption = None,
+    tokenizer: Annotated[Optional[Path], typer.Option("--tokenizer", help="SentencePiece model (default: "
+                         "DATA/tokenizer.model, else the run's).", show_default=False)] = None,
     device: DeviceOption = "auto",
     kv_cache: Annotated[bool, typer.Option("--kv-cache/--no-kv-cache", help="Decode with the key/value cache; "
                         "--no-kv-cache recomputes the whole context for every token (same text, slower).")] = True,

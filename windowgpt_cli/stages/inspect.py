@@ -20,7 +20,8 @@ def inspect_artifact(path: Path, budget: int = DEFAULT_BUDGET) -> dict[str, Any]
     record: dict[str, Any] = {
         "artifact": str(info.path), "kind": info.kind, "format_version": info.format_version,
         "sha256": info.sha256, "file_bytes": info.file_bytes, "step": info.step,
-        "training_time_ms": info.training_time_ms, "tokenizer_sha256": info.tokenizer_sha256,
+        "training_time_ms": info.training_time_ms or (info.summary or {}).get("training_time_ms"),
+        "tokenizer_sha256": info.tokenizer_sha256,
         "parameters": info.params,
         "groups": {name: {"tensors": g.tensors, "params": g.params, "bytes": g.bytes,
                           **({"schemes": g.schemes} if g.schemes else {})} for name, g in info.groups.items()},
