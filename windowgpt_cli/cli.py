@@ -1,12 +1,10 @@
 """The `windowgpt` command: one subcommand per stage, each a thin edge over plain Python."""
 from __future__ import annotations
 
-import sys
-
 import typer
 
 from . import __version__
-from .cli_support import err_console
+from .cli_support import run_app
 from .stages import (compare, eval_ttt, evaluate, export, generate, inspect, plot, prepare, quantize, report,
                      tokenizer_meta, train)
 
@@ -48,16 +46,4 @@ app.command("compare")(compare.command)
 
 
 def main() -> None:
-    """Entry point: usage errors too become one line on stderr and exit code 1."""
-    try:
-        code = app(standalone_mode=False)
-    except typer.Abort:
-        code = 130
-    except Exception as exc:
-        if not hasattr(exc, "format_message"):  # a usage error (click's, vendored or not) has one
-            raise
-        if not exc.format_message():  # `windowgpt` alone: the help was shown
-            sys.exit(0)
-        err_console.print(f"[bold red]error:[/] {exc.format_message()}", highlight=False, soft_wrap=True)
-        code = 1
-    sys.exit(code if isinstance(code, int) else 0)
+    run_app(app)

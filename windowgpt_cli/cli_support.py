@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
@@ -32,6 +33,22 @@ def user_errors_exit_1(func: Callable) -> Callable:
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+def run_app(app: typer.Typer) -> None:
+    """Run a command-line app: usage errors too become one line on stderr and exit code 1."""
+    try:
+        code = app(standalone_mode=False)
+    except typer.Abort:
+        code = 130
+    except Exception as exc:
+        if not hasattr(exc, "format_message"):  # a usage error (click's, vendored or not) has one
+            raise
+        if not exc.format_message():  # the command alone: the help was shown
+            sys.exit(0)
+        err_console.print(f"[bold red]error:[/] {exc.format_message()}", highlight=False, soft_wrap=True)
+        code = 1
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 def _flag_annotation(group: str, name: str, hint: Any, help_text: str) -> Any:
