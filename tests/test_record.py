@@ -1,5 +1,6 @@
 """A record run on the CPU: GPTQ calibrated inside the training budget, quantize using those
-Hessians, the code a record run imports, and the report that checks the rules."""
+Hessians, the code a record run imports (run from its packed archive, as `make record` runs
+it), and the report that checks the rules."""
 from __future__ import annotations
 
 import json
@@ -18,6 +19,7 @@ from windowgpt_cli.calibration import (AFTER_TRAINING, HESSIANS_FILENAME, INSIDE
 from windowgpt_cli.checkpoint import load_checkpoint
 from windowgpt_cli.cli import app
 from windowgpt_cli.errors import ArtifactError, ConfigError
+from windowgpt_cli.packing import MAIN_SOURCE, pack
 from windowgpt_cli.record import FAIL, NOT_APPLICABLE, PASS, Rules, write_report
 from windowgpt_cli.stages.export import export
 from windowgpt_cli.stages.quantize import quantize
@@ -25,9 +27,10 @@ from windowgpt_cli.stages.quantize import quantize
 REPO = Path(__file__).resolve().parents[1]
 CAP_S, RESERVE_S = 20.0, 18.0  # two seconds of training, then calibration with room to spare
 WIDE = {"COLUMNS": "200"}
+PACKED_RULE = "the code counted is the packed code.pyz"
 
-# The stages of `make record` in one fresh process, laid out as make lays them out; prints
-# the package modules it imported.
+# The stages of `make record` in one fresh process, laid out as make lays them out, imported
+# from the packed archive alone; prints the package modules it imported and where from.
 RECORD_FLOW = """
 import json, sys
 from pathlib import Path
@@ -51,6 +54,7 @@ quantize(out / "export", out / "model.ptz", device="cpu")
 (out / "eval.json").write_text(json.dumps(evaluate_artifact(out / "model.ptz", data, device="cpu").record))
 (out / "eval-ttt.json").write_text(json.dumps(ttt_evaluate_artifact(out / "model.ptz", data, device="cpu").record))
 print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "windowgpt_cli")))
+print(sys.modules["windowgpt_cli"].__file__)
 """
 
 
@@ -58,11 +62,14 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "windowgpt_
 def record_flow(tiny_data_dir: Path, tmp_path_factory) -> tuple[Path, list[str]]:
     """(OUT of a tiny record run, the package modules that run imported)."""
     out = tmp_path_factory.mktemp("record") / "out"
+    pack(out / "code.pyz")
     done = subprocess.run([sys.executable, "-c", RECORD_FLOW, str(tiny_data_dir), str(out), str(CAP_S),
-                           str(RESERVE_S)], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": ""})
+                           str(RESERVE_S)], cwd=out, capture_output=True, text=True, timeout=600,
+                          env={"PYTHONPATH": str(out / "code.pyz"), "OMP_NUM_THREADS": "1", "PATH": ""})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    return out, json.loads(done.stdout.strip().splitlines()[-1])
+    *_, modules, package_file = done.stdout.strip().splitlines()
+    assert package_file == str(out / "code.pyz" / "windowgpt_cli" / "__init__.py")
+    return out, json.loads(modules)
 
 
 def summary_of(out: Path) -> dict:
@@ -138,8 +145,11 @@ def test_code_bytes_count_every_module_the_record_run_imports(record_flow):
     assert not {"windowgpt_cli.cli", "windowgpt_cli.stages.prepare", "windowgpt_cli.record"} & set(closure)
     whole_package = sum(p.stat().st_size for p in codesize.PACKAGE_DIR.rglob("*.py"))
     report = json.loads((out / "model.ptz.json").read_text())
-    assert report["code_bytes"] == codesize.code_bytes() < whole_package
-    assert len(report["code_modules"]) == len(closure)
+    # Counted: the archive the stages ran from; beside it, the same files' source.
+    assert report["code_archive"] == str(out / "code.pyz") and report["code_counted"].startswith("zipapp (deflate)")
+    assert report["code_bytes"] == (out / "code.pyz").stat().st_size < codesize.code_bytes() / 2
+    assert report["code_source_bytes"] == codesize.code_bytes() + len(MAIN_SOURCE) < whole_package
+    assert report["code_modules"] == ["__main__.py", *codesize.record_modules()]
 
 
 def copy_of(out: Path, tmp_path: Path) -> Path:
@@ -160,7 +170,7 @@ def test_report_of_a_tiny_run_passes_and_marks_the_eight_gpu_limits(record_flow,
     na = {c["rule"]: c["note"] for c in record["checks"] if c["status"] == NOT_APPLICABLE}
     assert na["training + GPTQ calibration"] == na["evaluation (sliding + TTT)"] == "not applicable on 1 GPU"
     assert status["GPTQ calibrated inside the training budget"] == status["TTT trains only on tokens already scored"] \
-        == status["artifact (code + compressed model)"] == PASS
+        == status["artifact (code + compressed model)"] == status[PACKED_RULE] == PASS
     summary, quant = summary_of(out), json.loads((out / "model.ptz.json").read_text())
     assert record["training_seconds"]["total"] == pytest.approx(summary["training_plus_calibration_ms"] / 1000, abs=1e-3)
     assert record["bytes"]["total"] == quant["model_bytes"] + quant["code_bytes"]
@@ -169,6 +179,8 @@ def test_report_of_a_tiny_run_passes_and_marks_the_eight_gpu_limits(record_flow,
     assert json.loads((out / "record.json").read_text()) == record
     readme = (out / "README.md").read_text()
     assert "keeps every rule checked" in readme and f"{record['bytes']['total']:,}" in readme
+    assert f"| code: {quant['code_counted']} | {quant['code_bytes']:,} bytes (its source uncompressed: " \
+           f"{quant['code_source_bytes']:,} bytes) |" in readme
     assert write_report(out, Rules(gpus=1))["passed"]  # the time limits, applied to this one process
 
 
@@ -185,6 +197,8 @@ def test_report_flags_broken_rules_and_the_command_exits_1(record_flow, tmp_path
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert result.output.count("error:") == 1 and "artifact (code + compressed model)" in result.output
     assert "BREAKS A RULE" in (out / "README.md").read_text()
+    (out / "code.pyz").write_bytes(b"other code")  # not the code quantize counted
+    assert statuses(write_report(out))[PACKED_RULE] == FAIL
 
     # A TTT record that trained before scoring, and an artifact calibrated after training.
     ttt = json.loads((out / "eval-ttt.json").read_text())

@@ -5,8 +5,8 @@ import typer
 
 from . import __version__
 from .cli_support import run_app
-from .stages import (compare, eval_ttt, evaluate, export, generate, inspect, plot, prepare, quantize, report,
-                     tokenizer_meta, train)
+from .stages import (compare, eval_ttt, evaluate, export, generate, inspect, pack, plot, prepare, quantize,
+                     report, tokenizer_meta, train)
 
 app = typer.Typer(
     name="windowgpt",
@@ -43,6 +43,7 @@ app.command("generate")(generate.command)
 app.command("inspect")(inspect.command)
 app.command("plot")(plot.command)
 app.command("compare")(compare.command)
+app.command("pack")(pack.command)
 
 
 def main() -> None:

@@ -1,20 +1,31 @@
-"""The code bytes of the artifact: the source of the modules a record run imports.
+"""The code bytes of the artifact: the modules a record run imports.
 
 The challenge counts the bytes of the code that trains and evaluates the model. A record
-run runs the stages train, export, quantize, eval and eval-ttt; what they import, directly
-or not (found by reading their import statements, including those inside functions), is
-counted as it is on disk. The command-line entry point (`cli.py`, which also registers
-prepare and the other commands), data preparation, tests and benchmarks are not.
+run runs the stages train, export, quantize, eval and eval-ttt through a small command line
+(`record_app.py`); what they import, directly or not (found by reading their import
+statements, including those inside functions), is the record's code. The full command line
+(`cli.py`, which also registers prepare and the other commands), data preparation, tests and
+benchmarks are not.
+
+Run from the packed archive (`windowgpt pack`, see packing.py), the code counted is that
+archive, the file that ran; run from the source tree, it is the modules' source as on disk.
 """
 from __future__ import annotations
 
 import ast
+import zipfile
+import zipimport
+from dataclasses import dataclass
 from pathlib import Path
+
+from .artifacts import sha256_bytes
 
 PACKAGE = "windowgpt_cli"
 PACKAGE_DIR = Path(__file__).resolve().parent
 RECORD_STAGES = tuple(f"{PACKAGE}.stages.{name}" for name in ("train", "export", "quantize", "evaluate", "eval_ttt"))
-COUNTED_FORM = "Python source as on disk (uncompressed)"
+RECORD_ENTRY = f"{PACKAGE}.record_app"
+RECORD_ROOTS = (*RECORD_STAGES, RECORD_ENTRY)
+SOURCE_FORM = "Python source as on disk (uncompressed), not packed"
 
 
 def module_file(module: str, package_dir: Path = PACKAGE_DIR) -> Path | None:
@@ -55,7 +66,7 @@ def _absolute(module: str, is_package: bool, target: str | None, level: int) -> 
     return ".".join(anchor + ([target] if target else []))
 
 
-def import_closure(roots: tuple[str, ...] = RECORD_STAGES, package_dir: Path = PACKAGE_DIR) -> list[str]:
+def import_closure(roots: tuple[str, ...] = RECORD_ROOTS, package_dir: Path = PACKAGE_DIR) -> list[str]:
     """The roots and every package module they import, directly or not, sorted."""
     seen: set[str] = set()
     pending = [name for root in roots for name in _with_packages(root)]
@@ -79,3 +90,37 @@ def record_modules() -> list[str]:
 
 def code_bytes() -> int:
     return sum((PACKAGE_DIR.parent / path).stat().st_size for path in record_modules())
+
+
+@dataclass(frozen=True)
+class CodeCount:
+    """The code bytes a report counts, and what they are."""
+
+    bytes: int
+    form: str  # what was counted, in words
+    files: list[str]  # the counted files (the archive's members when packed)
+    source_bytes: int  # the same modules' source, uncompressed: comparable across forms
+    archive: str | None = None  # the packed archive that ran, if any
+    sha256: str | None = None  # the archive's
+
+
+def running_archive() -> Path | None:
+    """The archive this package runs from, or None when it runs from source files."""
+    loader = globals().get("__loader__")
+    return Path(loader.archive) if isinstance(loader, zipimport.zipimporter) else None
+
+
+def archive_form(files: int, archive: Path) -> str:
+    return f"zipapp (deflate) of {files} files, runnable as `python {archive.name}`"
+
+
+def count_code() -> CodeCount:
+    """The packed archive this code runs from; without one, the record modules' source."""
+    archive = running_archive()
+    if archive is None:
+        return CodeCount(code_bytes(), SOURCE_FORM, record_modules(), code_bytes())
+    data = archive.read_bytes()
+    with zipfile.ZipFile(archive) as packed:
+        members = packed.infolist()
+    return CodeCount(len(data), archive_form(len(members), archive), [m.filename for m in members],
+                     sum(m.file_size for m in members), str(archive), sha256_bytes(data))

@@ -1,8 +1,9 @@
 """The record report: what a record run scored, what it cost, and whether it kept the rules.
 
-`make record` leaves in OUT: train/ (config.json, summary.json, train.log), model.ptz and
-its report model.ptz.json, eval.json (sliding, stride 64), eval-ttt.json, and STAGE.wall_s,
-the wall-clock seconds of each stage's whole command. `write_report(OUT)` reads them and
+`make record` leaves in OUT: code.pyz (the packed code every record stage runs from),
+train/ (config.json, summary.json, train.log), model.ptz and its report model.ptz.json,
+eval.json (sliding, stride 64), eval-ttt.json, and STAGE.wall_s, the wall-clock seconds of
+each stage's whole command. `write_report(OUT)` reads them and
 writes OUT/record.json and OUT/README.md. The challenge's rules, as checked here:
 
 - training, GPTQ calibration on training data included, takes at most 600 s on 8 GPUs;
@@ -19,14 +20,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .artifacts import atomic_write_json, atomic_write_text
+from .artifacts import atomic_write_json, atomic_write_text, sha256_file
 from .calibration import AFTER_TRAINING, INSIDE_TRAINING
 from .errors import ArtifactError
 from .evaluation import TTT_ORDER
 
 SUMMARY, CONFIG, QUANT_REPORT = "train/summary.json", "train/config.json", "model.ptz.json"
 SLIDING, TTT = "eval.json", "eval-ttt.json"
-RECORD_JSON, RECORD_README = "record.json", "README.md"
+RECORD_JSON, RECORD_README, PACKED_CODE = "record.json", "README.md", "code.pyz"
 WALL_SUFFIX = ".wall_s"  # OUT/eval.wall_s: seconds of the whole `eval` command, written by make
 TIMED_STAGES = ("train", "quantize", "eval", "eval-ttt")
 PASS, FAIL, NOT_APPLICABLE = "pass", "fail", "n/a"
@@ -62,6 +63,7 @@ class RunFiles:
     sliding: dict[str, Any]
     ttt: dict[str, Any]
     wall: dict[str, float]  # stage -> whole-command seconds (the stages make timed)
+    packed_code_sha256: str | None  # OUT/code.pyz's, if there is one
 
 
 def read_run(out: Path) -> RunFiles:
@@ -75,7 +77,8 @@ def read_run(out: Path) -> RunFiles:
                 wall[stage] = float(path.read_text().strip())
         except ValueError:
             raise ArtifactError(f"{path}: not a number of seconds") from None
-    return RunFiles(*docs, wall=wall)
+    packed = out / PACKED_CODE
+    return RunFiles(*docs, wall=wall, packed_code_sha256=sha256_file(packed) if packed.is_file() else None)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -137,6 +140,7 @@ def check_rules(run: RunFiles, rules: Rules) -> list[Check]:
         _limit("evaluation (sliding + TTT)", evals["total"], rules.eval_seconds, "s", timed_here, not_here),
         _ttt_order_check(run),
         _same_artifact_check(run),
+        _packed_code_check(run),
         _hardware_check(hw, rules),
     ]
     return checks
@@ -175,6 +179,17 @@ def _same_artifact_check(run: RunFiles) -> Check:
                  "" if ok else "eval or eval-ttt scored another file than model.ptz")
 
 
+def _packed_code_check(run: RunFiles) -> Check:
+    rule = f"the code counted is the packed {PACKED_CODE}"
+    counted = run.quant.get("code_sha256")
+    if counted is None:
+        return Check(rule, NOT_APPLICABLE, "source counted", PACKED_CODE,
+                     "quantize ran from the source tree: its uncompressed source was counted")
+    ok = counted == run.packed_code_sha256
+    return Check(rule, PASS if ok else FAIL, "same sha256" if ok else "different sha256", counted[:16],
+                 "" if ok else f"quantize ran from {run.quant.get('code_archive')}, not from OUT/{PACKED_CODE}")
+
+
 def _hardware_check(hw: dict[str, Any], rules: Rules) -> Check:
     names = sorted(set(hw["devices"]))
     shown = f"{hw['world_size']} x {', '.join(names) or '?'}"
@@ -196,7 +211,8 @@ def build_record(out: Path, rules: Rules = Rules()) -> dict[str, Any]:
                     "ttt": run.ttt["val_bpb"]},
         "bytes": {"model": q["model_bytes"], "code": q["code_bytes"], "total": q["model_bytes"] + q["code_bytes"],
                   "budget": rules.artifact_bytes, "code_counted": q.get("code_counted"),
-                  "code_modules": q.get("code_modules")},
+                  "code_files": q.get("code_modules"), "code_source": q.get("code_source_bytes"),
+                  "code_archive": q.get("code_archive")},
         "training_seconds": training_seconds(run),
         "evaluation_seconds": evaluation_seconds(run),
         "stage_wall_seconds": run.wall,
@@ -239,7 +255,7 @@ def render_markdown(record: dict[str, Any]) -> str:
         f"| val_bpb, sliding windows (stride {record['val_bpb']['sliding_stride']}) | {record['val_bpb']['sliding']:.8f} |",
         f"| val_bpb, score-first TTT | {record['val_bpb']['ttt']:.8f} |",
         f"| compressed model | {b['model']:,} bytes |",
-        f"| code ({len(b['code_modules'] or [])} modules, {b['code_counted']}) | {b['code']:,} bytes |",
+        f"| code: {b['code_counted']} | {_code_cell(b)} |",
         f"| total / budget | {b['total']:,} / {b['budget']:,} bytes |",
         f"| training steps | {record['steps']:,} |",
         f"| training time (steps only) | {t['training']:.1f} s |",
@@ -267,6 +283,12 @@ def render_markdown(record: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _code_cell(b: dict[str, Any]) -> str:
+    if b["code_archive"] and b["code_source"]:
+        return f"{b['code']:,} bytes (its source uncompressed: {b['code_source']:,} bytes)"
+    return f"{b['code']:,} bytes"
 
 
 def _wall_cell(wall: dict[str, float]) -> str:

@@ -171,15 +171,16 @@ def _report(out: Path, data: bytes, payload: bytes, sd: dict[str, torch.Tensor],
         row["quantized_bytes"] += qt.stored_bytes
         label = f"{qt.scheme}_{qt.method}" if qt.scheme == INT6 else qt.scheme
         schemes[label] = schemes.get(label, 0) + 1
-    code = codesize.code_bytes()
-    total = len(data) + code
+    code = codesize.count_code()
+    total = len(data) + code.bytes
     return {
         "artifact": str(out), "sha256": sha256_bytes(data), "format_version": ptz.FORMAT_VERSION,
         "compressor": compressor, "source": source, "device": str(dev),
         "gptq": cfg.quant.use_gptq, "calib_batches": cfg.quant.gptq_calib_samples if cfg.quant.use_gptq else 0,
         "clip_range": cfg.quant.quant_clip_range, "schemes": schemes, "groups": groups,
-        "payload_bytes": len(payload), "model_bytes": len(data), "code_bytes": code,
-        "code_counted": codesize.COUNTED_FORM, "code_modules": codesize.record_modules(), "total_bytes": total,
+        "payload_bytes": len(payload), "model_bytes": len(data), "code_bytes": code.bytes,
+        "code_counted": code.form, "code_modules": code.files, "code_source_bytes": code.source_bytes,
+        "code_archive": code.archive, "code_sha256": code.sha256, "total_bytes": total,
         "budget_bytes": budget, "headroom_bytes": budget - total, "within_budget": total <= budget,
         "timings_s": {k: round(v, 3) for k, v in timings.items()},
     }
@@ -213,7 +214,7 @@ def _budget_table(report: dict[str, Any]) -> Table:
     table.add_section()
     table.add_row("payload", "", "", "", f"{report['payload_bytes']:,}")
     table.add_row("compressed model", "", "", "", f"{report['model_bytes']:,}")
-    table.add_row(f"code ({len(report['code_modules'])} modules)", "", "", "", f"{report['code_bytes']:,}")
+    table.add_row("code", "", "", "", f"{report['code_bytes']:,}")
     style = "green" if report["within_budget"] else "bold red"
     table.add_row("total", "", "", "", f"[{style}]{report['total_bytes']:,}[/]")
     table.add_row("budget", "", "", "", f"{report['budget_bytes']:,}")
@@ -223,6 +224,14 @@ def _budget_table(report: dict[str, Any]) -> Table:
 
 def _timing_line(report: dict[str, Any]) -> str:
     return "time: " + ", ".join(f"{k} {v:.2f}s" for k, v in report["timings_s"].items()) + f" on {report['device']}"
+
+
+def _code_line(report: dict[str, Any]) -> str:
+    """Which form of the code was counted, with the source figure beside a packed one."""
+    line = f"code: {report['code_counted']}, {report['code_bytes']:,} bytes"
+    if report["code_archive"]:
+        return line + f" ({report['code_archive']}; its source uncompressed: {report['code_source_bytes']:,} bytes)"
+    return line + f" ({len(report['code_modules'])} modules; `windowgpt pack` packs them smaller)"
 
 
 def _calibration_line(report: dict[str, Any]) -> str | None:
@@ -270,6 +279,7 @@ def command(
     else:
         console.print(_budget_table(report))
         console.print(_timing_line(report), highlight=False)
+        console.print(_code_line(report), highlight=False, soft_wrap=True)
         calibration = _calibration_line(report)
         if calibration:
             console.print(calibration, highlight=False)

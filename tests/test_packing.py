@@ -1,0 +1,67 @@
+"""The record's code packed as a zipapp: reproducible, exactly the record modules, and
+runnable on its own."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from windowgpt_cli import codesize
+from windowgpt_cli.artifacts import sha256_file
+from windowgpt_cli.packing import FIXED_TIME, MAIN_MEMBER, MAIN_SOURCE, pack
+from windowgpt_cli.stages.quantize import quantize
+
+
+def test_packing_is_reproducible_and_holds_exactly_the_record_modules(tmp_path: Path):
+    first, second = pack(tmp_path / "a" / "code.pyz"), pack(tmp_path / "b.pyz")
+    data = (tmp_path / "a" / "code.pyz").read_bytes()
+    assert data == (tmp_path / "b.pyz").read_bytes() and first.sha256 == second.sha256 == sha256_file(tmp_path / "b.pyz")
+    assert [p.name for p in (tmp_path / "a").iterdir()] == ["code.pyz"]  # no temporary file left behind
+    with zipfile.ZipFile(tmp_path / "b.pyz") as archive:
+        members = archive.infolist()
+        assert archive.read(MAIN_MEMBER).decode() == MAIN_SOURCE
+    names = [m.filename for m in members]
+    assert names == first.files == [MAIN_MEMBER, *codesize.record_modules()]
+    assert "windowgpt_cli/record_app.py" in names and "windowgpt_cli/stages/train.py" in names
+    assert not {"windowgpt_cli/cli.py", "windowgpt_cli/stages/prepare.py", "windowgpt_cli/packing.py"} & set(names)
+    assert all(m.compress_type == zipfile.ZIP_DEFLATED and m.date_time == FIXED_TIME for m in members)
+    assert first.bytes == len(data) and first.source_bytes == sum(m.file_size for m in members)
+    assert first.source_bytes == codesize.code_bytes() + len(MAIN_SOURCE) > 2 * first.bytes
+    assert first.form == f"zipapp (deflate) of {len(names)} files, runnable as `python code.pyz`"
+
+
+def test_the_archive_alone_runs_a_record_stage_and_counts_itself(tiny_run_dir: Path, tmp_path: Path,
+                                                                 quant_single_thread):
+    archive = tmp_path / "code.pyz"
+    pack(archive)
+    work = tmp_path / "elsewhere"  # neither the working directory nor the path holds the source tree
+    work.mkdir()
+    done = subprocess.run([sys.executable, str(archive), "quantize", str(tiny_run_dir), "--out", "model.ptz",
+                           "--no-gptq", "--device", "cpu", "--json"], cwd=work, capture_output=True, text=True,
+                          timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    packed = json.loads((work / "model.ptz.json").read_text())
+    assert json.loads(done.stdout) == packed
+    # The report names the archive only when the package was imported from one.
+    assert packed["code_archive"] == str(archive) and packed["code_sha256"] == sha256_file(archive)
+    assert packed["code_bytes"] == archive.stat().st_size
+    assert packed["total_bytes"] == packed["model_bytes"] + archive.stat().st_size
+
+    source = quantize(tiny_run_dir, tmp_path / "source.ptz", gptq=False, device="cpu")
+    assert (work / "model.ptz").read_bytes() == (tmp_path / "source.ptz").read_bytes()
+    assert source["code_archive"] is None and source["code_counted"] == codesize.SOURCE_FORM
+    assert source["code_bytes"] == codesize.code_bytes() == packed["code_source_bytes"] - len(MAIN_SOURCE)
+
+
+def test_pack_command_writes_the_archive_and_says_what_it_counts(tmp_path: Path):
+    from typer.testing import CliRunner
+
+    from windowgpt_cli.cli import app
+
+    result = CliRunner().invoke(app, ["pack", "--out", str(tmp_path / "code.pyz")], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    size = (tmp_path / "code.pyz").stat().st_size
+    assert f"zipapp (deflate) of {len(codesize.record_modules()) + 1} files" in result.output
+    assert f"{size:,} bytes (source {codesize.code_bytes() + len(MAIN_SOURCE):,} bytes" in result.output
