@@ -47,7 +47,11 @@ clean:
 # run is resumed; to train again with other settings, choose another OUT. Each stage's
 # whole command is timed into OUT/STAGE.wall_s, and `windowgpt report` ends the target:
 # OUT/record.json and OUT/README.md, exit 1 when the run breaks a rule.
+# Every record stage runs from OUT/code.pyz, the packed code (`windowgpt pack`) that the
+# reports count. It is packed once per OUT, before training; delete it to pack again.
 WINDOWGPT ?= python3 -m windowgpt_cli
+CODE = $(OUT)/code.pyz
+RUN_CODE = python3 $(CODE)
 NPROC ?= 8
 TORCHRUN ?= python3 -m torch.distributed.run --standalone --nproc_per_node $(NPROC)
 DATA ?= data/fineweb10B_sp1024
@@ -80,28 +84,32 @@ smoke-gpu:
 # `start=$$(date +%s.%N); COMMAND && $(call wall_s,NAME)` writes COMMAND's seconds to OUT/NAME.wall_s.
 wall_s = echo "$$start $$(date +%s.%N)" | awk '{printf "%.3f\n", $$2 - $$1}' > $(OUT)/$(1).wall_s
 
+$(CODE):
+	$(WINDOWGPT) pack --out $@
+
 # summary.json is written when training finishes; a checkpoint without it is resumed.
-$(OUT)/train/summary.json:
+# (Packing again does not retrain: the code is an order-only prerequisite here.)
+$(OUT)/train/summary.json: | $(CODE)
 	mkdir -p $(OUT) && start=$$(date +%s.%N) && \
 	if [ -f $(OUT)/train/checkpoint.pt ]; then \
-		$(TORCHRUN) -m windowgpt_cli train --data $(DATA) --out $(OUT)/train --resume; \
+		$(TORCHRUN) $(CODE) train --data $(DATA) --out $(OUT)/train --resume; \
 	else \
-		$(TORCHRUN) -m windowgpt_cli train --data $(DATA) --out $(OUT)/train $(RECORD_FLAGS); \
+		$(TORCHRUN) $(CODE) train --data $(DATA) --out $(OUT)/train $(RECORD_FLAGS); \
 	fi && $(call wall_s,train)
 
 # The export carries the Hessians training collected; quantize uses them (no --data).
-$(OUT)/export/model.safetensors: $(OUT)/train/summary.json
-	$(WINDOWGPT) export $(OUT)/train --out $(OUT)/export
+$(OUT)/export/model.safetensors: $(OUT)/train/summary.json $(CODE)
+	$(RUN_CODE) export $(OUT)/train --out $(OUT)/export
 
-$(OUT)/model.ptz: $(OUT)/export/model.safetensors
-	start=$$(date +%s.%N) && $(WINDOWGPT) quantize $(OUT)/export --out $@ --gptq && $(call wall_s,quantize)
+$(OUT)/model.ptz: $(OUT)/export/model.safetensors $(CODE)
+	start=$$(date +%s.%N) && $(RUN_CODE) quantize $(OUT)/export --out $@ --gptq && $(call wall_s,quantize)
 
-$(OUT)/eval.json: $(OUT)/model.ptz
+$(OUT)/eval.json: $(OUT)/model.ptz $(CODE)
 	start=$$(date +%s.%N) && \
-	$(TORCHRUN) -m windowgpt_cli eval $< --data $(DATA) --stride 64 --json > $@.tmp && $(call wall_s,eval)
+	$(TORCHRUN) $(CODE) eval $< --data $(DATA) --stride 64 --json > $@.tmp && $(call wall_s,eval)
 	mv $@.tmp $@
 
-$(OUT)/eval-ttt.json: $(OUT)/model.ptz
+$(OUT)/eval-ttt.json: $(OUT)/model.ptz $(CODE)
 	start=$$(date +%s.%N) && \
-	$(TORCHRUN) -m windowgpt_cli eval-ttt $< --data $(DATA) --json $(EVAL_TTT_FLAGS) > $@.tmp && $(call wall_s,eval-ttt)
+	$(TORCHRUN) $(CODE) eval-ttt $< --data $(DATA) --json $(EVAL_TTT_FLAGS) > $@.tmp && $(call wall_s,eval-ttt)
 	mv $@.tmp $@

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The record flow on one host with two GPUs, beside the reference:
-#   GPU 0  `make smoke-gpu` on data/blogs: training with GPTQ's calibration inside it,
-#          export, quantize from the run's Hessians, eval, eval-ttt, and the record report
+#   GPU 0  `make smoke-gpu` on data/blogs, every stage run from the packed OUT/code.pyz:
+#          training with GPTQ's calibration inside it, export, quantize from the run's
+#          Hessians, eval, eval-ttt, and the record report
 #   GPU 1  the reference with USE_GPTQ=1 and the same settings (200 steps of 131072 tokens,
 #          no wallclock cap), stopped once it logs `gptq:calibrated ... layers in`
 # Then prints both calibration lines, quantize's calibration line and the record report.
@@ -56,5 +57,6 @@ echo "== GPTQ calibration: the reference (GPU 1)"
 grep -h "^gptq:" "$work/ref/seed_log.txt" 2>/dev/null || echo "(the reference did not reach calibration)"
 echo "== quantize"
 grep -h -A1 "^calibration:" "$logs/smoke.log" || echo "(quantize did not run)"
+grep -h "^code:" "$logs/smoke.log" || echo "(quantize did not count its code)"
 echo "== record report ($work/smoke/README.md)"
 cat "$work/smoke/README.md" 2>/dev/null || { echo "(no report)"; tail -20 "$logs/smoke.log"; }
