@@ -17,4 +17,4 @@ def command(
     """Pack the modules a record run imports into a zipapp that runs the record stages."""
     packed = pack(out)
     console.print(f"wrote {out}: {packed.form}, {packed.bytes:,} bytes (source {packed.source_bytes:,} bytes, "
-                  f"sha256 {packed.sha256[:16]}...)", highlight=False)
+                  f"sha256 {packed.sha256[:16]}...)", highlight=False, soft_wrap=True)
