@@ -25,7 +25,8 @@ def main(state_path: Path, out: Path, tokenizer: Path | None) -> None:
         "format": EXPORT_FORMAT, "format_version": EXPORT_VERSION, "weights": "reference final_model.pt",
         "source_checkpoint": str(state_path), "source_sha256": sha256_file(state_path), "step": None,
         "tokenizer_sha256": sha256_file(tokenizer) if tokenizer else None, "tensor_count": len(tensors),
-        "parameter_count": sum(t.numel() for t in tensors.values()), "sha256": sha256_file(out / EXPORT_WEIGHTS)})
+        "parameter_count": sum(t.numel() for t in tensors.values()), "sha256": sha256_file(out / EXPORT_WEIGHTS),
+        "config_sha256": sha256_file(out / EXPORT_CONFIG)})
     print(f"wrote {out}")
 
 

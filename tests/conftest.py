@@ -102,18 +102,25 @@ def eval_val_tokens():
     return torch.randint(0, 1024, (EVAL_SEQS * 128 + 1 + 37,), generator=g).to(torch.uint16)
 
 
+def index_data_dir(data: Path, tokenizer: Path) -> Path:
+    """Give a directory of shards the tokenizer and the manifest every stage requires."""
+    from windowgpt_cli.stages.prepare import index_data
+
+    index_data(data, tokenizer)
+    return data
+
+
 @pytest.fixture
 def eval_data_dir(tmp_path: Path, eval_tokenizer: Path, eval_val_tokens) -> Path:
-    """A data directory: one validation shard (eval_val_tokens) and tokenizer.model."""
-    import shutil
-
+    """A data directory: one validation shard (eval_val_tokens), a training shard,
+    tokenizer.model and the manifest."""
     from windowgpt_cli.shards import shard_name, write_shard
 
     data = tmp_path / "data"
     data.mkdir()
     write_shard(data / shard_name("val", 0), eval_val_tokens.numpy())
-    shutil.copyfile(eval_tokenizer, data / "tokenizer.model")
-    return data
+    write_shard(data / shard_name("train", 0), eval_val_tokens.numpy())
+    return index_data_dir(data, eval_tokenizer)
 
 
 @pytest.fixture
@@ -168,10 +175,11 @@ def quant_config():
 
 
 @pytest.fixture
-def quant_run_dir(tmp_path: Path, quant_config) -> Path:
+def quant_run_dir(tmp_path: Path, quant_config, eval_tokenizer: Path) -> Path:
     """A run directory whose last, EMA and SWA weights all differ (SWA: a sum of 2 snapshots)."""
     import torch
 
+    from windowgpt_cli.artifacts import sha256_file
     from windowgpt_cli.checkpoint import Checkpoint, save_checkpoint
     from windowgpt_cli.model import build_model
 
@@ -185,13 +193,13 @@ def quant_run_dir(tmp_path: Path, quant_config) -> Path:
     quant_config.save(run / "config.json")
     save_checkpoint(run / "checkpoint.pt", Checkpoint(
         config=quant_config, model=last, ema=ema, swa=swa, swa_count=2, step=7, training_time_ms=1.0,
-        tokenizer_sha256="ab" * 32, state={}))
+        tokenizer_sha256=sha256_file(eval_tokenizer), state={}))
     return run
 
 
 @pytest.fixture
-def quant_data_dir(tmp_path: Path) -> Path:
-    """One training shard of random tokens, for GPTQ calibration."""
+def quant_data_dir(tmp_path: Path, eval_tokenizer: Path) -> Path:
+    """Shards of random tokens (one for training: GPTQ calibration), with the manifest."""
     import torch
 
     from windowgpt_cli.shards import shard_name, write_shard
@@ -200,7 +208,8 @@ def quant_data_dir(tmp_path: Path) -> Path:
     data.mkdir()
     g = torch.Generator().manual_seed(2)
     write_shard(data / shard_name("train", 0), torch.randint(0, 1024, (4096,), generator=g).to(torch.uint16).numpy())
-    return data
+    write_shard(data / shard_name("val", 0), torch.randint(0, 1024, (1024,), generator=g).to(torch.uint16).numpy())
+    return index_data_dir(data, eval_tokenizer)
 
 
 @pytest.fixture

@@ -133,9 +133,15 @@ def assert_one_line_error(result, *fragments: str) -> None:
 def test_data_without_validation_shards(eval_run_dir, eval_data_dir):
     for shard in eval_data_dir.glob("fineweb_val_*.bin"):
         shard.unlink()
-    write_shard(eval_data_dir / shard_name("train", 0), truncated(torch.zeros(300, dtype=torch.long)).numpy())
-    assert_one_line_error(run_cli("eval", eval_run_dir, "--data", eval_data_dir), "no val shards")
-    assert_one_line_error(run_cli("eval-ttt", eval_run_dir, "--data", eval_data_dir), "no val shards")
+    assert_one_line_error(run_cli("eval", eval_run_dir, "--data", eval_data_dir), "missing, but manifest.json lists it")
+    assert_one_line_error(run_cli("eval-ttt", eval_run_dir, "--data", eval_data_dir), "fineweb_val_000000.bin")
+
+
+def test_data_without_a_manifest_says_how_to_make_one(eval_run_dir, eval_data_dir):
+    (eval_data_dir / "manifest.json").unlink()
+    for stage in ("eval", "eval-ttt"):
+        assert_one_line_error(run_cli(stage, eval_run_dir, "--data", eval_data_dir), "no manifest.json",
+                              "windowgpt prepare")
 
 
 def test_tokenizer_other_than_the_runs(eval_run_dir, eval_data_dir, tmp_path):

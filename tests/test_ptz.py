@@ -116,7 +116,7 @@ def test_loading_a_ptz_gives_banked_weights_for_the_model(tmp_path: Path):
     cfg = tiny_preset().resolved()
     torch.manual_seed(0)
     sd = build_model(cfg.model, torch.device("cpu")).state_dict()
-    artifact = ptz.PtzArtifact(cfg, quantize_state_dict(unbank_state_dict(sd, cfg.model.num_layers)), None, {})
+    artifact = ptz.PtzArtifact(cfg, quantize_state_dict(unbank_state_dict(sd, cfg.model.num_layers)), "cd" * 32, {})
     ptz.save(tmp_path / "m.ptz", artifact)
     loaded = model_io.load_weights(tmp_path / "m.ptz")
     assert loaded.kind == "ptz" and set(loaded.state_dict) == set(sd)
@@ -126,6 +126,13 @@ def test_loading_a_ptz_gives_banked_weights_for_the_model(tmp_path: Path):
 
 
 # --- Files that are not a .ptz of this version -------------------------------------------
+
+def _altered_payload(good: bytes) -> bytes:
+    """A well-formed file whose payload differs from the hash in its header."""
+    payload = ptz.decompress_payload(good, "x")
+    flipped = payload[:-1] + bytes([payload[-1] ^ 1])
+    return good[:ptz.HEADER_BYTES] + lzma.compress(flipped, preset=6)
+
 
 def _broken_files(tmp_path: Path) -> dict[str, Path]:
     good = ptz.encode(_artifact())
@@ -137,7 +144,10 @@ def _broken_files(tmp_path: Path) -> dict[str, Path]:
         "header only": good[:7],
         "unknown compressor": good[:6] + b"\xee" + good[7:],
         "trailing garbage": good + b"extra",
-        "payload not safetensors": ptz.MAGIC + bytes([ptz.FORMAT_VERSION, 1]) + lzma.compress(b"plain text"),
+        "payload not safetensors": ptz.compress_payload(b"plain text", "lzma"),
+        "bomb": ptz.compress_payload(b"\0" * 1000, "lzma")[:7] + ptz._SIZE_AND_HASH.pack(10, bytes(32))
+        + lzma.compress(b"\0" * 50_000_000),
+        "payload altered": _altered_payload(good),
     }
     out = {}
     for name, data in files.items():

@@ -92,13 +92,13 @@ def test_missing_data_is_a_one_line_error(tmp_path):
 
 
 def test_a_malformed_flag_value_is_a_one_line_error(tmp_path):
-    """Through the installed entry point, usage errors are one line and exit code 1 too."""
+    """Through the installed entry point, usage errors are one line and exit code 2 (click's)."""
     import subprocess
     import sys
 
     result = subprocess.run([sys.executable, "-m", "windowgpt_cli", "train", "--preset", "tiny", "--data", str(tmp_path),
                              "--out", str(tmp_path / "r"), "--matrix-lr", "fast"],
                             capture_output=True, text=True, env={"COLUMNS": "200", "PATH": ""})
-    assert result.returncode == 1
+    assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--matrix-lr" in lines[0] and lines[0].startswith("error:")

@@ -9,7 +9,6 @@ sums from `quant.accumulate_hessians`.
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 from torch import Tensor
 
 from . import tensorfile
+from .artifacts import tensors_sha256
 from .config import RunConfig
 from .data import TokenStream
 from .distributed import all_reduce_
@@ -96,12 +96,7 @@ def calibrate(model: torch.nn.Module, cfg: RunConfig, train_files: list[Path], d
 def weights_sha256(state_dict: Mapping[str, Tensor]) -> str:
     """A fingerprint of weights by content (names, dtypes, shapes, values), whatever file
     holds them: a run's EMA weights and their export give the same one."""
-    digest = hashlib.sha256()
-    for name in sorted(state_dict):
-        t = state_dict[name]
-        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        digest.update(tensorfile.tensor_bytes(t))
-    return digest.hexdigest()
+    return tensors_sha256(dict(state_dict))
 
 
 # --- On disk ---------------------------------------------------------------------------

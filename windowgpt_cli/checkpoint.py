@@ -1,6 +1,8 @@
 """Training checkpoints: everything needed to resume, and the weights later stages use.
 
-A checkpoint is read with `torch.load(weights_only=True)`, which refuses to run code.
+A checkpoint is read with `torch.load(weights_only=True)`, which refuses to run code, and
+records a hash of its weights (live, EMA and SWA) that loading checks, with the sha256 of
+the tokenizer the run trained with.
 """
 from __future__ import annotations
 
@@ -10,12 +12,12 @@ from typing import Any
 
 import torch
 
-from .artifacts import atomic_torch_save
+from .artifacts import atomic_torch_save, is_sha256, tensors_sha256
 from .config import RunConfig
-from .errors import ArtifactError
+from .errors import ArtifactError, ConfigError
 
 FORMAT = "windowgpt.checkpoint"
-VERSION = 1
+VERSION = 2  # 2: weights_sha256, and tokenizer_sha256 required
 FILENAME = "checkpoint.pt"
 WEIGHT_CHOICES = ("ema", "swa", "last")
 
@@ -29,8 +31,14 @@ class Checkpoint:
     swa_count: int
     step: int
     training_time_ms: float
-    tokenizer_sha256: str | None
+    tokenizer_sha256: str
     state: dict[str, Any]  # optimizer, loader and RNG state for resuming
+
+    def weights_sha256(self) -> str:
+        named = {f"model.{k}": v for k, v in self.model.items()}
+        named.update({f"ema.{k}": v for k, v in self.ema.items()})
+        named.update({f"swa.{k}": v for k, v in (self.swa or {}).items()})
+        return tensors_sha256(named)
 
     def weights(self, which: str = "ema") -> dict[str, torch.Tensor]:
         """The chosen weights, cast to the live model's dtypes."""
@@ -58,7 +66,7 @@ def save_checkpoint(path: Path, ckpt: Checkpoint) -> Path:
         "format": FORMAT, "version": VERSION, "config": ckpt.config.to_dict(),
         "model": ckpt.model, "ema": ckpt.ema, "swa": ckpt.swa, "swa_count": ckpt.swa_count,
         "step": ckpt.step, "training_time_ms": ckpt.training_time_ms,
-        "tokenizer_sha256": ckpt.tokenizer_sha256, "state": ckpt.state,
+        "tokenizer_sha256": ckpt.tokenizer_sha256, "weights_sha256": ckpt.weights_sha256(), "state": ckpt.state,
     }
     return atomic_torch_save(payload, path)
 
@@ -75,9 +83,26 @@ def load_checkpoint(run_dir_or_file: Path, map_location: str | torch.device = "c
         raise ArtifactError(f"{path}: not a windowgpt checkpoint")
     if raw.get("version") != VERSION:
         raise ArtifactError(f"{path}: checkpoint version {raw.get('version')} is not supported (expected {VERSION})")
-    return Checkpoint(
-        config=RunConfig.from_dict(raw["config"], source=str(path)), model=raw["model"], ema=raw["ema"],
-        swa=raw["swa"], swa_count=int(raw["swa_count"]), step=int(raw["step"]),
-        training_time_ms=float(raw["training_time_ms"]), tokenizer_sha256=raw.get("tokenizer_sha256"),
-        state=raw["state"],
-    )
+    try:
+        config = RunConfig.from_dict(raw["config"], source=f"{path} config")
+        ckpt = Checkpoint(
+            config=config, model=_tensors(raw["model"]), ema=_tensors(raw["ema"]),
+            swa=None if raw["swa"] is None else _tensors(raw["swa"]), swa_count=int(raw["swa_count"]),
+            step=int(raw["step"]), training_time_ms=float(raw["training_time_ms"]),
+            tokenizer_sha256=raw["tokenizer_sha256"], state=raw["state"],
+        )
+    except ConfigError as exc:
+        raise ArtifactError(str(exc)) from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ArtifactError(f"{path}: malformed checkpoint ({type(exc).__name__}: {exc})") from None
+    if not is_sha256(ckpt.tokenizer_sha256):
+        raise ArtifactError(f"{path}: the checkpoint records no tokenizer sha256")
+    if raw.get("weights_sha256") != ckpt.weights_sha256():
+        raise ArtifactError(f"{path}: its weights do not match the hash it records (corrupt or altered)")
+    return ckpt
+
+
+def _tensors(value: Any) -> dict[str, torch.Tensor]:
+    if not isinstance(value, dict) or not all(isinstance(v, torch.Tensor) for v in value.values()):
+        raise TypeError("expected a dict of tensors")
+    return value

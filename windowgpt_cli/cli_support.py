@@ -10,6 +10,7 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from .config import GROUP_TYPES, ConfigError, RunConfig, apply_overrides, group_fields, preset
 from .errors import WindowGPTError
@@ -18,36 +19,59 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+EXIT_ERROR = 1
+EXIT_USAGE = 2  # click's code for usage errors
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+
+
+def print_error(message: str, label: str = "error") -> None:
+    """One line on stderr; the message is printed verbatim (paths may hold [ and ])."""
+    err_console.print(f"[bold red]{label}:[/] {escape(str(message).strip().replace(chr(10), ' '))}", highlight=False,
+                      soft_wrap=True)
+
+
+def describe_os_error(exc: OSError) -> str:
+    """`PATH: reason` for a failed read or write (full disk, read-only, a directory, ...)."""
+    reason = exc.strerror or type(exc).__name__
+    paths = [str(p) for p in (exc.filename, exc.filename2) if p is not None]
+    return f"{' -> '.join(paths)}: {reason}" if paths else f"{reason}"
+
+
 def user_errors_exit_1(func: Callable) -> Callable:
-    """Turn a WindowGPTError into one line on stderr and exit code 1 (no traceback)."""
+    """Turn a WindowGPTError or a failed file operation into one line on stderr and exit
+    code 1, and Ctrl-C into exit code 130 (no traceback)."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
         except WindowGPTError as exc:
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-            raise typer.Exit(1) from None
+            print_error(str(exc))
+            raise typer.Exit(EXIT_ERROR) from None
+        except OSError as exc:
+            print_error(describe_os_error(exc))
+            raise typer.Exit(EXIT_ERROR) from None
         except KeyboardInterrupt:
-            err_console.print("[bold red]interrupted[/]")
-            raise typer.Exit(130) from None
+            print_error("stopped by the user", label="interrupted")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
 
     return wrapper
 
 
 def run_app(app: typer.Typer) -> None:
-    """Run a command-line app: usage errors too become one line on stderr and exit code 1."""
+    """Run a command-line app. Exit codes: 0 done, 1 error, 2 usage error (one line on
+    stderr), 130 interrupted."""
     try:
         code = app(standalone_mode=False)
     except typer.Abort:
-        code = 130
+        code = EXIT_INTERRUPTED
     except Exception as exc:
         if not hasattr(exc, "format_message"):  # a usage error (click's, vendored or not) has one
             raise
         if not exc.format_message():  # the command alone: the help was shown
             sys.exit(0)
-        err_console.print(f"[bold red]error:[/] {exc.format_message()}", highlight=False, soft_wrap=True)
-        code = 1
+        print_error(exc.format_message())
+        code = EXIT_USAGE
     sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -108,7 +132,7 @@ def build_config(config_file: Optional[Path], preset_name: Optional[str],
     """Start from a saved configuration or a preset, then apply the flags given."""
     if config_file is not None and preset_name is not None:
         raise ConfigError("give either --config or --preset, not both")
-    base = RunConfig.load(config_file) if config_file is not None else preset(preset_name or "default")
+    base = RunConfig.load(config_file, check=False) if config_file is not None else preset(preset_name or "default")
     return apply_overrides(base, overrides)
 
 

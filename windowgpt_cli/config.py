@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,6 +181,17 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "configuration") -> "RunConfig":
+        """Parse and validate a stored configuration, as strictly as the command line."""
+        cfg = cls.parse(raw, source)
+        try:
+            validate(cfg)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+        return cfg
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any], source: str = "configuration") -> "RunConfig":
+        """The configuration a dict describes, its types checked but not its values."""
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a JSON object")
         groups = {g.name: g for g in dataclasses.fields(cls)}
@@ -197,7 +209,9 @@ class RunConfig:
         return atomic_write_json(path, self.to_dict())
 
     @classmethod
-    def load(cls, path: Path) -> "RunConfig":
+    def load(cls, path: Path, check: bool = True) -> "RunConfig":
+        """A saved configuration; with check=False its values are left for validate()
+        (a --config file that later flags complete or correct)."""
         path = Path(path)
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
@@ -205,7 +219,7 @@ class RunConfig:
             raise ConfigError(f"{path}: no such configuration file") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ConfigError(f"{path}: not a readable JSON configuration ({exc})") from None
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(raw, source=str(path)) if check else cls.parse(raw, source=str(path))
 
     def resolved(self) -> "RunConfig":
         """A copy with derived fields filled in and every setting checked."""
@@ -281,7 +295,7 @@ def coerce(hint: Any, value: Any, what: str) -> Any:
             if isinstance(value, str):
                 value = [v for v in value.split(",") if v.strip()]
             return tuple(int(v) for v in value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{what}: {value!r} is not a valid {_type_name(hint)}") from None
     raise ConfigError(f"{what}: unsupported setting type {hint}")
 
@@ -339,10 +353,69 @@ def preset(name: str) -> RunConfig:
 
 # --- Validation -------------------------------------------------------------------------
 
+# Inclusive bounds of numeric settings; None: unbounded on that side. The upper bounds keep
+# a hostile or mistyped stored configuration from allocating absurd amounts of memory.
+BOUNDS: dict[str, tuple[float | None, float | None]] = {
+    "vocab_size": (2, 65536), "num_layers": (1, 128), "model_dim": (2, 16384), "num_heads": (1, 1024),
+    "num_kv_heads": (1, 1024), "mlp_mult": (1e-6, 64), "tied_embed_init_std": (0, None), "logit_softcap": (1e-6, None),
+    "rope_base": (1e-6, None), "rope_dims": (0, None), "xsa_last_n": (0, None), "bigram_vocab_size": (0, 1 << 22),
+    "bigram_dim": (1, 16384), "ve_dim": (1, 16384), "window_attn_size": (0, 1 << 22), "num_sink_tokens": (0, 1 << 22),
+    "rope_train_seq_len": (1, 1 << 22),
+    "embed_lr": (0, None), "head_lr": (0, None), "tied_embed_lr": (0, None), "matrix_lr": (0, None),
+    "scalar_lr": (0, None), "muon_momentum": (0, 1), "muon_backend_steps": (1, 100),
+    "muon_momentum_warmup_start": (0, 1), "muon_momentum_warmup_steps": (0, None), "muon_wd": (0, None),
+    "beta1": (0, 0.999999), "beta2": (0, 0.999999), "adam_eps": (1e-30, 1), "adam_wd": (0, None),
+    "grad_clip_norm": (0, None),
+    "seed": (0, 2**32 - 1), "data_seed": (-1, 2**32 - 1), "iterations": (0, None), "warmdown_iters": (0, None),
+    "warmup_steps": (0, None), "train_batch_tokens": (1, 1 << 40), "train_seq_len": (1, 1 << 22),
+    "train_seq_len_long": (0, 1 << 22), "num_gpus_long": (0, 1 << 16), "grad_accum_steps": (0, 1 << 16),
+    "max_wallclock_seconds": (0, None), "val_loss_every": (0, None), "train_log_every": (0, None),
+    "val_batch_size": (1, 1 << 40), "ema_decay": (0, 0.999999999), "warmdown_max_fraction": (1e-9, 1),
+    "swa_every": (1, None), "checkpoint_every": (0, None),
+    "eval_seq_len": (1, 1 << 22), "eval_stride": (0, 1 << 22), "eval_batch_seqs": (0, 1 << 20),
+    "quant_clip_range": (1, 127), "quant_passthrough_max_numel": (0, None), "gptq_calib_samples": (0, 1 << 20),
+    "gptq_block_size": (1, 1 << 16), "gptq_percdamp": (0, 1),
+    "ttt_lr": (0, None), "ttt_epochs": (0, 1000), "ttt_chunk_tokens": (1, 1 << 30), "ttt_freeze_blocks": (0, None),
+    "ttt_momentum": (0, 1), "ttt_batch_seqs": (1, 1 << 20), "ttt_grad_clip": (0, None),
+}
+MAX_PARAMETERS = 4_000_000_000  # about 150 times the reference model
+
+
+def _check_numbers(cfg: RunConfig) -> None:
+    """Every numeric setting is finite and within BOUNDS."""
+    for group in GROUP_TYPES:
+        section = getattr(cfg, group)
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{f.name}={value} must be a finite number")
+            lo, hi = BOUNDS.get(f.name, (None, None))
+            if (lo is not None and value < lo) or (hi is not None and value > hi):
+                where = f"at least {lo}" if hi is None else f"at most {hi}" if lo is None else f"in {lo}..{hi}"
+                raise ConfigError(f"{f.name}={value} must be {where}")
+
+
+def parameter_estimate(m: ModelConfig) -> int:
+    """Roughly the model's parameter count, from its shape alone (nothing allocated)."""
+    per_layer = 2 * m.model_dim * m.model_dim + 2 * m.model_dim * m.kv_dim + 2 * m.model_dim * m.mlp_dim
+    return m.num_layers * per_layer + m.vocab_size * m.model_dim + m.bigram_vocab_size * m.bigram_dim \
+        + m.vocab_size * m.ve_dim
+
+
 def validate(cfg: RunConfig) -> None:
     """Raise ConfigError naming the first invalid setting or combination."""
+    _check_numbers(cfg)
     m, t = cfg.model, cfg.train
     checks: list[tuple[bool, str]] = [
+        (parameter_estimate(m) <= MAX_PARAMETERS, f"the model's shape gives about {parameter_estimate(m):,} "
+                                                  f"parameters, more than {MAX_PARAMETERS:,}"),
+        (t.grad_accum_steps == 0 or t.train_batch_tokens % (t.grad_accum_steps * t.train_seq_len) == 0,
+         f"train_batch_tokens={t.train_batch_tokens} must be a multiple of grad_accum_steps x train_seq_len = "
+         f"{max(t.grad_accum_steps, 1) * t.train_seq_len} (the loader takes whole sequences)"),
+        (cfg.eval.eval_stride <= cfg.eval.eval_seq_len, f"eval_stride={cfg.eval.eval_stride} must be at most "
+                                                        f"eval_seq_len={cfg.eval.eval_seq_len}"),
         (m.vocab_size > 0 and m.vocab_size <= 65536, f"vocab_size={m.vocab_size} must be in 1..65536 (tokens are stored as uint16)"),
         (m.num_layers > 0, f"num_layers={m.num_layers} must be positive"),
         (m.num_heads > 0 and m.num_kv_heads > 0, "num_heads and num_kv_heads must be positive"),

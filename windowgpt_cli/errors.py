@@ -19,3 +19,11 @@ class ArtifactError(WindowGPTError):
 
 class RecordError(WindowGPTError):
     """A record run that breaks a rule of the challenge."""
+
+
+class TrainingDiverged(WindowGPTError):
+    """The loss became NaN or infinite: training stops rather than save such weights."""
+
+
+class RunLocked(WindowGPTError):
+    """Another process is writing to the same run directory."""

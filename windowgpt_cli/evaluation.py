@@ -103,10 +103,11 @@ def _result(mode: str, sums: Tensor, seconds: float, seq_len: int, stride: int, 
 
 # --- Validation tokens ------------------------------------------------------------------
 
-def load_validation_tokens(data_dir: Path, seq_len: int, vocab_size: int) -> Tensor:
-    """All val shards concatenated, cut to a whole number of seq_len sequences plus the one
-    token the last target needs (the reference's truncation); uint16."""
-    files = list_shards(data_dir, "val")
+def load_validation_tokens(data_dir: Path, seq_len: int, vocab_size: int, files: list[Path] | None = None) -> Tensor:
+    """All val shards concatenated (`files`, as a verified manifest lists them; default: the
+    directory's), cut to a whole number of seq_len sequences plus the one token the last
+    target needs (the reference's truncation); uint16."""
+    files = list_shards(data_dir, "val") if files is None else files
     tokens = load_tokens(files)
     usable = ((tokens.numel() - 1) // seq_len) * seq_len
     if usable <= 0:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from . import ptz, tensorfile
-from .artifacts import sha256_file
+from .artifacts import is_sha256, sha256_file
 from .checkpoint import FILENAME as CHECKPOINT_FILENAME, load_checkpoint
 from .config import RunConfig
 from .errors import ArtifactError, ConfigError
@@ -76,10 +76,26 @@ def _load_run(path: Path) -> LoadedWeights:
 
 
 def read_export(export_dir: Path) -> tuple[RunConfig, dict[str, Tensor], dict]:
-    """An export's config, per-layer tensors and export.json (empty if absent)."""
-    weights_path, config_path = export_dir / EXPORT_WEIGHTS, export_dir / EXPORT_CONFIG
-    if not config_path.is_file():
-        raise ArtifactError(f"{export_dir}: export has no {EXPORT_CONFIG}")
+    """An export's config, per-layer tensors and export.json, each checked against the
+    hashes export.json records."""
+    weights_path, config_path, info_path = (export_dir / EXPORT_WEIGHTS, export_dir / EXPORT_CONFIG,
+                                            export_dir / EXPORT_INFO)
+    for path in (config_path, info_path):
+        if not path.is_file():
+            raise ArtifactError(f"{export_dir}: export has no {path.name} (incomplete; export it again)")
+    try:
+        info = json.loads(info_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        raise ArtifactError(f"{info_path}: not readable JSON") from None
+    if not isinstance(info, dict) or info.get("format") != EXPORT_FORMAT:
+        raise ArtifactError(f"{info_path}: not a windowgpt export description")
+    for key in ("sha256", "config_sha256", "tokenizer_sha256"):
+        if not is_sha256(info.get(key)):
+            raise ArtifactError(f"{info_path}: lacks {key} (written by an older windowgpt? export it again)")
+    if sha256_file(config_path) != info["config_sha256"]:
+        raise ArtifactError(f"{config_path}: differs from the configuration {EXPORT_INFO} records")
+    if sha256_file(weights_path) != info["sha256"]:
+        raise ArtifactError(f"{weights_path}: differs from the weights {EXPORT_INFO} records (corrupt or altered)")
     try:
         config = RunConfig.load(config_path)
     except ConfigError as exc:
@@ -87,19 +103,14 @@ def read_export(export_dir: Path) -> tuple[RunConfig, dict[str, Tensor], dict]:
     tensors, metadata = tensorfile.load(weights_path)
     if metadata.get("format") != EXPORT_FORMAT or metadata.get("format_version") != EXPORT_VERSION:
         raise ArtifactError(f"{weights_path}: not a windowgpt export of format version {EXPORT_VERSION}")
-    info_path = export_dir / EXPORT_INFO
-    try:
-        info = json.loads(info_path.read_text(encoding="utf-8")) if info_path.is_file() else {}
-    except (OSError, ValueError):
-        raise ArtifactError(f"{info_path}: not readable JSON") from None
-    return config, tensors, info if isinstance(info, dict) else {}
+    return config, tensors, info
 
 
 def _load_export(export_dir: Path) -> LoadedWeights:
     config, tensors, info = read_export(export_dir)
     path = export_dir / EXPORT_WEIGHTS
-    return LoadedWeights(config, _rebank(tensors, config, path), "export", sha256_file(path),
-                         info.get("tokenizer_sha256"), path)
+    return LoadedWeights(config, _rebank(tensors, config, path), "export", info["sha256"],
+                         info["tokenizer_sha256"], path)
 
 
 def _load_ptz(path: Path) -> LoadedWeights:

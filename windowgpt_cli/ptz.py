@@ -1,7 +1,9 @@
 """The `.ptz` artifact: a quantized model in a format that cannot run code.
 
 Layout: the magic bytes `WGPTZ`, one byte of format version, one byte naming the
-compressor, then the compressed payload. The payload is a safetensors file (see
+compressor, the payload's size (8 bytes, little-endian) and sha256 (32 bytes), then the
+compressed payload. Decompression stops at the declared size, so a small file cannot
+inflate beyond it, and the payload must match its hash. The payload is a safetensors file (see
 `tensorfile`) holding the int8 codes, scales and kept tensors, whose metadata holds one
 JSON document: the format version, the run configuration, how each tensor was quantized
 (scheme, original dtype, shape), the tokenizer's sha256 and where the weights came from.
@@ -17,6 +19,7 @@ is refused with one line.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import lzma
 import struct
@@ -30,16 +33,18 @@ import torch
 from torch import Tensor
 
 from . import tensorfile
-from .artifacts import atomic_write_bytes
+from .artifacts import atomic_write_bytes, is_sha256
 from .config import RunConfig
 from .errors import ArtifactError, ConfigError
 from .quant import CONTROL, INT6, INT8, PASSTHROUGH, SCHEMES, QuantizedTensor, dequantize_state_dict
 
 MAGIC = b"WGPTZ"
-FORMAT_VERSION = 1
-HEADER_BYTES = len(MAGIC) + 2
+FORMAT_VERSION = 2  # 2: the payload's size and sha256 in the header
+_SIZE_AND_HASH = struct.Struct("<Q32s")
+HEADER_BYTES = len(MAGIC) + 2 + _SIZE_AND_HASH.size
 METADATA_KEY = "windowgpt.ptz"
-MAX_PAYLOAD_BYTES = 4 << 30  # refuse to inflate a corrupt or hostile file beyond this
+# Artifacts are meant to fit in 16 MB compressed; no payload of a sensible model nears this.
+MAX_PAYLOAD_BYTES = 1 << 30
 DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in tensorfile.DTYPE_CODES}
 
 
@@ -66,6 +71,8 @@ def _unlzma(data: bytes, limit: int) -> bytes:
     except lzma.LZMAError as exc:
         raise CorruptPayload(f"corrupt compressed payload ({_first_line(exc)})") from None
     if not decompressor.eof:
+        if not decompressor.needs_input:
+            raise CorruptPayload(f"the payload inflates beyond the {limit:,} bytes its header declares")
         raise CorruptPayload("truncated (the compressed payload ends early)")
     if decompressor.unused_data:
         raise CorruptPayload("unexpected bytes after the compressed payload")
@@ -293,7 +300,8 @@ def compress_payload(payload: bytes, compressor: str = DEFAULT_COMPRESSOR) -> by
     if compressor not in COMPRESSORS:
         raise ConfigError(f"unknown compressor {compressor!r}; choose from {', '.join(COMPRESSORS)}")
     spec = COMPRESSORS[compressor]
-    return MAGIC + bytes([FORMAT_VERSION, spec.id]) + spec.compress(payload)
+    header = MAGIC + bytes([FORMAT_VERSION, spec.id]) + _SIZE_AND_HASH.pack(len(payload), hashlib.sha256(payload).digest())
+    return header + spec.compress(payload)
 
 
 def save(path: Path, artifact: PtzArtifact, compressor: str = DEFAULT_COMPRESSOR) -> int:
@@ -329,8 +337,10 @@ def decode(data: bytes, source: str = ".ptz") -> PtzArtifact:
         raise ArtifactError(f"{source}: invalid clip_range {clip_range!r}")
     tensors = _rebuild_tensors(meta["tensors"], stored, clip_range, source)
     tokenizer = meta.get("tokenizer_sha256")
+    if not is_sha256(tokenizer):
+        raise ArtifactError(f"{source}: records no tokenizer sha256")
     source_info = meta.get("source") if isinstance(meta.get("source"), dict) else {}
-    return PtzArtifact(config, tensors, tokenizer if isinstance(tokenizer, str) else None, source_info, clip_range)
+    return PtzArtifact(config, tensors, tokenizer, source_info, clip_range)
 
 
 def decompress_payload(data: bytes, source: str) -> bytes:
@@ -345,10 +355,19 @@ def decompress_payload(data: bytes, source: str) -> bytes:
     spec = next((c for c in COMPRESSORS.values() if c.id == compressor_id), None)
     if spec is None:
         raise ArtifactError(f"{source}: unknown compressor id {compressor_id}")
+    size, digest = _SIZE_AND_HASH.unpack_from(data, len(MAGIC) + 2)
+    if size > MAX_PAYLOAD_BYTES:
+        raise ArtifactError(f"{source}: declares a payload of {size:,} bytes, more than the {MAX_PAYLOAD_BYTES:,} "
+                            "any artifact needs")
     try:
-        return spec.decompress(data[HEADER_BYTES:], MAX_PAYLOAD_BYTES)
+        payload = spec.decompress(data[HEADER_BYTES:], size)
     except CorruptPayload as exc:
         raise ArtifactError(f"{source}: {exc}") from None
+    if len(payload) != size:
+        raise ArtifactError(f"{source}: the payload is {len(payload):,} bytes, the header declares {size:,}")
+    if hashlib.sha256(payload).digest() != digest:
+        raise ArtifactError(f"{source}: the payload does not match the sha256 in its header (corrupt or altered)")
+    return payload
 
 
 def _foreign_format_hint(data: bytes) -> str:

@@ -19,20 +19,20 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .artifacts import sha256_file
+from .artifacts import json_text, sha256_file
 from .calibration import HESSIANS_FILENAME, calibrate, save_hessians, weights_sha256
 from .checkpoint import FILENAME as CHECKPOINT_FILENAME
 from .checkpoint import Checkpoint, save_checkpoint
 from .config import RunConfig
+from .datadir import verify_data
 from .data import Prefetcher, TokenStream
 from .distributed import DistContext, all_reduce_, average_gradients, barrier, gather_from_ranks
-from .errors import ConfigError, DataError
+from .errors import ConfigError, DataError, TrainingDiverged
 from .evaluation import evaluate_standard, load_validation_tokens
 from .model import GPT, build_model
 from .optim import Optimizers, WeightAverages, build_optimizers, lr_scale, muon_momentum_at
 from .runtime import autocast, compiled, device_name, enable_fast_math, seed_everything, synchronize
-from .shards import list_shards
-from .tokenizer import ByteLuts, load_byte_luts, resolve_tokenizer, tokenizer_vocab_size
+from .tokenizer import ByteLuts, load_byte_luts, tokenizer_vocab_size
 
 SWA_LR_THRESHOLD = 0.2  # SWA collects snapshots once the LR scale falls below this
 
@@ -42,6 +42,7 @@ class TrainResult:
     step: int
     training_time_ms: float
     finished: bool  # False when stopped early (--stop-at-step or an interrupt)
+    interrupted: bool = False  # stopped by Ctrl-C or SIGTERM (with a checkpoint)
     val_loss: float | None = None
     val_bpb: float | None = None
     post_ema_val_loss: float | None = None
@@ -70,7 +71,7 @@ class RunLog:
     def metrics(self, **values: Any) -> None:
         if self.enabled:
             with open(self.metrics_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(values) + "\n")
+                f.write(json_text(values, indent=None) + "\n")
             if self.sink is not None:
                 self.sink.log(values)
 
@@ -128,6 +129,19 @@ def grad_accum_steps_for(cfg: RunConfig, world_size: int) -> int:
     return 8 // world_size
 
 
+def check_batch_divides(cfg: RunConfig, world_size: int, accum: int) -> None:
+    """The loader takes train_batch_tokens / (world_size * accum) tokens per micro-batch in
+    whole sequences: refuse a batch that would silently shrink."""
+    t = cfg.train
+    for seq_len in {t.train_seq_len, t.train_seq_len_long or t.train_seq_len}:
+        unit = world_size * accum * seq_len
+        if t.train_batch_tokens % unit:
+            lower = max(unit, t.train_batch_tokens // unit * unit)
+            raise ConfigError(f"train_batch_tokens={t.train_batch_tokens} is not a multiple of world size "
+                              f"{world_size} x grad_accum_steps {accum} x sequence length {seq_len} = {unit} "
+                              f"(e.g. {lower} or {lower + unit})")
+
+
 def rank_seq_len(cfg: RunConfig, ctx: DistContext) -> int:
     t = cfg.train
     long_rank = t.train_seq_len_long > 0 and ctx.rank >= ctx.world_size - t.num_gpus_long
@@ -136,17 +150,24 @@ def rank_seq_len(cfg: RunConfig, ctx: DistContext) -> int:
 
 def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     data_dir = Path(cfg.data.data_path)
-    train_files = list_shards(data_dir, "train")
-    tokenizer = resolve_tokenizer(data_dir, Path(cfg.data.tokenizer_path) if cfg.data.tokenizer_path else None)
-    if tokenizer is None:
-        raise DataError(f"no tokenizer: pass --tokenizer or put tokenizer.model in {data_dir}")
+    manifest = verify_data(data_dir, hash_splits=("val",))
+    train_files = manifest.shards("train")
+    tokenizer = Path(cfg.data.tokenizer_path) if cfg.data.tokenizer_path else manifest.tokenizer
+    if not tokenizer.is_file():
+        raise DataError(f"{tokenizer}: no such tokenizer file")
+    tokenizer_sha256 = sha256_file(tokenizer)
+    if tokenizer_sha256 != manifest.tokenizer_sha256:
+        raise DataError(f"{tokenizer}: not the tokenizer {data_dir}'s shards were encoded with (its manifest "
+                        f"records sha256 {manifest.tokenizer_sha256[:16]}...)")
     vocab = tokenizer_vocab_size(tokenizer)
     if vocab != cfg.model.vocab_size:
         raise ConfigError(f"the tokenizer {tokenizer} has {vocab} tokens but vocab_size={cfg.model.vocab_size}")
     meta = Path(cfg.data.tokenizer_meta_path) if cfg.data.tokenizer_meta_path else None
     luts = load_byte_luts(tokenizer, meta, cfg.model.vocab_size, validate=cfg.data.tokenizer_meta_validate).to(ctx.device)
     val_seq_len = max(cfg.train.train_seq_len, cfg.eval.eval_seq_len)
-    val_tokens = load_validation_tokens(data_dir, val_seq_len, cfg.model.vocab_size)
+    val_tokens = load_validation_tokens(data_dir, val_seq_len, cfg.model.vocab_size, manifest.shards("val"))
+    accum = grad_accum_steps_for(cfg, ctx.world_size)
+    check_batch_divides(cfg, ctx.world_size, accum)
 
     seed_everything(cfg.train.seed)
     enable_fast_math(ctx.device)
@@ -156,9 +177,8 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     return Setup(
         cfg=cfg, ctx=ctx, model=model, forward=forward, optimizers=build_optimizers(model, cfg.optim),
         averages=WeightAverages(model, cfg.train.ema_decay, cfg.train.ema_warmup), luts=luts, val_tokens=val_tokens,
-        train_files=train_files, tokenizer_sha256=sha256_file(tokenizer),
-        grad_accum_steps=grad_accum_steps_for(cfg, ctx.world_size), seq_len=rank_seq_len(cfg, ctx),
-        tokenizer=tokenizer,
+        train_files=train_files, tokenizer_sha256=tokenizer_sha256,
+        grad_accum_steps=accum, seq_len=rank_seq_len(cfg, ctx), tokenizer=tokenizer,
     )
 
 
@@ -301,6 +321,7 @@ class Trainer:
                     synchronize(device)
                     self.training_time_ms += 1000.0 * (time.perf_counter() - t0)
                     last_val = self.validate()
+                    self._check_finite(last_val[0], "validation loss")
                     self._log_validation(*last_val)
                     synchronize(device)
                     t0 = time.perf_counter()
@@ -321,7 +342,8 @@ class Trainer:
                     s.averages.add_swa_snapshot(s.model)
                 if t.train_log_every > 0 and (self.step <= 10 or self.step % t.train_log_every == 0
                                               or self.stop_after_step is not None):
-                    self._log_train(self._global_mean(train_loss), approx_ms, scale, tokens_per_step)
+                    loss = self._check_finite(self._global_mean(train_loss), "training loss")
+                    self._log_train(loss, approx_ms, scale, tokens_per_step)
                 if t.sample_every > 0 and self.step % t.sample_every == 0 and s.ctx.is_main:
                     synchronize(device)  # sampling time is not training time
                     self.training_time_ms += 1000.0 * (time.perf_counter() - t0)
@@ -337,17 +359,25 @@ class Trainer:
                 pause = interrupted or asked_to_pause
                 periodic = t.checkpoint_every > 0 and self.step % t.checkpoint_every == 0
                 if pause or periodic:
+                    self._check_finite(self._global_mean(train_loss), "training loss")  # never save such weights
                     synchronize(device)
                     self.training_time_ms += 1000.0 * (time.perf_counter() - t0)
                     path = self.checkpoint(prefetcher)
                     if pause:
                         why = "interrupted" if interrupted else "stop-at-step"
                         self.log.line(f"checkpoint:{why} step:{self.step}/{t.iterations} path:{path}")
-                        return TrainResult(self.step, self.training_time_ms, finished=False, checkpoint=path)
+                        return TrainResult(self.step, self.training_time_ms, finished=False, checkpoint=path,
+                                           interrupted=interrupted)
                     t0 = time.perf_counter()
         finally:
             prefetcher.close()
         return self._finish(prefetcher, last_val)
+
+    def _check_finite(self, value: float, what: str) -> float:
+        if not math.isfinite(value):
+            raise TrainingDiverged(f"the {what} is {value} at step {self.step}: training diverged (try a lower "
+                                   "learning rate); the last checkpoint, if any, is unchanged")
+        return value
 
     def _global_mean(self, local_loss: torch.Tensor) -> float:
         """The loss over the whole global batch, not only rank 0's share of it (every rank
@@ -383,7 +413,7 @@ class Trainer:
         self.log.metrics(step=self.step, post_ema_val_loss=ema_loss, post_ema_val_bpb=ema_bpb)
         calibration = self.calibrate_gptq(ema) if s.cfg.quant.use_gptq else None
         s.model.load_state_dict(live, strict=True)
-        val_loss, val_bpb = last_val if last_val is not None else (math.nan, math.nan)
+        val_loss, val_bpb = last_val if last_val is not None else (None, None)
         return TrainResult(self.step, self.training_time_ms, finished=True, val_loss=val_loss, val_bpb=val_bpb,
                            post_ema_val_loss=ema_loss, post_ema_val_bpb=ema_bpb, checkpoint=path,
                            calibration=calibration, devices=gather_from_ranks(device_name(s.ctx.device)))

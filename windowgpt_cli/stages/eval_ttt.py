@@ -56,7 +56,8 @@ def ttt_evaluate_artifact(artifact: Path, data_dir: Path, *, ttt_overrides: dict
             raise ConfigError("test-time training scores sliding windows: --stride must be in 1..seq_len")
         # As the reference: the tokens are cut to whole sequences of the longer of the
         # training (here: TTT window) and evaluation lengths.
-        val_tokens = load_validation_tokens(data_dir, max(seq_len, cfg.eval.eval_seq_len), cfg.model.vocab_size)
+        val_tokens = load_validation_tokens(data_dir, max(seq_len, cfg.eval.eval_seq_len), cfg.model.vocab_size,
+                                            inputs.data.shards("val"))
         echo = echo if ctx.is_main else None
         compiling = should_fuse(fused, ctx.device) or should_compile(compile_model, ctx.device)
         with chunk_progress(show_progress and ctx.is_main, echo, compiling) as on_chunk:

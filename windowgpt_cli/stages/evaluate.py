@@ -7,7 +7,6 @@ default sequence length, stride and batch, come from the artifact alone.
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable, Iterator, Optional
@@ -17,9 +16,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .. import model_io
-from ..artifacts import sha256_file
+from ..artifacts import json_text, sha256_file
 from ..cli_support import console, err_console, user_errors_exit_1
 from ..config import RunConfig
+from ..datadir import DataManifest, check_same_tokenizer, verify_data
 from ..distributed import DistContext, init_distributed, shutdown
 from ..errors import ConfigError, DataError
 from ..eval_results import save_eval_result
@@ -27,7 +27,7 @@ from ..evaluation import (EvalResult, batch_windows, evaluate_sliding, evaluate_
                           should_compile, should_fuse)
 from ..model import GPT
 from ..runtime import compiled, enable_fast_math
-from ..tokenizer import ByteLuts, load_byte_luts, resolve_tokenizer
+from ..tokenizer import ByteLuts, load_byte_luts
 
 
 # --- Shared with eval-ttt ---------------------------------------------------------------
@@ -42,6 +42,7 @@ class EvalInputs:
     tokenizer: Path
     ctx: DistContext
     attn_backend: str
+    data: DataManifest  # the validation data, checked against its manifest
 
     @property
     def config(self) -> RunConfig:
@@ -50,22 +51,23 @@ class EvalInputs:
 
 def load_inputs(artifact: Path, data_dir: Path, tokenizer: Path | None, ctx: DistContext,
                 attn_backend: str = "auto") -> EvalInputs:
-    """Build the artifact's model and check that the tokenizer is the one it was trained with."""
+    """Build the artifact's model and check that the data and the tokenizer are those it
+    was trained with."""
+    data = verify_data(data_dir, hash_splits=("val",))
     weights, model = model_io.build_model(Path(artifact), ctx.device)
-    tokenizer_path = resolve_tokenizer(data_dir, tokenizer)
-    if tokenizer_path is None:
-        raise DataError(f"{data_dir}: no tokenizer.model here; pass --tokenizer MODEL")
+    check_same_tokenizer(data, weights.tokenizer_sha256, f"{artifact} was trained with")
+    tokenizer_path = Path(tokenizer) if tokenizer is not None else data.tokenizer
     if not tokenizer_path.is_file():
         raise DataError(f"{tokenizer_path}: no such tokenizer file")
     expected = weights.tokenizer_sha256
-    actual = sha256_file(tokenizer_path) if expected else None
+    actual = sha256_file(tokenizer_path)
     if actual != expected:
         raise DataError(f"{tokenizer_path}: sha256 {actual[:16]}... differs from the tokenizer {artifact} was "
                         f"trained with ({expected[:16]}...)")
     luts = load_byte_luts(tokenizer_path, None, weights.config.model.vocab_size).to(ctx.device)
     backend = model.set_attention_backend(attn_backend, ctx.device)
     enable_fast_math(ctx.device)
-    return EvalInputs(weights, model, luts, tokenizer_path, ctx, backend)
+    return EvalInputs(weights, model, luts, tokenizer_path, ctx, backend, data)
 
 
 def eval_record(result: EvalResult, inputs: EvalInputs, artifact: Path) -> dict[str, Any]:
@@ -103,7 +105,7 @@ def results_table(record: dict[str, Any], title: str) -> Table:
 
 def report(record: dict[str, Any], title: str, as_json: bool) -> None:
     if as_json:
-        typer.echo(json.dumps(record, indent=2))
+        typer.echo(json_text(record))
     else:
         console.print(results_table(record, title))
 
@@ -149,7 +151,8 @@ def evaluate_artifact(artifact: Path, data_dir: Path, *, stride: int | None = No
         check_eval_settings(seq_len, stride, batch_seqs)
         # As the reference: the tokens are cut to whole sequences of the longer of the
         # training and evaluation lengths.
-        val_tokens = load_validation_tokens(data_dir, max(cfg.train.train_seq_len, seq_len), cfg.model.vocab_size)
+        val_tokens = load_validation_tokens(data_dir, max(cfg.train.train_seq_len, seq_len), cfg.model.vocab_size,
+                                            inputs.data.shards("val"))
         standard = stride == 0 or stride == seq_len
         compile_model = should_compile(compile_model, ctx.device)
         compiling = compile_model or (not standard and should_fuse(fused, ctx.device))

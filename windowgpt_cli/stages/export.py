@@ -2,9 +2,12 @@
 
 MODEL_DIR/model.safetensors holds the weights under the reference's per-layer names
 (blocks.{i}.attn.c_q.weight, ...), MODEL_DIR/config.json the run configuration and
-MODEL_DIR/export.json what was exported from where. An export of the EMA weights carries
-the Hessians training collected for them (MODEL_DIR/hessians.safetensors); one of other
-weights does not, since those Hessians belong to the EMA weights.
+MODEL_DIR/export.json what was exported from where, with the sha256 of the weights, of the
+configuration and of the tokenizer, which loading checks. An export of the EMA weights
+carries the Hessians training collected for them (MODEL_DIR/hessians.safetensors); one of
+other weights does not, since those Hessians belong to the EMA weights. MODEL_DIR is built
+beside its destination and renamed into place, so a re-export that fails half way leaves
+the previous export whole.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import typer
 from rich.table import Table
 
 from .. import tensorfile
-from ..artifacts import atomic_write_bytes, atomic_write_json, sha256_file
+from ..artifacts import atomic_write_bytes, atomic_write_json, publish_dir, sha256_file
 from ..calibration import HESSIANS_FILENAME
 from ..checkpoint import WEIGHT_CHOICES, checkpoint_path, load_checkpoint
 from ..cli_support import console, user_errors_exit_1
@@ -30,7 +33,10 @@ def export(run_dir: Path, out: Path, weights: str = "ema") -> dict[str, Any]:
         raise ConfigError(f"--weights {weights!r} must be one of {', '.join(WEIGHT_CHOICES)}")
     ckpt = load_checkpoint(run_dir)
     tensors = unbank_state_dict(ckpt.weights(weights), ckpt.config.model.num_layers)
-    out = Path(out)
+    return publish_dir(Path(out), lambda folder: _write_export(folder, run_dir, ckpt, tensors, weights))
+
+
+def _write_export(out: Path, run_dir: Path, ckpt, tensors: dict, weights: str) -> dict[str, Any]:
     tensorfile.save(out / EXPORT_WEIGHTS, tensors, {"format": EXPORT_FORMAT, "format_version": EXPORT_VERSION})
     ckpt.config.save(out / EXPORT_CONFIG)
     hessians = _carry_hessians(Path(run_dir), out, weights)
@@ -47,6 +53,7 @@ def export(run_dir: Path, out: Path, weights: str = "ema") -> dict[str, Any]:
         "parameter_count": sum(t.numel() for t in tensors.values()),
         "sha256": sha256_file(out / EXPORT_WEIGHTS),
         "hessians": hessians,
+        "config_sha256": sha256_file(out / EXPORT_CONFIG),
     }
     atomic_write_json(out / EXPORT_INFO, info)  # written last: its presence marks a complete export
     return info

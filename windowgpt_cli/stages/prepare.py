@@ -1,7 +1,9 @@
 """`windowgpt prepare`: documents in, token shards out, as the reference's data loader reads them.
 
 DATA_DIR receives `fineweb_{train,val}_NNNNNN.bin` (BOS before each document, no EOS),
-`tokenizer.model`, its byte tables `tokenizer.meta.npz`, and `manifest.json`. Encoding
+`tokenizer.model`, its byte tables `tokenizer.meta.npz`, and `manifest.json` (see
+`datadir`). DATA_DIR is built in a temporary sibling and renamed into place when complete,
+so an existing DATA_DIR is replaced only by a complete one. Encoding
 runs in worker processes, each loading the tokenizer once; the main process only
 decompresses and cuts lines, and writes shards in input order as results come back.
 """
@@ -24,18 +26,16 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, Time
 from rich.table import Table
 
 from .. import __version__
-from ..artifacts import atomic_write_bytes, atomic_write_json, sha256_file
+from ..artifacts import atomic_write_bytes, atomic_write_json, publish_dir, sha256_bytes, sha256_file
 from ..cli_support import console, err_console, user_errors_exit_1
 from ..corpus import DEFAULT_CHUNK_BYTES, RawChunk, check_inputs, iter_corpus, parse_chunk, read_chunks
+from ..datadir import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, index_manifest
 from ..errors import ConfigError, DataError
-from ..shards import SPLITS, shard_name, write_shard
+from ..shards import SPLITS, encode_shard, open_shard, shard_name
 from ..tokenizer import (BOS_ID, DATA_DIR_TOKENIZER, DEFAULT_TRAIN_SAMPLE_BYTES, check_vocab_fits,
                          has_byte_fallback, load_sentencepiece, no_byte_fallback_warning,
                          train_sentencepiece, write_tokenizer_meta)
 
-MANIFEST_FORMAT = "windowgpt.data"
-MANIFEST_VERSION = 1
-MANIFEST_NAME = "manifest.json"
 DEFAULT_VOCAB_SIZE = 1024
 DEFAULT_VAL_FRACTION = 0.01
 DEFAULT_SHARD_TOKENS = 100_000_000  # as the FineWeb shards
@@ -174,21 +174,13 @@ class SplitWriter:
 
     def _write(self, tokens: np.ndarray) -> None:
         name = shard_name(self.split, len(self.shards))
-        write_shard(self.data_dir / name, tokens)
-        self.shards.append({"file": name, "tokens": int(tokens.size)})
+        data = encode_shard(tokens)
+        atomic_write_bytes(self.data_dir / name, data)
+        self.shards.append({"file": name, "tokens": int(tokens.size), "bytes": len(data), "sha256": sha256_bytes(data)})
 
     def summary(self) -> dict[str, Any]:
         return {"documents": self.documents, "tokens": self.tokens, "text_bytes": self.text_bytes,
                 "unknown_tokens": self.unknown_tokens, "shards": self.shards}
-
-
-def _remove_stale_shards(data_dir: Path, writers: dict[str, SplitWriter]) -> None:
-    """Shards of an earlier, longer run would otherwise be read as part of this one."""
-    for split, writer in writers.items():
-        written = {s["file"] for s in writer.shards}
-        for path in data_dir.glob(f"fineweb_{split}_*.bin"):
-            if path.name not in written:
-                path.unlink()
 
 
 # --- The stage --------------------------------------------------------------------------
@@ -209,7 +201,7 @@ class PrepareResult:
 
 
 def _check_settings(inputs: list[Path], val_inputs: list[Path] | None, val_fraction: float | None,
-                    shard_tokens: int) -> None:
+                    shard_tokens: int, vocab_size: int | None = None) -> None:
     if not inputs:
         raise ConfigError("give at least one input file")
     if val_inputs is not None and val_fraction is not None:
@@ -218,6 +210,8 @@ def _check_settings(inputs: list[Path], val_inputs: list[Path] | None, val_fract
         raise ConfigError(f"--val-fraction {val_fraction} must be between 0 and 1")
     if val_inputs is not None and not val_inputs:
         raise ConfigError("--val needs at least one file")
+    if vocab_size is not None and not 2 <= vocab_size <= 65536:
+        raise ConfigError(f"--vocab-size {vocab_size} must be in 2..65536 (tokens are stored as uint16)")
     if shard_tokens <= 0:
         raise ConfigError(f"--shard-tokens {shard_tokens} must be positive")
     both = {p.resolve() for p in inputs} & {p.resolve() for p in val_inputs or []}
@@ -238,7 +232,7 @@ def _install_tokenizer(data_dir: Path, tokenizer: Path | None, vocab_size: int |
         check_vocab_fits(size, str(tokenizer))
         atomic_write_bytes(target, Path(tokenizer).read_bytes())
     else:
-        size = vocab_size or DEFAULT_VOCAB_SIZE
+        size = DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size
         texts = iter_corpus(train_inputs)
         if val_fraction is not None:  # the tokenizer must not see validation documents
             texts = (t for t in texts if validation_score(t) >= val_fraction)
@@ -279,16 +273,26 @@ def prepare(inputs: list[Path], out: Path, *, tokenizer: Path | None = None, voc
     started = time.perf_counter()
     inputs = [Path(p) for p in inputs]
     val_inputs = [Path(p) for p in val_inputs] if val_inputs is not None else None
-    _check_settings(inputs, val_inputs, val_fraction, shard_tokens)
+    _check_settings(inputs, val_inputs, val_fraction, shard_tokens, vocab_size)
     if val_inputs is None and val_fraction is None:
         val_fraction = DEFAULT_VAL_FRACTION
     check_inputs(inputs + (val_inputs or []))
+    if workers is not None and workers < 1:
+        raise ConfigError(f"--workers {workers} must be at least 1")
     workers = workers or os.cpu_count() or 1
-    data_dir = Path(out)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    # Until the new manifest is written, DATA_DIR is visibly incomplete.
-    (data_dir / MANIFEST_NAME).unlink(missing_ok=True)
 
+    def build(data_dir: Path) -> dict[str, Any]:
+        return _prepare_into(data_dir, inputs, val_inputs, tokenizer, vocab_size, val_fraction, shard_tokens,
+                             workers, tokenizer_sample_bytes, on_progress)
+
+    manifest = publish_dir(Path(out), build)
+    return PrepareResult(Path(out), manifest, time.perf_counter() - started)
+
+
+def _prepare_into(data_dir: Path, inputs: list[Path], val_inputs: list[Path] | None, tokenizer: Path | None,
+                  vocab_size: int | None, val_fraction: float | None, shard_tokens: int, workers: int,
+                  tokenizer_sample_bytes: int, on_progress: Callable[[int, int], None] | None) -> dict[str, Any]:
+    """Write everything into data_dir (a fresh directory); returns the manifest, written last."""
     tokenizer_info = _install_tokenizer(data_dir, tokenizer, vocab_size, inputs, val_fraction,
                                         tokenizer_sample_bytes, workers)
     writers = {split: SplitWriter(data_dir, split, shard_tokens) for split in SPLITS}
@@ -311,7 +315,6 @@ def prepare(inputs: list[Path], out: Path, *, tokenizer: Path | None = None, voc
         where = ", ".join(map(str, val_inputs)) if val_inputs else names
         hint = "" if val_inputs else f" fall under --val-fraction {val_fraction}; raise it or give --val files"
         raise DataError(f"{where}: no validation documents{hint}")
-    _remove_stale_shards(data_dir, writers)
 
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -329,7 +332,38 @@ def prepare(inputs: list[Path], out: Path, *, tokenizer: Path | None = None, voc
         },
     }
     atomic_write_json(data_dir / MANIFEST_NAME, manifest)
-    return PrepareResult(data_dir, manifest, time.perf_counter() - started)
+    return manifest
+
+
+def index_data(data_dir: Path, tokenizer: Path | None = None) -> dict[str, Any]:
+    """Give shards made elsewhere a manifest: the tokenizer (copied in as tokenizer.model
+    when given) and every shard with its size and hash. The manifest is written last."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise DataError(f"{data_dir}: no such data directory")
+    target = data_dir / DATA_DIR_TOKENIZER
+    if tokenizer is not None:
+        sp = load_sentencepiece(tokenizer)
+        check_vocab_fits(int(sp.vocab_size()), str(tokenizer))
+        if not target.is_file() or sha256_file(target) != sha256_file(tokenizer):
+            atomic_write_bytes(target, Path(tokenizer).read_bytes())
+    elif not target.is_file():
+        raise ConfigError(f"{data_dir}: no {DATA_DIR_TOKENIZER}; pass --tokenizer MODEL (the one the shards were "
+                          "encoded with)")
+    vocab_size = int(load_sentencepiece(target).vocab_size())
+    (data_dir / MANIFEST_NAME).unlink(missing_ok=True)
+    meta = write_tokenizer_meta(target)
+    manifest = index_manifest(data_dir, DATA_DIR_TOKENIZER, {"indexed": True})
+    manifest["tokenizer"].update({"meta": meta.name, "vocab_size": vocab_size,
+                                  "source": str(tokenizer) if tokenizer is not None else None})
+    for split in SPLITS:
+        top = max((int(open_shard(data_dir / s["file"]).max()) for s in manifest["splits"][split]["shards"]
+                   if s["tokens"]), default=0)
+        if top >= vocab_size:
+            raise DataError(f"{data_dir}: the {split} shards hold token id {top}, outside the tokenizer's "
+                            f"vocabulary of {vocab_size}: they were encoded with another tokenizer")
+    atomic_write_json(data_dir / MANIFEST_NAME, manifest)
+    return manifest
 
 
 # --- The command ------------------------------------------------------------------------
@@ -347,11 +381,14 @@ def _summary_table(result: PrepareResult) -> Table:
 
 @user_errors_exit_1
 def command(
-    inputs: Annotated[list[Path], typer.Argument(
+    inputs: Annotated[Optional[list[Path]], typer.Argument(
         help="Documents: .jsonl (field text), .jsonl.xz, .jsonl.gz, or .txt (one document per file).",
-        show_default=False)],
-    out: Annotated[Path, typer.Option("--out", help="DATA_DIR to write shards, tokenizer and manifest to.",
-                                      show_default=False)],
+        show_default=False)] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="DATA_DIR to write shards, tokenizer and manifest to.",
+                                                show_default=False)] = None,
+    index: Annotated[Optional[Path], typer.Option(
+        "--index", help="Instead: write the manifest of a DATA_DIR of shards made elsewhere (with --tokenizer, "
+        "the model they were encoded with).", show_default=False)] = None,
     tokenizer: Annotated[Optional[Path], typer.Option(
         "--tokenizer", help="A SentencePiece model to use; without it one is trained on the training split.",
         show_default=False)] = None,
@@ -371,6 +408,18 @@ def command(
     json_output: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
 ) -> None:
     """Tokenize documents into train/val shards, with the tokenizer and a manifest (replaces DATA_DIR's shards)."""
+    if index is not None:
+        if inputs or out is not None:
+            raise ConfigError("--index DATA_DIR takes no input files and no --out")
+        manifest = index_data(index, tokenizer)
+        if json_output:
+            console.print_json(data=manifest)
+        else:
+            counts = ", ".join(f"{len(manifest['splits'][s]['shards'])} {s} shards" for s in SPLITS)
+            console.print(f"wrote {index / MANIFEST_NAME} ({counts})", highlight=False, soft_wrap=True)
+        return
+    if not inputs or out is None:
+        raise ConfigError("give input files and --out DATA_DIR (or --index DATA_DIR)")
     if tokenizer is not None and not has_byte_fallback(load_sentencepiece(tokenizer)):
         err_console.print(f"[bold yellow]warning:[/] {no_byte_fallback_warning(tokenizer)}",
                           highlight=False, soft_wrap=True)

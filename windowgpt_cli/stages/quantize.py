@@ -30,7 +30,7 @@ from ..model import build_model, is_control_tensor, unbank_state_dict
 from ..model_io import LoadedWeights, load_weights
 from ..quant import INT6, QuantizedTensor, classify_param, quantize_state_dict
 from ..runtime import resolve_device, synchronize
-from ..shards import list_shards
+from ..datadir import check_same_tokenizer, verify_data
 
 DEFAULT_BUDGET = 16_000_000
 GROUPS = ("attn", "mlp", "embed", "other", "control")
@@ -60,6 +60,9 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
     Returns the report (also written as JSON next to the artifact).
     """
     started = time.perf_counter()
+    out = Path(out)
+    if out.is_dir() or report_path(out).is_dir():
+        raise ArtifactError(f"{out if out.is_dir() else report_path(out)}: is a directory; give a file name to write")
     if compressor not in ptz.COMPRESSORS:
         raise ConfigError(f"--compressor {compressor!r} must be one of {', '.join(ptz.COMPRESSORS)}")
     weights = load_weights(model_path)
@@ -96,6 +99,8 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
     payload = ptz.payload_bytes(artifact)
     data = ptz.compress_payload(payload, compressor)
     timings["compress"] = time.perf_counter() - t0
+    # The old report goes first: a report beside a .ptz always describes that .ptz.
+    report_path(out).unlink(missing_ok=True)
     atomic_write_bytes(out, data)
     timings["total"] = time.perf_counter() - started
 
@@ -140,11 +145,13 @@ def calibration_hessians(weights: LoadedWeights, cfg: RunConfig, data_dir: Path 
     if data is None:
         raise ConfigError("--gptq needs --data DATA_DIR (the training shards to calibrate on): "
                           f"{weights.path} holds no Hessians from training")
+    manifest = verify_data(Path(data))
+    check_same_tokenizer(manifest, weights.tokenizer_sha256, f"{weights.path} was trained with")
     model = build_model(cfg.model, dev)
     model.load_state_dict(weights.state_dict, strict=True)
     model.set_attention_backend(cfg.train.attn_backend, dev)
     advance = progress("calibrating", cfg.quant.gptq_calib_samples) if progress else None
-    calibration = calibrate(model, cfg, list_shards(Path(data), "train"), dev,
+    calibration = calibrate(model, cfg, manifest.shards("train"), dev,
                             on_batch=(lambda: advance(1)) if advance else None)
     del model
     return calibration

@@ -1,0 +1,124 @@
+"""A data directory's manifest: the one check every stage that reads shards makes first.
+
+`prepare` writes DATA/manifest.json last, listing each shard with its size and sha256 and
+the tokenizer's sha256. A stage refuses a directory without one, or whose files differ
+from it; sizes are always checked, contents are hashed where a stage reads them whole.
+Shards made elsewhere (e.g. the reference's FineWeb download) get a manifest from
+`windowgpt prepare --index DATA --tokenizer MODEL`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from .artifacts import is_sha256, sha256_file
+from .errors import DataError
+from .shards import SPLITS, list_shards, read_token_count
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "windowgpt.data"
+MANIFEST_VERSION = 2  # 2: every shard with bytes and sha256
+HOW_TO_MAKE = ("make one with `windowgpt prepare TEXT... --out DATA`, or for existing shards "
+               "`windowgpt prepare --index DATA --tokenizer MODEL`")
+
+
+@dataclass
+class DataManifest:
+    data_dir: Path
+    raw: dict[str, Any]
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.data_dir / self.raw["tokenizer"]["file"]
+
+    @property
+    def tokenizer_sha256(self) -> str:
+        return self.raw["tokenizer"]["sha256"]
+
+    def shards(self, split: str) -> list[Path]:
+        return [self.data_dir / s["file"] for s in self.raw["splits"][split]["shards"]]
+
+
+def describe_shard(path: Path) -> dict[str, Any]:
+    """What the manifest records of one shard (its header checked first)."""
+    return {"file": path.name, "tokens": read_token_count(path), "bytes": path.stat().st_size,
+            "sha256": sha256_file(path)}
+
+
+def read_manifest(data_dir: Path) -> DataManifest:
+    """The manifest, its structure checked (not yet the files it lists)."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise DataError(f"{data_dir}: no such data directory")
+    path = data_dir / MANIFEST_NAME
+    if not path.is_file():
+        raise DataError(f"{data_dir}: no {MANIFEST_NAME}, so it may be incomplete; {HOW_TO_MAKE}")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        raise DataError(f"{path}: not readable JSON; {HOW_TO_MAKE}") from None
+    if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
+        raise DataError(f"{path}: not a windowgpt data manifest")
+    if raw.get("version") != MANIFEST_VERSION:
+        raise DataError(f"{path}: manifest version {raw.get('version')!r} is not supported (expected "
+                        f"{MANIFEST_VERSION}); {HOW_TO_MAKE}")
+    tok, splits = raw.get("tokenizer"), raw.get("splits")
+    if not isinstance(tok, dict) or not isinstance(tok.get("file"), str) or not is_sha256(tok.get("sha256")):
+        raise DataError(f"{path}: the tokenizer entry lacks its file or sha256")
+    if not isinstance(splits, dict) or set(SPLITS) - set(splits):
+        raise DataError(f"{path}: the manifest lacks the train or val split")
+    for split in SPLITS:
+        shards = splits[split].get("shards") if isinstance(splits[split], dict) else None
+        if not isinstance(shards, list) or not shards or not all(_valid_entry(s) for s in shards):
+            raise DataError(f"{path}: the {split} split lists no shards, or a shard without file, bytes and sha256")
+    return DataManifest(data_dir, raw)
+
+
+def _valid_entry(entry: Any) -> bool:
+    return (isinstance(entry, dict) and isinstance(entry.get("file"), str) and "/" not in entry["file"]
+            and isinstance(entry.get("bytes"), int) and is_sha256(entry.get("sha256")))
+
+
+def verify_data(data_dir: Path, hash_splits: Iterable[str] = ()) -> DataManifest:
+    """Check DATA against its manifest: the tokenizer's hash, every listed shard's size, and
+    the hashes of the shards of `hash_splits` (those the stage reads whole)."""
+    manifest = read_manifest(data_dir)
+    if not manifest.tokenizer.is_file():
+        raise DataError(f"{manifest.tokenizer}: missing, but {MANIFEST_NAME} lists it")
+    if sha256_file(manifest.tokenizer) != manifest.tokenizer_sha256:
+        raise DataError(f"{manifest.tokenizer}: differs from the tokenizer {MANIFEST_NAME} records (replaced "
+                        "after the shards were encoded?)")
+    hashed = set(hash_splits)
+    for split in SPLITS:
+        for entry in manifest.raw["splits"][split]["shards"]:
+            path = manifest.data_dir / entry["file"]
+            if not path.is_file():
+                raise DataError(f"{path}: missing, but {MANIFEST_NAME} lists it")
+            if path.stat().st_size != entry["bytes"]:
+                raise DataError(f"{path}: {path.stat().st_size} bytes, but {MANIFEST_NAME} records {entry['bytes']}")
+            if split in hashed and sha256_file(path) != entry["sha256"]:
+                raise DataError(f"{path}: contents differ from the sha256 {MANIFEST_NAME} records")
+    return manifest
+
+
+def check_same_tokenizer(manifest: DataManifest, expected_sha256: str | None, what: str) -> None:
+    """Refuse data encoded with another tokenizer than the one `what` was trained with."""
+    if manifest.tokenizer_sha256 != expected_sha256:
+        raise DataError(f"{manifest.data_dir}: its shards were encoded with another tokenizer (sha256 "
+                        f"{manifest.tokenizer_sha256[:16]}...) than {what} ({str(expected_sha256)[:16]}...)")
+
+
+def index_manifest(data_dir: Path, tokenizer_file: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A manifest for the shards and tokenizer already in data_dir."""
+    from . import __version__
+
+    data_dir = Path(data_dir)
+    tok = data_dir / tokenizer_file
+    splits = {}
+    for split in SPLITS:
+        shards = [describe_shard(p) for p in list_shards(data_dir, split)]
+        splits[split] = {"tokens": sum(s["tokens"] for s in shards), "shards": shards}
+    return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "created_by": f"windowgpt {__version__}",
+            "tokenizer": {"file": tokenizer_file, "sha256": sha256_file(tok)}, "splits": splits, **(extra or {})}
