@@ -87,9 +87,16 @@ wall_s = echo "$$start $$(date +%s.%N)" | awk '{printf "%.3f\n", $$2 - $$1}' > $
 $(CODE):
 	$(WINDOWGPT) pack --out $@
 
+# Every stage that reads DATA checks it against its manifest; shards made elsewhere (the
+# reference's FineWeb download) get one here, with DATA/tokenizer.model or TOKENIZER=MODEL
+# (copied into DATA).
+TOKENIZER ?=
+$(DATA)/manifest.json:
+	$(WINDOWGPT) prepare --index $(DATA) $(if $(TOKENIZER),--tokenizer $(TOKENIZER))
+
 # summary.json is written when training finishes; a checkpoint without it is resumed.
 # (Packing again does not retrain: the code is an order-only prerequisite here.)
-$(OUT)/train/summary.json: | $(CODE)
+$(OUT)/train/summary.json: | $(CODE) $(DATA)/manifest.json
 	mkdir -p $(OUT) && start=$$(date +%s.%N) && \
 	if [ -f $(OUT)/train/checkpoint.pt ]; then \
 		$(TORCHRUN) $(CODE) train --data $(DATA) --out $(OUT)/train --resume; \

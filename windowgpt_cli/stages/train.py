@@ -49,9 +49,13 @@ def train(cfg: RunConfig, out_dir: Path, *, resume: bool = False, force: bool = 
     try:
         with run_lock(out_dir) if ctx.is_main else contextlib.nullcontext():
             try:
-                ckpt = _claim_run_dir(out_dir, resume, force, notify if ctx.is_main else (lambda _: None))
+                if ctx.is_main:  # under the lock; the other ranks only read what it leaves
+                    ckpt = _claim_run_dir(out_dir, resume, force, notify)
+                else:
+                    ckpt = load_checkpoint(out_dir) if resume else None
                 if ckpt is not None and (out_dir / SUMMARY).is_file():
-                    notify(f"{out_dir}: the run finished at step {ckpt.step}; nothing to do")
+                    if ctx.is_main:
+                        notify(f"{out_dir}: the run finished at step {ckpt.step}; nothing to do")
                     return TrainResult(ckpt.step, ckpt.training_time_ms, finished=True,
                                        checkpoint=checkpoint_path(out_dir))
                 setup = build_setup(cfg, ctx)
@@ -80,7 +84,7 @@ def _claim_run_dir(out_dir: Path, resume: bool, force: bool, notify: Callable[[s
                           "afresh, or choose a new --out")
     if existing:
         for name in existing:
-            (out_dir / name).unlink()
+            (out_dir / name).unlink(missing_ok=True)
         notify(f"--force: starting afresh in {out_dir} (removed {', '.join(existing)})")
     return None
 
