@@ -163,6 +163,7 @@ CASES = [
     ("prepare --index {a_dir}", 1, "tokenizer.model"),
     ("prepare {corpus} --index {a_dir}", 1, "--index"),
     ("prepare {corpus}", 1, "--out"),
+    ("prepare {text} --tokenizer {tokenizer} --val-fraction 0.001 --out {data}", 1, "no validation documents"),
     # tokenizer-meta
     ("tokenizer-meta {root}/missing.model", 1, "missing.model"),
     ("tokenizer-meta {text}", 1, "notes.txt"),
