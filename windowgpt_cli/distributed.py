@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -88,5 +89,11 @@ def barrier() -> None:
 
 
 def shutdown() -> None:
+    """Leave the process group. On success every rank first waits for the others: a rank
+    that tore its connections down while another still used them could abort that one at
+    exit. With an exception in flight (called from a `finally`) there is no waiting, since
+    the other ranks may never come."""
     if is_initialized():
+        if sys.exc_info()[0] is None:
+            dist.barrier()
         dist.destroy_process_group()

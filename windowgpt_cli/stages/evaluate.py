@@ -42,7 +42,7 @@ class EvalInputs:
     tokenizer: Path
     ctx: DistContext
     attn_backend: str
-    data: DataManifest  # the validation data, checked against its manifest
+    data: DataManifest | None = None  # the validation data, checked against its manifest
 
     @property
     def config(self) -> RunConfig:
@@ -54,9 +54,15 @@ def load_inputs(artifact: Path, data_dir: Path, tokenizer: Path | None, ctx: Dis
     """Build the artifact's model and check that the data and the tokenizer are those it
     was trained with."""
     data = verify_data(data_dir, hash_splits=("val",))
+    inputs = load_model(artifact, Path(tokenizer) if tokenizer is not None else data.tokenizer, ctx, attn_backend)
+    check_same_tokenizer(data, inputs.weights.tokenizer_sha256, f"{artifact} was trained with")
+    inputs.data = data
+    return inputs
+
+
+def load_model(artifact: Path, tokenizer_path: Path, ctx: DistContext, attn_backend: str = "auto") -> EvalInputs:
+    """Build the artifact's model, with the byte tables of its tokenizer (checked by hash)."""
     weights, model = model_io.build_model(Path(artifact), ctx.device)
-    check_same_tokenizer(data, weights.tokenizer_sha256, f"{artifact} was trained with")
-    tokenizer_path = Path(tokenizer) if tokenizer is not None else data.tokenizer
     if not tokenizer_path.is_file():
         raise DataError(f"{tokenizer_path}: no such tokenizer file")
     expected = weights.tokenizer_sha256
@@ -67,7 +73,7 @@ def load_inputs(artifact: Path, data_dir: Path, tokenizer: Path | None, ctx: Dis
     luts = load_byte_luts(tokenizer_path, None, weights.config.model.vocab_size).to(ctx.device)
     backend = model.set_attention_backend(attn_backend, ctx.device)
     enable_fast_math(ctx.device)
-    return EvalInputs(weights, model, luts, tokenizer_path, ctx, backend, data)
+    return EvalInputs(weights, model, luts, tokenizer_path, ctx, backend)
 
 
 def eval_record(result: EvalResult, inputs: EvalInputs, artifact: Path) -> dict[str, Any]:

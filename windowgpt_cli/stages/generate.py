@@ -14,7 +14,7 @@ from ..generation import continuation, generate
 from ..model_io import load_weights
 from ..runtime import resolve_device
 from ..tokenizer import BOS_ID, load_sentencepiece, resolve_tokenizer
-from .evaluate import ArtifactArg, DeviceOption, JsonOption, load_inputs
+from .evaluate import ArtifactArg, DeviceOption, JsonOption, load_model
 
 
 def find_tokenizer(artifact: Path, data_dir: Path | None, tokenizer: Path | None) -> Path:
@@ -41,7 +41,7 @@ def generate_text(artifact: Path, prompt: str, *, max_new_tokens: int = 64, temp
     tokenizer_path = find_tokenizer(Path(artifact), data_dir, tokenizer)
     ctx = DistContext(0, 1, 0, resolve_device(device))
     # sdpa: --no-kv-cache runs every length once, which FlexAttention would compile anew each time
-    inputs = load_inputs(Path(artifact), data_dir or tokenizer_path.parent, tokenizer_path, ctx, "sdpa")
+    inputs = load_model(Path(artifact), tokenizer_path, ctx, "sdpa")
     sp = load_sentencepiece(inputs.tokenizer)
     prompt_ids = [BOS_ID, *sp.encode(prompt)]  # every training document starts with BOS
     out = generate(inputs.model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
