@@ -11,7 +11,7 @@ from .stages import (compare, eval_ttt, evaluate, export, generate, inspect, pac
 app = typer.Typer(
     name="windowgpt",
     no_args_is_help=True,
-    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
     help="Train, compress and score tiny language models under a 16 MB artifact budget.",
 )

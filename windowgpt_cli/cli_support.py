@@ -12,7 +12,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from .config import GROUP_TYPES, ConfigError, RunConfig, apply_overrides, group_fields, preset
+from .config import (GROUP_TYPES, RunConfig, apply_overrides, group_fields, load_config_file,
+                     preset, setting_help)
 from .errors import WindowGPTError
 
 console = Console()
@@ -75,38 +76,68 @@ def run_app(app: typer.Typer) -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
-def _flag_annotation(group: str, name: str, hint: Any, help_text: str) -> Any:
-    flag = "--" + name.replace("_", "-")
-    panel = f"{group} settings"
+FROM_ARTIFACT = "from the artifact"
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return repr(value) if value == "" else str(value)
+
+
+def shown_default(group: str, name: str) -> str:
+    """The default preset's value of a field, and the tiny preset's where it differs."""
+    default = _shown(getattr(getattr(preset("default"), group), name))
+    tiny = _shown(getattr(getattr(preset("tiny"), group), name))
+    return default if tiny == default else f"{default}; tiny preset: {tiny}"
+
+
+def option_help(text: str, default: str) -> str:
+    """Help text ending in its default, escaped so that rich shows brackets as written."""
+    return escape(f"{text} [default: {default}]")
+
+
+def _flag_annotation(group: str, name: str, hint: Any, help_text: str, aliases: tuple[str, ...]) -> Any:
+    flag = flag_name(name)
+    common = dict(help=help_text, rich_help_panel=f"{group} settings", show_default=False)
     if hint is bool:
-        decls = (f"{flag}/--no-{flag[2:]}",)
-        return Annotated[Optional[bool], typer.Option(*decls, help=help_text, rich_help_panel=panel, show_default=False)]
+        decls = tuple(f"{f}/--no-{f[2:]}" for f in (flag, *aliases))
+        return Annotated[Optional[bool], typer.Option(*decls, **common)]
     if typing.get_origin(hint) is tuple:
-        return Annotated[Optional[str], typer.Option(flag, help=help_text, rich_help_panel=panel, show_default=False)]
-    return Annotated[Optional[hint], typer.Option(flag, help=help_text, rich_help_panel=panel, show_default=False)]
+        return Annotated[Optional[str], typer.Option(flag, *aliases, **common)]
+    return Annotated[Optional[hint], typer.Option(flag, *aliases, **common)]
 
 
-def with_config_flags(*groups: str) -> Callable[[Callable], Callable]:
+def with_config_flags(*groups: str, from_artifact: bool = False,
+                      aliases: dict[str, tuple[str, ...]] | None = None) -> Callable[[Callable], Callable]:
     """Add one `--kebab-case` option per field of the named config groups to a command.
 
-    The command then receives `overrides: dict[group, dict[field, value]]` holding only the
-    flags the user gave, to apply over a preset or a loaded configuration.
+    Each option's help is the field's documentation and its default (the presets' values,
+    or "from the artifact" for stages that start from an artifact's configuration).
+    `aliases` gives extra flag names for some fields. The command then receives
+    `overrides: dict[group, dict[field, value]]` holding only the flags the user gave, to
+    apply over a preset or a loaded configuration.
     """
 
     def decorate(func: Callable) -> Callable:
         base = inspect.signature(func, eval_str=True)
         own = [p for p in base.parameters.values() if p.name != "overrides"]
-        defaults = RunConfig()
         extra: list[inspect.Parameter] = []
         owners: dict[str, str] = {}
         for group in groups:
             hints = typing.get_type_hints(GROUP_TYPES[group])
             for f in group_fields(group):
-                default = getattr(getattr(defaults, group), f.name)
-                shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-                help_text = f"(default: {shown})"
+                default = FROM_ARTIFACT if from_artifact else shown_default(group, f.name)
+                help_text = option_help(setting_help(group, f.name), default)
+                annotation = _flag_annotation(group, f.name, hints[f.name], help_text, (aliases or {}).get(f.name, ()))
                 extra.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                               annotation=_flag_annotation(group, f.name, hints[f.name], help_text)))
+                                               annotation=annotation))
                 owners[f.name] = group
 
         @functools.wraps(func)
@@ -129,15 +160,17 @@ def with_config_flags(*groups: str) -> Callable[[Callable], Callable]:
 
 def build_config(config_file: Optional[Path], preset_name: Optional[str],
                  overrides: dict[str, dict[str, Any]]) -> RunConfig:
-    """Start from a saved configuration or a preset, then apply the flags given."""
-    if config_file is not None and preset_name is not None:
-        raise ConfigError("give either --config or --preset, not both")
-    base = RunConfig.load(config_file, check=False) if config_file is not None else preset(preset_name or "default")
+    """The preset (default: the reference's settings), then the file's settings over it,
+    then the flags given."""
+    base = preset(preset_name or "default")
+    if config_file is not None:
+        base = load_config_file(config_file, base)
     return apply_overrides(base, overrides)
 
 
 ConfigFileOption = Annotated[Optional[Path], typer.Option(
-    "--config", help="Start from a saved configuration (a run's config.json).", show_default=False)]
+    "--config", help="Settings from a JSON or TOML file ({section: {setting: value}}, as a run's config.json; "
+    "it may hold only some), applied over the preset; flags apply over both.", show_default=False)]
 PresetOption = Annotated[Optional[str], typer.Option(
-    "--preset", help="Start from a named preset: default (the reference) or tiny (trains in seconds on a CPU).",
-    show_default=False)]
+    "--preset", help=escape("Start from a named preset: default (the reference's settings) or tiny (a small model "
+                            "for a CPU). [default: default]"), show_default=False)]

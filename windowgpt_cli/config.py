@@ -17,36 +17,50 @@ from typing import Any
 from .errors import ConfigError
 
 
+def setting(default: Any, help: str) -> Any:
+    """A configuration field and its one-sentence documentation, which the command line's
+    help shows (with the default) for the field's flag."""
+    return field(default=default, metadata={"help": help})
+
+
+def setting_help(group: str, name: str) -> str:
+    """The documentation of a field ("" when it has none)."""
+    fields = {f.name: f for f in dataclasses.fields(GROUP_TYPES[group])}
+    return fields[name].metadata.get("help", "")
+
+
 @dataclass
 class ModelConfig:
     """The model's shape and the features it uses."""
 
-    vocab_size: int = 1024
-    num_layers: int = 11
-    model_dim: int = 512
-    num_heads: int = 8
-    num_kv_heads: int = 4
-    mlp_mult: float = 3.0
-    tie_embeddings: bool = True
-    tied_embed_init_std: float = 0.005
-    logit_softcap: float = 30.0
-    rope_base: float = 10000.0
-    rope_dims: int = 16  # rotary dimensions per head; 0 rotates the whole head
-    qk_gain_init: float = 1.5
-    ln_scale: bool = True  # scale each block's normed input by 1/sqrt(layer + 1)
-    negative_slope: float = 0.5  # LeakyReLU slope before the square in the MLP
-    xsa_last_n: int = 4  # exclusive self-attention on the last N layers
-    bigram_vocab_size: int = 2048  # 0 disables the BigramHash embedding
-    bigram_dim: int = 128
-    ve_enabled: bool = True
-    ve_dim: int = 128
-    ve_layers: tuple[int, ...] = (9, 10)  # layers whose values get the value embedding
-    window_attn_size: int = 0  # 0 = full causal attention everywhere
-    window_attn_layers: tuple[int, ...] = (2, 4, 6, 8, 10)
-    num_sink_tokens: int = 0  # windowed layers also always see the first N tokens
-    # Rotary tables are exact up to this length and NTK-rescaled beyond it; training sets
-    # it to its longest sequence length.
-    rope_train_seq_len: int = 2048
+    vocab_size: int = setting(1024, "Tokens in the vocabulary; must match the tokenizer.")
+    num_layers: int = setting(11, "Transformer blocks.")
+    model_dim: int = setting(512, "Width of the residual stream.")
+    num_heads: int = setting(8, "Query heads per attention layer; must divide model_dim.")
+    num_kv_heads: int = setting(4, "Key/value heads per attention layer (grouped-query attention); must divide "
+                                   "num_heads.")
+    mlp_mult: float = setting(3.0, "MLP hidden width as a multiple of model_dim.")
+    tie_embeddings: bool = setting(True, "Use the token embedding as the output layer too.")
+    tied_embed_init_std: float = setting(0.005, "Standard deviation of the tied embedding's initialization.")
+    logit_softcap: float = setting(30.0, "Logits are squashed into (-cap, cap) by cap * tanh(logits / cap).")
+    rope_base: float = setting(10000.0, "Base of the rotary embeddings' frequencies.")
+    rope_dims: int = setting(16, "Rotary dimensions per head; 0 rotates the whole head.")
+    qk_gain_init: float = setting(1.5, "Initial per-head gain on the normalized queries.")
+    ln_scale: bool = setting(True, "Scale each block's normed input by 1/sqrt(layer + 1).")
+    negative_slope: float = setting(0.5, "LeakyReLU slope before the square in the MLP.")
+    xsa_last_n: int = setting(4, "Exclusive self-attention on the last N layers; 0 = none.")
+    bigram_vocab_size: int = setting(2048, "Hash buckets of the BigramHash embedding; 0 disables it.")
+    bigram_dim: int = setting(128, "Width of the BigramHash embedding before its projection.")
+    ve_enabled: bool = setting(True, "Add the shared value embedding to the values of ve_layers.")
+    ve_dim: int = setting(128, "Width of the value embedding before its projection.")
+    ve_layers: tuple[int, ...] = setting((9, 10), "Layers whose values get the value embedding (comma-separated).")
+    window_attn_size: int = setting(0, "Tokens each query sees on the windowed layers; 0 = full causal attention "
+                                       "everywhere.")
+    window_attn_layers: tuple[int, ...] = setting((2, 4, 6, 8, 10), "Layers that attend in windows when "
+                                                  "window_attn_size > 0 (comma-separated).")
+    num_sink_tokens: int = setting(0, "Windowed layers also always see the first N tokens; 0 = none.")
+    rope_train_seq_len: int = setting(2048, "Rotary tables are exact up to this length and NTK-rescaled beyond "
+                                            "it; training sets it to its longest sequence length.")
 
     @property
     def head_dim(self) -> int:
@@ -63,107 +77,116 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Where tokens and the tokenizer come from."""
+    """Where tokens and the tokenizer come from (stored as absolute paths)."""
 
-    data_path: str = ""
-    tokenizer_path: str = ""  # default: DATA_PATH/tokenizer.model when it exists
-    tokenizer_meta_path: str = ""  # default: the tokenizer's .meta.npz when it exists
-    tokenizer_meta_validate: bool = False
+    data_path: str = setting("", "Directory of the fineweb_{train,val}_*.bin shards.")
+    tokenizer_path: str = setting("", "SentencePiece model; empty = DATA_PATH/tokenizer.model.")
+    tokenizer_meta_path: str = setting("", "Byte tables (.meta.npz) for bits per byte; empty = the tokenizer's "
+                                           ".meta.npz when it exists, else computed from the tokenizer.")
+    tokenizer_meta_validate: bool = setting(False, "Check the byte tables against the tokenizer before training.")
 
 
 @dataclass
 class OptimConfig:
     """Muon for the parameter banks, AdamW for embeddings and control tensors."""
 
-    embed_lr: float = 0.6
-    head_lr: float = 0.008
-    tied_embed_lr: float = 0.035
-    matrix_lr: float = 0.025
-    scalar_lr: float = 0.025
-    muon_momentum: float = 0.99
-    muon_backend_steps: int = 5
-    muon_momentum_warmup_start: float = 0.92
-    muon_momentum_warmup_steps: int = 1500
-    muon_wd: float = 0.04
-    beta1: float = 0.9
-    beta2: float = 0.95
-    adam_eps: float = 1e-8
-    adam_wd: float = 0.04
-    grad_clip_norm: float = 0.3
+    embed_lr: float = setting(0.6, "AdamW learning rate of the token embeddings when they are not tied.")
+    head_lr: float = setting(0.008, "Adam learning rate of the output layer when it is not tied.")
+    tied_embed_lr: float = setting(0.035, "AdamW learning rate of the token embeddings when they are tied.")
+    matrix_lr: float = setting(0.025, "Muon learning rate of the attention and MLP matrices.")
+    scalar_lr: float = setting(0.025, "AdamW learning rate of control tensors and small projections.")
+    muon_momentum: float = setting(0.99, "Muon momentum once warmed up.")
+    muon_backend_steps: int = setting(5, "Newton-Schulz iterations per Muon update.")
+    muon_momentum_warmup_start: float = setting(0.92, "Muon momentum at step 0, raised linearly to muon_momentum.")
+    muon_momentum_warmup_steps: int = setting(1500, "Steps over which Muon momentum warms up.")
+    muon_wd: float = setting(0.04, "Muon's decoupled weight decay.")
+    beta1: float = setting(0.9, "Adam(W) decay of the first moment.")
+    beta2: float = setting(0.95, "Adam(W) decay of the second moment.")
+    adam_eps: float = setting(1e-8, "Adam(W) epsilon.")
+    adam_wd: float = setting(0.04, "AdamW weight decay.")
+    grad_clip_norm: float = setting(0.3, "Clip the gradient to this global norm; 0 = no clipping.")
 
 
 @dataclass
 class TrainConfig:
     """The training loop, its schedule and its bookkeeping."""
 
-    seed: int = 1337
-    data_seed: int = -1  # seed of the batch sampler; -1 = seed
-    iterations: int = 20000
-    warmdown_iters: int = 3500
-    warmup_steps: int = 20  # compile/warm-up steps whose updates are then undone
-    train_batch_tokens: int = 786_432  # global tokens per optimizer step
-    train_seq_len: int = 2048
-    train_seq_len_long: int = 0  # 0 = every rank trains at train_seq_len
-    num_gpus_long: int = 0  # the last N ranks train at train_seq_len_long
-    grad_accum_steps: int = 0  # 0 = 8 // world_size, as the reference
-    max_wallclock_seconds: float = 600.0  # 0 = no cap
-    val_loss_every: int = 4000
-    train_log_every: int = 500
-    val_batch_size: int = 524_288
-    ema_decay: float = 0.997
-    # Decay min(ema_decay, (1 + step) / (10 + step)): a short run's EMA then follows its
-    # weights instead of averaging mostly the initialization. Off reproduces the reference.
-    ema_warmup: bool = True
-    # Under a wallclock cap the warm-down lasts warmdown_iters steps at the current pace, but
-    # at most this fraction of the budget (1.0 = the reference, whose warm-down starts at
-    # step 0 when the budget is short).
-    warmdown_max_fraction: float = 0.5
-    swa_enabled: bool = True
-    swa_every: int = 50
-    checkpoint_every: int = 0  # 0 = only at the end
-    device: str = "auto"  # auto | cpu | cuda
-    attn_backend: str = "auto"  # auto | fa3 | flex | sdpa
-    compile: bool = True  # torch.compile on CUDA
-    sample_every: int = 0  # log a short greedy sample every N steps; 0 = never
-    sample_prompt: str = "The"  # the prompt of those samples
-    logger: str = "none"  # none | tensorboard | wandb: also send the metrics there
+    seed: int = setting(1337, "Seed of the initialization (and of the batch sampler when data_seed is -1).")
+    data_seed: int = setting(-1, "Seed of the batch sampler; -1 = seed.")
+    iterations: int = setting(20000, "Optimizer steps the schedule is planned for.")
+    warmdown_iters: int = setting(3500, "Steps of linear learning-rate decay at the end of the schedule.")
+    warmup_steps: int = setting(20, "Compile/warm-up steps whose updates are then undone; 0 = none.")
+    train_batch_tokens: int = setting(786_432, "Global tokens per optimizer step.")
+    train_seq_len: int = setting(2048, "Tokens per training sequence.")
+    train_seq_len_long: int = setting(0, "Sequence length of the last num_gpus_long ranks; 0 = every rank trains "
+                                         "at train_seq_len.")
+    num_gpus_long: int = setting(0, "The last N ranks train at train_seq_len_long; 0 = none.")
+    grad_accum_steps: int = setting(0, "Micro-batches per step on each rank; 0 = 8 // world_size, as the "
+                                       "reference.")
+    max_wallclock_seconds: float = setting(600.0, "Stop training after this many seconds, with the warm-down "
+                                                  "fitted to the cap; 0 = no cap.")
+    val_loss_every: int = setting(4000, "Validate every N steps (and always at the end); 0 = only at the end.")
+    train_log_every: int = setting(500, "Log the training loss every N steps (and the first 10); 0 = never.")
+    val_batch_size: int = setting(524_288, "Global tokens per validation batch.")
+    ema_decay: float = setting(0.997, "Decay of the weights' exponential moving average (what export uses).")
+    ema_warmup: bool = setting(True, "Decay min(ema_decay, (1 + step) / (10 + step)), so that a short run's EMA "
+                                     "follows its weights; off reproduces the reference.")
+    warmdown_max_fraction: float = setting(0.5, "Under a wallclock cap, the warm-down lasts warmdown_iters steps "
+                                                "at the current pace but at most this fraction of the budget; 1.0 "
+                                                "= the reference.")
+    swa_enabled: bool = setting(True, "Average weight snapshots (SWA) once the learning-rate scale is below 0.2.")
+    swa_every: int = setting(50, "Steps between SWA snapshots.")
+    checkpoint_every: int = setting(0, "Write a checkpoint every N steps; 0 = only at the end.")
+    device: str = setting("auto", "auto (CUDA when available), cpu or cuda.")
+    attn_backend: str = setting("auto", "Attention kernels: auto, fa3, flex or sdpa.")
+    compile: bool = setting(True, "torch.compile the model (on CUDA only).")
+    sample_every: int = setting(0, "Log a short greedy sample every N steps; 0 = never.")
+    sample_prompt: str = setting("The", "The prompt of those samples.")
+    logger: str = setting("none", "Also send the metrics to: none, tensorboard or wandb.")
 
 
 @dataclass
 class EvalConfig:
-    eval_seq_len: int = 2048
-    eval_stride: int = 64
-    # Windows per forward pass; 0 = as many as fit in memory (the reference: 32).
-    eval_batch_seqs: int = 0
+    """How eval scores the validation tokens."""
+
+    eval_seq_len: int = setting(2048, "Tokens per evaluation window.")
+    eval_stride: int = setting(64, "Windows every STRIDE tokens, each scoring its last STRIDE; 0 = consecutive "
+                                   "sequences.")
+    eval_batch_seqs: int = setting(0, "Windows per forward pass; 0 = as many as fit in memory (the reference: "
+                                      "32).")
 
 
 @dataclass
 class QuantConfig:
-    quant_clip_range: int = 31  # int6 values lie in [-clip, clip]
-    quant_passthrough_max_numel: int = 65_536  # smaller tensors are stored as float16
-    use_gptq: bool = False
-    gptq_calib_samples: int = 64  # calibration batches of train_batch_tokens
-    gptq_block_size: int = 128
-    gptq_percdamp: float = 0.01
-    # Under a wallclock cap, training with use_gptq stops this long before it to collect the
-    # Hessians inside the budget (the reference's GPTQ_RESERVE_MS).
-    gptq_reserve_seconds: float = 14.0
+    """How quantize compresses the weights into a .ptz."""
+
+    quant_clip_range: int = setting(31, "int6 codes lie in [-clip, clip].")
+    quant_passthrough_max_numel: int = setting(65_536, "Tensors of at most this many elements are stored as "
+                                                       "float16, not quantized.")
+    use_gptq: bool = setting(False, "Quantize the attention and MLP matrices with GPTQ on calibration Hessians.")
+    gptq_calib_samples: int = setting(64, "GPTQ calibration batches, each of train_batch_tokens / grad_accum "
+                                          "tokens.")
+    gptq_block_size: int = setting(128, "Columns GPTQ quantizes per block.")
+    gptq_percdamp: float = setting(0.01, "GPTQ adds this fraction of the Hessian's mean diagonal to its "
+                                         "diagonal.")
+    gptq_reserve_seconds: float = setting(14.0, "Under a wallclock cap, training with use_gptq stops this long "
+                                                "before it to collect GPTQ's Hessians inside the budget (the "
+                                                "reference's GPTQ_RESERVE_MS).")
 
 
 @dataclass
 class TTTConfig:
     """Score-first test-time training during evaluation."""
 
-    ttt_lr: float = 0.002
-    ttt_epochs: int = 3
-    ttt_chunk_tokens: int = 32768
-    ttt_freeze_blocks: int = 2
-    # The reference freezes only the frozen blocks' scalars (their matrices live in the
-    # shared banks); True also freezes those blocks' bank slices.
-    ttt_freeze_bank_slices: bool = True
-    ttt_momentum: float = 0.9
-    ttt_batch_seqs: int = 32
-    ttt_grad_clip: float = 1.0
+    ttt_lr: float = setting(0.002, "SGD learning rate at the first chunk, decayed to 0 over the chunks (cosine).")
+    ttt_epochs: int = setting(3, "Passes over each scored chunk; 0 = score only, no training.")
+    ttt_chunk_tokens: int = setting(32768, "Validation tokens per chunk: scored first, then trained on.")
+    ttt_freeze_blocks: int = setting(2, "The first N blocks stay frozen; 0 = train every block.")
+    ttt_freeze_bank_slices: bool = setting(True, "Also freeze the frozen blocks' slices of the parameter banks "
+                                                 "(the reference freezes only their scalars).")
+    ttt_momentum: float = setting(0.9, "SGD momentum.")
+    ttt_batch_seqs: int = setting(32, "Sequences per training batch.")
+    ttt_grad_clip: float = setting(1.0, "Clip the gradient to this global norm.")
 
 
 @dataclass
@@ -180,9 +203,10 @@ class RunConfig:
         return {g.name: _group_to_dict(getattr(self, g.name)) for g in dataclasses.fields(self)}
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "configuration") -> "RunConfig":
+    def from_dict(cls, raw: dict[str, Any], source: str = "configuration",
+                  base: "RunConfig | None" = None) -> "RunConfig":
         """Parse and validate a stored configuration, as strictly as the command line."""
-        cfg = cls.parse(raw, source)
+        cfg = cls.parse(raw, source, base)
         try:
             validate(cfg)
         except ConfigError as exc:
@@ -190,17 +214,20 @@ class RunConfig:
         return cfg
 
     @classmethod
-    def parse(cls, raw: dict[str, Any], source: str = "configuration") -> "RunConfig":
-        """The configuration a dict describes, its types checked but not its values."""
+    def parse(cls, raw: dict[str, Any], source: str = "configuration",
+              base: "RunConfig | None" = None) -> "RunConfig":
+        """The settings in raw ({section: {setting: value}}) over base (default: the
+        reference's), their types checked but not their values; sections and settings left
+        out keep base's values."""
         if not isinstance(raw, dict):
-            raise ConfigError(f"{source}: expected a JSON object")
+            raise ConfigError(f"{source}: expected an object of sections")
         groups = {g.name: g for g in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - set(groups))
         if unknown:
             raise ConfigError(f"{source}: unknown section(s) {', '.join(unknown)}")
-        cfg = cls()
+        cfg = dataclasses.replace(base) if base is not None else cls()
         for name, values in raw.items():
-            setattr(cfg, name, _group_from_dict(GROUP_TYPES[name], values, f"{source}: [{name}]"))
+            setattr(cfg, name, _group_from_dict(getattr(cfg, name), values, f"{source}: [{name}]"))
         return cfg
 
     def save(self, path: Path) -> Path:
@@ -210,24 +237,55 @@ class RunConfig:
 
     @classmethod
     def load(cls, path: Path, check: bool = True) -> "RunConfig":
-        """A saved configuration; with check=False its values are left for validate()
-        (a --config file that later flags complete or correct)."""
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such configuration file") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{path}: not a readable JSON configuration ({exc})") from None
-        return cls.from_dict(raw, source=str(path)) if check else cls.parse(raw, source=str(path))
+        """A saved configuration (JSON or TOML); with check=False its values are left for
+        validate() (a --config file that later flags complete or correct)."""
+        cfg = load_config_file(path)
+        if check:
+            try:
+                validate(cfg)
+            except ConfigError as exc:
+                raise ConfigError(f"{path}: {exc}") from None
+        return cfg
 
     def resolved(self) -> "RunConfig":
         """A copy with derived fields filled in and every setting checked."""
         cfg = dataclasses.replace(self, model=dataclasses.replace(self.model))
         longest = max(cfg.train.train_seq_len, cfg.train.train_seq_len_long)
         cfg.model.rope_train_seq_len = longest
+        # Absolute, so that later stages find them from any working directory.
+        cfg.data = dataclasses.replace(cfg.data, **{name: str(Path(getattr(cfg.data, name)).absolute())
+                                                    for name in PATH_SETTINGS if getattr(cfg.data, name)})
         validate(cfg)
         return cfg
+
+
+PATH_SETTINGS = ("data_path", "tokenizer_path", "tokenizer_meta_path")
+
+
+def load_config_file(path: Path, base: RunConfig | None = None) -> RunConfig:
+    """A JSON or TOML (by its .toml suffix) configuration file's settings over base."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such configuration file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not a readable configuration file ({exc})") from None
+    if path.suffix.lower() == ".toml":
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            raise ConfigError(f"{path}: reading TOML needs Python 3.11 or later; use JSON") from None
+        try:
+            raw = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not a valid TOML configuration ({exc})") from None
+    else:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: not a valid JSON configuration ({exc}); TOML files end in .toml") from None
+    return RunConfig.parse(raw, source=str(path), base=base)
 
 
 GROUP_TYPES: dict[str, type] = {
@@ -257,14 +315,14 @@ def _jsonable(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def _group_from_dict(kind: type, values: Any, source: str) -> Any:
+def _group_from_dict(base: Any, values: Any, source: str) -> Any:
     if not isinstance(values, dict):
         raise ConfigError(f"{source} must be an object")
-    hints = typing.get_type_hints(kind)
+    hints = typing.get_type_hints(type(base))
     unknown = sorted(set(values) - set(hints))
     if unknown:
         raise ConfigError(f"{source}: unknown setting(s) {', '.join(unknown)}")
-    return kind(**{k: coerce(hints[k], v, f"{source} {k}") for k, v in values.items()})
+    return dataclasses.replace(base, **{k: coerce(hints[k], v, f"{source} {k}") for k, v in values.items()})
 
 
 def coerce(hint: Any, value: Any, what: str) -> Any:

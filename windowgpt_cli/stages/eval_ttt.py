@@ -14,7 +14,7 @@ from typing import Annotated, Any, Callable, Iterator, Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..cli_support import console, err_console, user_errors_exit_1, with_config_flags
+from ..cli_support import FROM_ARTIFACT, console, err_console, option_help, user_errors_exit_1, with_config_flags
 from ..config import apply_overrides, validate
 from ..distributed import init_distributed, shutdown
 from ..errors import ConfigError
@@ -109,16 +109,16 @@ def chunk_progress(show_bar: bool, echo: Echo | None,
 
 
 @user_errors_exit_1
-@with_config_flags("ttt")
+@with_config_flags("ttt", from_artifact=True)
 def command(
     artifact: ArtifactArg,
     data: DataOption,
     stride: Annotated[Optional[int], typer.Option(
-        "--stride", help="Windows every STRIDE tokens, each scoring its last STRIDE "
-        "(default: from the artifact).", show_default=False)] = None,
+        "--stride", help=option_help("Windows every STRIDE tokens, each scoring its last STRIDE.", FROM_ARTIFACT),
+        show_default=False)] = None,
     seq_len: Annotated[Optional[int], typer.Option(
-        "--seq-len", help="Tokens per window and per training sequence (default: the artifact's training "
-        "length).", show_default=False)] = None,
+        "--seq-len", help=option_help("Tokens per window and per training sequence.",
+                                      "the artifact's train_seq_len"), show_default=False)] = None,
     batch_seqs: BatchOption = None,
     tokenizer: TokenizerOption = None,
     device: DeviceOption = "auto",

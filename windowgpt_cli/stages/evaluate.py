@@ -17,7 +17,7 @@ from rich.table import Table
 
 from .. import model_io
 from ..artifacts import json_text, sha256_file
-from ..cli_support import console, err_console, user_errors_exit_1
+from ..cli_support import FROM_ARTIFACT, console, err_console, option_help, user_errors_exit_1
 from ..config import RunConfig
 from ..datadir import DataManifest, check_same_tokenizer, verify_data
 from ..distributed import DistContext, init_distributed, shutdown
@@ -201,22 +201,23 @@ ArtifactArg = Annotated[Path, typer.Argument(
 DataOption = Annotated[Path, typer.Option(
     "--data", help="Directory with the fineweb_val_*.bin shards (and tokenizer.model).", show_default=False)]
 SeqLenOption = Annotated[Optional[int], typer.Option(
-    "--seq-len", help="Tokens per window (default: from the artifact).", show_default=False)]
+    "--seq-len", help=option_help("Tokens per window.", FROM_ARTIFACT), show_default=False)]
 BatchOption = Annotated[Optional[int], typer.Option(
-    "--batch-seqs", help="Windows per forward pass; 0: as many as fit in memory "
-    "(default: from the artifact).", show_default=False)]
+    "--batch-seqs", help=option_help("Windows per forward pass; 0 = as many as fit in memory.", FROM_ARTIFACT),
+    show_default=False)]
 TokenizerOption = Annotated[Optional[Path], typer.Option(
-    "--tokenizer", help="SentencePiece model for byte counts (default: DATA/tokenizer.model).", show_default=False)]
-DeviceOption = Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")]
-AttnOption = Annotated[str, typer.Option("--attn-backend", help="auto, fa3, flex or sdpa.")]
+    "--tokenizer", help=option_help("SentencePiece model for byte counts.", "DATA/tokenizer.model"),
+    show_default=False)]
+DeviceOption = Annotated[str, typer.Option("--device", help="auto (CUDA when available), cpu or cuda.")]
+AttnOption = Annotated[str, typer.Option("--attn-backend", help="Attention kernels: auto, fa3, flex or sdpa.")]
 ScoreOnceOption = Annotated[bool, typer.Option(
     "--score-once", help="Score every token exactly once. The reference scores the last STRIDE tokens again "
     "in each of its final, shorter windows; by default so does this, to give its numbers.")]
 CompileOption = Annotated[Optional[bool], typer.Option(
-    "--compile/--no-compile", help="torch.compile the model (default: on CUDA).", show_default=False)]
+    "--compile/--no-compile", help=option_help("torch.compile the model.", "on CUDA"), show_default=False)]
 FusedOption = Annotated[Optional[bool], typer.Option(
-    "--fused/--no-fused", help="Score sliding windows with windowgpt's fused GPU kernels (default: on CUDA with "
-    "Triton); --no-fused runs the model's torch code, compiled with --compile.", show_default=False)]
+    "--fused/--no-fused", help=option_help("Score sliding windows with windowgpt's fused GPU kernels; --no-fused "
+    "runs the model's torch code, compiled with --compile.", "on CUDA with Triton"), show_default=False)]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print the results as JSON on stdout (and nothing else).")]
 
 
@@ -229,8 +230,8 @@ def command(
     artifact: ArtifactArg,
     data: DataOption,
     stride: Annotated[Optional[int], typer.Option(
-        "--stride", help="Score the last STRIDE tokens of a window every STRIDE tokens; 0 or the sequence "
-        "length: consecutive sequences (default: from the artifact).", show_default=False)] = None,
+        "--stride", help=option_help("Score the last STRIDE tokens of a window every STRIDE tokens; 0 or the "
+        "sequence length = consecutive sequences.", FROM_ARTIFACT), show_default=False)] = None,
     seq_len: SeqLenOption = None,
     batch_seqs: BatchOption = None,
     tokenizer: TokenizerOption = None,

@@ -22,8 +22,8 @@ from rich.table import Table
 from .. import codesize, ptz
 from ..artifacts import atomic_write_bytes, atomic_write_json, sha256_bytes
 from ..calibration import AFTER_TRAINING, INSIDE_TRAINING, Calibration, calibrate, hessians_path, stored_calibration
-from ..cli_support import console, err_console, user_errors_exit_1
-from ..config import RunConfig
+from ..cli_support import console, err_console, option_help, user_errors_exit_1, with_config_flags
+from ..config import RunConfig, apply_overrides
 from ..errors import ArtifactError, ConfigError
 from ..lineage import weights_lineage, without_paths
 from ..model import build_model, is_control_tensor, unbank_state_dict
@@ -50,12 +50,13 @@ StartPhase = Callable[[str, int], Callable[[int], None]]  # (description, total 
 def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir: Path | None = None,
              calib_batches: int | None = None, clip_range: int | None = None, compressor: str = ptz.DEFAULT_COMPRESSOR,
              budget: int = DEFAULT_BUDGET, device: str = "auto", recalibrate: bool = False,
-             progress: StartPhase | None = None) -> dict[str, Any]:
+             settings: dict[str, Any] | None = None, progress: StartPhase | None = None) -> dict[str, Any]:
     """Quantize a run or export into a .ptz at `out` and write the report beside it.
 
-    Settings left as None come from the model's configuration (its `quant` group). GPTQ
-    uses the Hessians training collected (RUN/hessians.safetensors, carried by an export of
-    the EMA weights) unless `recalibrate`; without them it calibrates on `data_dir`.
+    Settings left as None come from the model's configuration (its `quant` group);
+    `settings` ({field: value} of QuantConfig) sets any of them by name. GPTQ uses the
+    Hessians training collected (RUN/hessians.safetensors, carried by an export of the EMA
+    weights) unless `recalibrate`; without them it calibrates on `data_dir`.
     `progress(description, total)` may return a callback advanced as work is done.
     Returns the report (also written as JSON next to the artifact).
     """
@@ -68,14 +69,15 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
     weights = load_weights(model_path)
     if weights.kind == "ptz":
         raise ConfigError(f"{model_path} is already quantized; quantize a run or export directory")
-    cfg = quant_settings(weights.config, gptq, calib_batches, clip_range)
+    cfg = quant_settings(weights.config, gptq, calib_batches, clip_range, settings)
     dev = resolve_device(device)
     timings: dict[str, float] = {"load": time.perf_counter() - started}
 
     hessians, calibration, where = None, None, None
     if cfg.quant.use_gptq:
         t0 = time.perf_counter()
-        calibration, where = run_calibration(weights, cfg, calib_batches, data_dir, dev, recalibrate, progress)
+        asked = calib_batches if calib_batches is not None else (settings or {}).get("gptq_calib_samples")
+        calibration, where = run_calibration(weights, cfg, asked, data_dir, dev, recalibrate, progress)
         cfg = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, gptq_calib_samples=calibration.batches))
         hessians = calibration.hessians
         synchronize(dev)
@@ -111,18 +113,21 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
     return report
 
 
-def quant_settings(cfg: RunConfig, gptq: bool | None, calib_batches: int | None, clip_range: int | None) -> RunConfig:
+def quant_settings(cfg: RunConfig, gptq: bool | None, calib_batches: int | None, clip_range: int | None,
+                   settings: dict[str, Any] | None = None) -> RunConfig:
     """The configuration with this quantization's settings, as the artifact records it."""
+    named = {"use_gptq": gptq, "gptq_calib_samples": calib_batches, "quant_clip_range": clip_range}
+    given = {**(settings or {}), **{k: v for k, v in named.items() if v is not None}}
+    cfg = apply_overrides(cfg, {"quant": given})
     q = cfg.quant
-    q = dataclasses.replace(
-        q, use_gptq=q.use_gptq if gptq is None else gptq,
-        gptq_calib_samples=q.gptq_calib_samples if calib_batches is None else calib_batches,
-        quant_clip_range=q.quant_clip_range if clip_range is None else clip_range)
     if not 1 <= q.quant_clip_range <= 127:
-        raise ConfigError(f"--clip-range {q.quant_clip_range} must be in 1..127")
+        raise ConfigError(f"--quant-clip-range {q.quant_clip_range} must be in 1..127")
     if q.use_gptq and q.gptq_calib_samples < 1:
-        raise ConfigError(f"--calib-batches {q.gptq_calib_samples} must be at least 1")
-    return dataclasses.replace(cfg, quant=q)
+        raise ConfigError(f"--gptq-calib-samples {q.gptq_calib_samples} must be at least 1")
+    if q.gptq_block_size < 1 or q.gptq_percdamp < 0 or q.quant_passthrough_max_numel < 0:
+        raise ConfigError("--gptq-block-size must be positive; --gptq-percdamp and --quant-passthrough-max-numel "
+                          "must not be negative")
+    return cfg
 
 
 def run_calibration(weights: LoadedWeights, cfg: RunConfig, calib_batches: int | None, data_dir: Path | None,
@@ -145,6 +150,9 @@ def calibration_hessians(weights: LoadedWeights, cfg: RunConfig, data_dir: Path 
     if data is None:
         raise ConfigError("--gptq needs --data DATA_DIR (the training shards to calibrate on): "
                           f"{weights.path} holds no Hessians from training")
+    if data_dir is None and not data.is_dir():
+        raise ConfigError(f"GPTQ calibrates on the training shards, but the model's data_path {data} is not a "
+                          "directory here; pass --data DATA_DIR")
     manifest = verify_data(Path(data))
     check_same_tokenizer(manifest, weights.tokenizer_sha256, f"{weights.path} was trained with")
     model = build_model(cfg.model, dev)
@@ -253,34 +261,33 @@ def _calibration_line(report: dict[str, Any]) -> str | None:
     return line + "): outside the training budget, not a record artifact"
 
 
+QUANT_FLAG_ALIASES = {"use_gptq": ("--gptq",), "gptq_calib_samples": ("--calib-batches",),
+                      "quant_clip_range": ("--clip-range",)}
+
+
 @user_errors_exit_1
+@with_config_flags("quant", from_artifact=True, aliases=QUANT_FLAG_ALIASES)
 def command(
     model_dir: Annotated[Path, typer.Argument(help="An export directory, or a run directory (its EMA weights).",
                                               show_default=False)],
     out: Annotated[Path, typer.Option("--out", help="The .ptz file to write.", show_default=False)],
-    gptq: Annotated[Optional[bool], typer.Option("--gptq/--no-gptq", help="Quantize attention and MLP matrices "
-                    "with GPTQ on calibration Hessians. [default: the config's use_gptq]", show_default=False)] = None,
-    data: Annotated[Optional[Path], typer.Option("--data", help="Training shards for GPTQ calibration, when the "
-                    "run holds no Hessians from training. [default: the config's data_path]", show_default=False)] = None,
-    calib_batches: Annotated[Optional[int], typer.Option("--calib-batches", help="Calibration batches of "
-                             "train_batch_tokens / grad_accum tokens. [default: the config's gptq_calib_samples]",
-                             show_default=False)] = None,
-    clip_range: Annotated[Optional[int], typer.Option("--clip-range", help="int6 codes lie in [-clip, clip]. "
-                          "[default: the config's quant_clip_range]", show_default=False)] = None,
+    data: Annotated[Optional[Path], typer.Option("--data", help=option_help(
+        "Training shards for GPTQ calibration, when the run holds no Hessians from training.",
+        "the artifact's data_path"), show_default=False)] = None,
     compressor: Annotated[str, typer.Option("--compressor", help="Payload compressor: " + ", ".join(ptz.COMPRESSORS)
                           + " (lzma is the reference's preset 6).")] = ptz.DEFAULT_COMPRESSOR,
     budget: Annotated[int, typer.Option("--budget", help="Bytes allowed for code plus compressed model; "
                       "exceeding it exits 1 (the artifact is still written).")] = DEFAULT_BUDGET,
-    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    device: Annotated[str, typer.Option("--device", help="auto (CUDA when available), cpu or cuda.")] = "auto",
     recalibrate: Annotated[bool, typer.Option("--recalibrate", help="Calibrate GPTQ on --data even when the run "
                            "holds Hessians from training.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON instead of a table.")] = False,
+    overrides: dict[str, dict[str, Any]] | None = None,
 ) -> None:
     """Quantize to int6/int8 (optionally GPTQ), compress, and check the size budget."""
     with _progress_bars(not json_output) as progress:
-        report = quantize(model_dir, out, gptq=gptq, data_dir=data, calib_batches=calib_batches,
-                          clip_range=clip_range, compressor=compressor, budget=budget, device=device,
-                          recalibrate=recalibrate, progress=progress)
+        report = quantize(model_dir, out, data_dir=data, compressor=compressor, budget=budget, device=device,
+                          recalibrate=recalibrate, settings=(overrides or {}).get("quant"), progress=progress)
     if json_output:
         console.print_json(data=report)
     else:
