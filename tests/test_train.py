@@ -102,3 +102,46 @@ def test_a_malformed_flag_value_is_a_one_line_error(tmp_path):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--matrix-lr" in lines[0] and lines[0].startswith("error:")
+
+
+def test_train_ends_with_a_table_or_json(tiny_data_dir, tmp_path):
+    args = ["train", "--preset", "tiny", "--data", str(tiny_data_dir), "--iterations", "3", "--warmup-steps", "0"]
+    result = runner.invoke(app, [*args, "--out", str(tmp_path / "a"), "--json"], env=WIDE)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)  # the log lines went to stderr
+    assert record == json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert record["step"] == 3 and record["checkpoint"] == str(tmp_path / "a" / "checkpoint.pt")
+    assert record["ms_per_step"] == pytest.approx(record["training_time_ms"] / 3, abs=0.05)
+    assert record["tokens_per_s"] == pytest.approx(3 * tiny_preset().train.train_batch_tokens
+                                                   / (record["training_time_ms"] / 1000), rel=1e-3)
+    assert "step:3/3 val_loss:" in result.stderr
+    table = runner.invoke(app, [*args, "--out", str(tmp_path / "b")], env=WIDE)
+    assert table.exit_code == 0, table.output
+    for row in ("steps", "training time", "ms per step", "tokens / second", "val_bpb (EMA weights)",
+                str(tmp_path / "b" / "checkpoint.pt")):
+        assert row in table.stdout
+
+
+def test_the_bar_plans_for_the_wallclock_cap():
+    from windowgpt_cli.stages.train import planned_steps
+
+    info = {"step": 2, "iterations": 1000, "elapsed_ms": 2000.0, "wallclock_ms": 3000.0}
+    assert planned_steps(info) == (3, 1.0)  # the cap stops it after one more step of 1 s
+    assert planned_steps({**info, "wallclock_ms": None}) == (1000, 998.0)
+    assert planned_steps({**info, "elapsed_ms": 3500.0}) == (2, 0.0)  # the cap is reached: this step is the last
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_bar_shows_a_finished_cuda_loss_without_waiting_for_the_current_one():
+    from windowgpt_cli.stages.train import _FinishedLoss
+
+    loss = _FinishedLoss()
+    assert loss.read(torch.tensor(1.5, device="cuda")) in {"-", "1.5000"}
+    torch.cuda.synchronize()
+    assert loss.read(torch.tensor(2.5, device="cuda")) in {"1.5000", "2.5000"}  # the previous one at least
+    third, fourth = torch.tensor(3.5, device="cuda"), torch.tensor(4.5, device="cuda")
+    torch.cuda._sleep(200_000_000)  # keep the GPU busy: the third loss cannot be ready at once
+    assert loss.read(third) == "2.5000"
+    torch.cuda.synchronize()
+    assert loss.read(fourth) in {"3.5000", "4.5000"}

@@ -148,7 +148,21 @@ def rank_seq_len(cfg: RunConfig, ctx: DistContext) -> int:
     return t.train_seq_len_long if long_rank else t.train_seq_len
 
 
-def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
+@dataclass
+class RunInputs:
+    """The shards and tokenizer a configuration names, found and checked."""
+
+    train_files: list[Path]
+    val_files: list[Path]
+    tokenizer: Path
+    vocab_size: int
+    tokenizer_sha256: str
+
+
+def find_inputs(cfg: RunConfig) -> RunInputs:
+    """Check that the data and tokenizer exist and fit the model, before anything is built."""
+    if not cfg.data.data_path:
+        raise ConfigError("--data DATA_DIR is required")
     data_dir = Path(cfg.data.data_path)
     manifest = verify_data(data_dir, hash_splits=("val",))
     train_files = manifest.shards("train")
@@ -159,13 +173,21 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     if tokenizer_sha256 != manifest.tokenizer_sha256:
         raise DataError(f"{tokenizer}: not the tokenizer {data_dir}'s shards were encoded with (its manifest "
                         f"records sha256 {manifest.tokenizer_sha256[:16]}...)")
+    val_files = manifest.shards("val")
     vocab = tokenizer_vocab_size(tokenizer)
     if vocab != cfg.model.vocab_size:
         raise ConfigError(f"the tokenizer {tokenizer} has {vocab} tokens but vocab_size={cfg.model.vocab_size}")
+    return RunInputs(train_files, val_files, tokenizer, vocab, tokenizer_sha256)
+
+
+def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
+    data_dir = Path(cfg.data.data_path)
+    inputs = find_inputs(cfg)
+    train_files, tokenizer = inputs.train_files, inputs.tokenizer
     meta = Path(cfg.data.tokenizer_meta_path) if cfg.data.tokenizer_meta_path else None
     luts = load_byte_luts(tokenizer, meta, cfg.model.vocab_size, validate=cfg.data.tokenizer_meta_validate).to(ctx.device)
     val_seq_len = max(cfg.train.train_seq_len, cfg.eval.eval_seq_len)
-    val_tokens = load_validation_tokens(data_dir, val_seq_len, cfg.model.vocab_size, manifest.shards("val"))
+    val_tokens = load_validation_tokens(data_dir, val_seq_len, cfg.model.vocab_size, inputs.val_files)
     accum = grad_accum_steps_for(cfg, ctx.world_size)
     check_batch_divides(cfg, ctx.world_size, accum)
 
@@ -177,7 +199,7 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     return Setup(
         cfg=cfg, ctx=ctx, model=model, forward=forward, optimizers=build_optimizers(model, cfg.optim),
         averages=WeightAverages(model, cfg.train.ema_decay, cfg.train.ema_warmup), luts=luts, val_tokens=val_tokens,
-        train_files=train_files, tokenizer_sha256=tokenizer_sha256,
+        train_files=train_files, tokenizer_sha256=inputs.tokenizer_sha256,
         grad_accum_steps=accum, seq_len=rank_seq_len(cfg, ctx), tokenizer=tokenizer,
     )
 
@@ -351,7 +373,8 @@ class Trainer:
                     t0 = time.perf_counter()
                 if self.progress is not None:
                     self.progress({"step": self.step, "iterations": t.iterations, "loss": train_loss,
-                                   "tokens_per_s": tokens_per_step * self.step / max(approx_ms / 1000.0, 1e-9)})
+                                   "tokens_per_s": tokens_per_step * self.step / max(approx_ms / 1000.0, 1e-9),
+                                   "elapsed_ms": approx_ms, "wallclock_ms": self.wallclock_ms})
                 reached_cap, interrupted = self._agree_on_stop(approx_ms, stops.requested)
                 if self.stop_after_step is None and reached_cap:
                     self.stop_after_step = self.step

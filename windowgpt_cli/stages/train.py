@@ -2,24 +2,31 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import shutil
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from ..calibration import HESSIANS_FILENAME
 from ..checkpoint import FILENAME as CHECKPOINT_FILENAME, checkpoint_path, load_checkpoint
-from ..cli_support import (EXIT_INTERRUPTED, ConfigFileOption, PresetOption, build_config, console, print_error,
-                           user_errors_exit_1, with_config_flags)
-from ..artifacts import atomic_write_json
+from ..cli_support import (EXIT_INTERRUPTED, ConfigFileOption, PresetOption, build_config, console, err_console,
+                           option_help, print_error, user_errors_exit_1, with_config_flags)
+from ..artifacts import atomic_write_json, json_text
 from ..config import RunConfig, apply_overrides
 from ..distributed import init_distributed, shutdown
 from ..errors import ArtifactError, ConfigError, DataError
 from ..metric_sinks import open_sink
 from ..runlock import run_lock
-from ..training import RunLog, StopRequests, Trainer, TrainResult, build_setup, describe
+from ..training import RunLog, StopRequests, Trainer, TrainResult, build_setup, describe, find_inputs
+
+Echo = Callable[[str], None]
 
 RESUMABLE_OVERRIDES = {"data_path", "tokenizer_path", "tokenizer_meta_path", "device", "attn_backend", "compile",
                        "sample_every", "sample_prompt", "logger"}
@@ -27,15 +34,31 @@ SUMMARY = "summary.json"  # written when a run finishes
 RUN_FILES = ("config.json", "train.log", "metrics.jsonl", CHECKPOINT_FILENAME, HESSIANS_FILENAME, SUMMARY)
 
 
+@dataclass
+class TrainReport:
+    result: TrainResult
+    record: dict[str, Any] | None  # summary.json's record: the first rank's, of a finished run
+    is_main: bool  # rank 0 (only it prints)
+
+
 def train(cfg: RunConfig, out_dir: Path, *, resume: bool = False, force: bool = False,
-          stop_at_step: int | None = None, show_progress: bool = False,
-          notify: Callable[[str], None] = print) -> TrainResult:
-    """Train (or resume) into out_dir: config.json, train.log, metrics.jsonl, checkpoint.pt.
+          stop_at_step: int | None = None, show_progress: bool = False, echo: Echo | None = None) -> TrainResult:
+    """Train (or resume) into out_dir: config.json, train.log, metrics.jsonl, checkpoint.pt,
+    and summary.json when it finishes. echo receives the log lines (default: stdout)."""
+    return train_and_report(cfg, out_dir, resume=resume, force=force, stop_at_step=stop_at_step,
+                            show_progress=show_progress, echo=echo).result
+
+
+def train_and_report(cfg: RunConfig, out_dir: Path, *, resume: bool = False, force: bool = False,
+                     stop_at_step: int | None = None, show_progress: bool = False,
+                     echo: Echo | None = None) -> TrainReport:
+    """train(), with what the command prints.
 
     One process writes to a run at a time (RUN/.lock). A new run refuses a directory that
     holds one unless `force` (the old run's files are removed first); resuming a finished
     run changes nothing.
     """
+    echo = echo or (lambda line: print(line, flush=True))
     out_dir = Path(out_dir)
     if resume and force:
         raise ConfigError("--resume continues a run and --force replaces it: give one of them")
@@ -43,21 +66,22 @@ def train(cfg: RunConfig, out_dir: Path, *, resume: bool = False, force: bool = 
         raise ArtifactError(f"{out_dir}: exists and is not a directory")
     cfg = cfg.resolved()
     if not resume and not force:
-        _claim_run_dir(out_dir, resume, force, notify)  # refuse before touching the directory (checked again below)
+        _claim_run_dir(out_dir, resume, force, echo)  # refuse before touching the directory (checked again below)
     ctx = init_distributed(cfg.train.device)
     created = not out_dir.exists()
     try:
         with run_lock(out_dir) if ctx.is_main else contextlib.nullcontext():
             try:
                 if ctx.is_main:  # under the lock; the other ranks only read what it leaves
-                    ckpt = _claim_run_dir(out_dir, resume, force, notify)
+                    ckpt = _claim_run_dir(out_dir, resume, force, echo)
                 else:
                     ckpt = load_checkpoint(out_dir) if resume else None
                 if ckpt is not None and (out_dir / SUMMARY).is_file():
                     if ctx.is_main:
-                        notify(f"{out_dir}: the run finished at step {ckpt.step}; nothing to do")
-                    return TrainResult(ckpt.step, ckpt.training_time_ms, finished=True,
-                                       checkpoint=checkpoint_path(out_dir))
+                        echo(f"{out_dir}: the run finished at step {ckpt.step}; nothing to do")
+                    record = json.loads((out_dir / SUMMARY).read_text(encoding="utf-8")) if ctx.is_main else None
+                    return TrainReport(TrainResult(ckpt.step, ckpt.training_time_ms, finished=True,
+                                                   checkpoint=checkpoint_path(out_dir)), record, ctx.is_main)
                 setup = build_setup(cfg, ctx)
                 if ckpt is not None and ckpt.tokenizer_sha256 != setup.tokenizer_sha256:
                     raise DataError(f"{cfg.data.data_path}: encoded with another tokenizer than the run in {out_dir} "
@@ -68,12 +92,12 @@ def train(cfg: RunConfig, out_dir: Path, *, resume: bool = False, force: bool = 
                 raise
             if ctx.is_main:
                 cfg.save(out_dir / "config.json")
-            return _train_locked(cfg, ctx, setup, ckpt, out_dir, stop_at_step, show_progress)
+            return _train_locked(cfg, ctx, setup, ckpt, out_dir, stop_at_step, show_progress, echo)
     finally:
         shutdown()
 
 
-def _claim_run_dir(out_dir: Path, resume: bool, force: bool, notify: Callable[[str], None]):
+def _claim_run_dir(out_dir: Path, resume: bool, force: bool, notify: Echo):
     """The checkpoint to resume (or None), after refusing to overwrite a run by mistake."""
     if resume:
         return load_checkpoint(out_dir)
@@ -89,11 +113,11 @@ def _claim_run_dir(out_dir: Path, resume: bool, force: bool, notify: Callable[[s
     return None
 
 
-def _train_locked(cfg, ctx, setup, ckpt, out_dir: Path, stop_at_step: int | None,
-                  show_progress: bool) -> TrainResult:
+def _train_locked(cfg, ctx, setup, ckpt, out_dir: Path, stop_at_step: int | None, show_progress: bool,
+                  echo: Echo) -> TrainReport:
     sink = open_sink(cfg.train.logger, out_dir, cfg) if ctx.is_main else None
     try:
-        with _ProgressBar(show_progress and ctx.is_main, cfg.train.iterations) as (echo, on_step):
+        with _ProgressBar(show_progress and ctx.is_main, cfg.train.iterations, echo) as (echo, on_step):
             log = RunLog(out_dir, enabled=ctx.is_main, echo=echo, sink=sink)
             trainer = Trainer(setup, out_dir, log, progress=on_step)
             if ckpt is not None:
@@ -107,15 +131,20 @@ def _train_locked(cfg, ctx, setup, ckpt, out_dir: Path, stop_at_step: int | None
     finally:
         if sink is not None:
             sink.close()
-    if ctx.is_main and result.finished:
-        atomic_write_json(out_dir / SUMMARY, _summary(result, cfg))
-    return result
+    record = summary(result, cfg) if ctx.is_main and result.finished else None
+    if record is not None:
+        atomic_write_json(out_dir / SUMMARY, record)
+    return TrainReport(result, record, ctx.is_main)
 
 
-def _summary(result: TrainResult, cfg: RunConfig) -> dict[str, Any]:
+def summary(result: TrainResult, cfg: RunConfig) -> dict[str, Any]:
+    """What summary.json records, the final table shows and --json prints."""
+    seconds = result.training_time_ms / 1000.0
     calibration = result.calibration
     total_ms = result.training_time_ms + (1000.0 * calibration["seconds"] if calibration else 0.0)
     return {"step": result.step, "training_time_ms": round(result.training_time_ms, 1),
+            "ms_per_step": round(result.training_time_ms / max(result.step, 1), 2),
+            "tokens_per_s": round(cfg.train.train_batch_tokens * result.step / seconds) if seconds > 0 else None,
             "val_loss": result.val_loss, "val_bpb": result.val_bpb,
             "post_ema_val_loss": result.post_ema_val_loss, "post_ema_val_bpb": result.post_ema_val_bpb,
             "checkpoint": str(result.checkpoint),
@@ -124,31 +153,106 @@ def _summary(result: TrainResult, cfg: RunConfig) -> dict[str, Any]:
             "world_size": len(result.devices or [None]), "devices": result.devices}
 
 
-class _ProgressBar:
-    """A rich bar (step, loss, tokens/s) on a terminal; plain printed lines otherwise."""
+def summary_table(record: dict[str, Any], out_dir: Path) -> Table:
+    table = Table(title=f"trained {out_dir}", show_header=False)
+    table.add_column("metric", style="bold")
+    table.add_column("value", justify="right")
+    tokens_per_s = record["tokens_per_s"]
+    rows = [
+        ("steps", f"{record['step']:,}"),
+        ("training time", f"{record['training_time_ms'] / 1000.0:.1f} s"),
+        ("ms per step", f"{record['ms_per_step']:.1f}"),
+        ("tokens / second", f"{tokens_per_s:,}" if tokens_per_s is not None else "-"),
+        *([("training + GPTQ calibration", f"{record['training_plus_calibration_ms'] / 1000.0:.1f} s")]
+          if record.get("calibration") else []),
+        ("val_bpb (final weights)", _bpb(record["val_bpb"])),
+        ("val_bpb (EMA weights)", _bpb(record["post_ema_val_bpb"])),
+        ("checkpoint", record["checkpoint"]),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
 
-    def __init__(self, enabled: bool, total: int):
-        self.enabled, self.total = enabled, total
+
+def _bpb(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+class _FinishedLoss:
+    """The latest training loss the device has finished computing, read without waiting:
+    on CUDA each step's loss is copied to pinned memory behind an event, and shown once the
+    event has passed (usually the previous step's), so the bar never syncs the GPU."""
+
+    MAX_PENDING = 8
+
+    def __init__(self) -> None:
+        self.pending: deque = deque()
+        self.text = "-"
+
+    def read(self, loss: Any) -> str:
+        import torch
+
+        if loss.device.type != "cuda":
+            self.text = f"{loss.item():.4f}"
+            return self.text
+        host = torch.empty((), dtype=loss.dtype, pin_memory=True)
+        host.copy_(loss.detach(), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self.pending.append((host, done))
+        while self.pending and self.pending[0][1].query():
+            self.text = f"{self.pending.popleft()[0].item():.4f}"
+        while len(self.pending) > self.MAX_PENDING:
+            self.pending.popleft()
+        return self.text
+
+
+def planned_steps(info: dict[str, Any]) -> tuple[int, float]:
+    """The step training will end at and the seconds left: the wallclock cap, when there is
+    one, ends it before `iterations` at the pace so far."""
+    step, iterations, elapsed_ms = info["step"], info["iterations"], info["elapsed_ms"]
+    ms_per_step = elapsed_ms / max(step, 1)
+    left_ms = (iterations - step) * ms_per_step
+    cap = info.get("wallclock_ms")
+    if cap:
+        left_ms = min(left_ms, max(cap - elapsed_ms, 0.0))
+        return min(iterations, step + math.ceil(left_ms / max(ms_per_step, 1e-9))), left_ms / 1000.0
+    return iterations, left_ms / 1000.0
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+class _ProgressBar:
+    """A rich bar (step, loss, tokens/s, time left) on a terminal; plain lines otherwise."""
+
+    def __init__(self, enabled: bool, total: int, echo: Echo):
+        self.enabled, self.total, self.echo = enabled, total, echo
         self.progress: Progress | None = None
 
     def __enter__(self):
         if not self.enabled:
-            return (lambda line: print(line, flush=True)), None
+            return self.echo, None
         self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                                 TimeElapsedColumn(), console=console, transient=True)
-        task = self.progress.add_task("train", total=self.total, loss="-", tps="-")
+                                 TimeElapsedColumn(), TextColumn("ETA {task.fields[eta]}"),
+                                 console=err_console, transient=True)
+        task = self.progress.add_task("train", total=self.total, loss="-", tps="-", eta="-")
         self.progress.start()
-        last_loss_step = [0]
+        loss = _FinishedLoss()
 
         def on_step(info: dict) -> None:
-            fields = {"tps": f"{info['tokens_per_s']:,.0f}"}
-            if info["step"] - last_loss_step[0] >= 10 or info["step"] <= 1:  # .item() syncs: not every step
-                fields["loss"] = f"{info['loss'].item():.4f}"
-                last_loss_step[0] = info["step"]
-            self.progress.update(task, completed=info["step"], **fields)
+            total, seconds_left = planned_steps(info)
+            self.progress.update(task, completed=info["step"], total=total, loss=loss.read(info["loss"]),
+                                 tps=f"{info['tokens_per_s']:,.0f}", eta=_clock(seconds_left))
 
-        return self.progress.console.print, on_step
+        def echo(line: str) -> None:  # above the bar
+            self.progress.console.print(line, highlight=False, soft_wrap=True, markup=False)
+
+        return echo, on_step
 
     def __exit__(self, *exc):
         if self.progress is not None:
@@ -159,11 +263,14 @@ class _ProgressBar:
 @user_errors_exit_1
 @with_config_flags("model", "optim", "train", "eval", "quant")
 def command(
-    out: Annotated[Path, typer.Option("--out", help="Run directory for config, logs, metrics and checkpoint.")],
-    data: Annotated[Optional[Path], typer.Option("--data", help="Directory of fineweb_{train,val}_*.bin shards.",
+    out: Annotated[Optional[Path], typer.Option("--out", help="Run directory for config, logs, metrics and "
+                                                "checkpoint (required unless --print-config).",
+                                                show_default=False)] = None,
+    data: Annotated[Optional[Path], typer.Option("--data", help="Directory of fineweb_{train,val}_*.bin shards "
+                                                 "(required unless --config gives data_path).",
                                                  show_default=False)] = None,
-    tokenizer: Annotated[Optional[Path], typer.Option("--tokenizer", help="SentencePiece model "
-                                                      "(default: DATA/tokenizer.model)", show_default=False)] = None,
+    tokenizer: Annotated[Optional[Path], typer.Option("--tokenizer", help=option_help(
+        "SentencePiece model.", "DATA/tokenizer.model"), show_default=False)] = None,
     config_file: ConfigFileOption = None,
     preset_name: PresetOption = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the checkpoint in --out to the end.")] = False,
@@ -172,6 +279,13 @@ def command(
     stop_at_step: Annotated[Optional[int], typer.Option(
         "--stop-at-step", help="Stop at this step with a checkpoint; the schedule stays planned for --iterations.",
         show_default=False)] = None,
+    print_config: Annotated[bool, typer.Option(
+        "--print-config", help="Print the resolved configuration (JSON, usable as --config) and exit.")] = False,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Print the resolved configuration, check the data and tokenizer, and exit without "
+        "training.")] = False,
+    json_output: Annotated[bool, typer.Option(
+        "--json", help="Print the final summary as JSON on stdout (log lines go to stderr).")] = False,
     overrides: dict[str, dict[str, Any]] | None = None,
 ) -> None:
     """Train a model on token shards; logs like the reference, checkpoints atomically."""
@@ -184,17 +298,41 @@ def command(
             raise ConfigError("--resume takes its settings from the checkpoint; only --data, --tokenizer, --device, "
                               "--sample-every, --sample-prompt, --logger, "
                               "--attn-backend and --compile may change")
+        if out is None:
+            raise ConfigError("--resume needs --out RUN_DIR")
         cfg = apply_overrides(load_checkpoint(out).config, overrides)
     else:
-        if data is None:
-            raise ConfigError("--data DATA_DIR is required")
         cfg = build_config(config_file, preset_name, overrides)
-    result = train(cfg, out, resume=resume, force=force, stop_at_step=stop_at_step,
-                   show_progress=console.is_terminal, notify=lambda line: console.print(line, highlight=False,
-                                                                                         markup=False))
+    if print_config or dry_run:
+        resolved = cfg.resolved()
+        typer.echo(json.dumps(resolved.to_dict(), indent=2))
+        if dry_run:
+            inputs = find_inputs(resolved)
+            err_console.print(f"ok: {len(inputs.train_files)} train and {len(inputs.val_files)} val shard(s) in "
+                              f"{resolved.data.data_path}, tokenizer {inputs.tokenizer} ({inputs.vocab_size} tokens); "
+                              "nothing trained", highlight=False, soft_wrap=True)
+        return
+    if out is None:
+        raise ConfigError("--out RUN_DIR is required")
+    if not cfg.data.data_path:
+        raise ConfigError("--data DATA_DIR is required")
+    log_console = err_console if json_output else console
+    done = train_and_report(cfg, out, resume=resume, force=force, stop_at_step=stop_at_step,
+                            show_progress=err_console.is_terminal,
+                            echo=lambda line: log_console.print(line, highlight=False, soft_wrap=True, markup=False))
+    if not done.is_main:
+        return
+    result = done.result
     if not result.finished:
-        console.print(f"stopped at step {result.step}; continue with: windowgpt train --out {out} --resume",
-                      highlight=False, markup=False)
-    if result.interrupted:
-        print_error(f"stopped at step {result.step} with its checkpoint written", label="interrupted")
-        raise typer.Exit(EXIT_INTERRUPTED)
+        log_console.print(f"stopped at step {result.step}; continue with: windowgpt train --out {out} --resume",
+                          highlight=False, soft_wrap=True, markup=False)
+        if result.interrupted:
+            print_error(f"stopped at step {result.step} with its checkpoint written", label="interrupted")
+            raise typer.Exit(EXIT_INTERRUPTED)
+        return
+    if done.record is None:
+        return
+    if json_output:
+        typer.echo(json_text(done.record))
+    else:
+        console.print(summary_table(done.record, Path(out)))

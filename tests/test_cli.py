@@ -1,0 +1,132 @@
+"""The command line explains itself: help for every option from the configuration's
+documentation, -h, the resolved configuration, and configuration files over presets."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from windowgpt_cli.cli import app
+from windowgpt_cli.config import GROUP_TYPES, RunConfig, group_fields, tiny_preset
+
+WIDE = {"COLUMNS": "200"}
+COMMANDS = sorted(typer.main.get_command(app).commands)
+
+
+def run_cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], env=WIDE)
+
+
+def flags(command: str) -> dict[str, object]:
+    """Every option of a command by each of its names."""
+    click_command = typer.main.get_command(app).commands[command]
+    return {name: p for p in click_command.params for name in (*p.opts, *p.secondary_opts)}
+
+
+def test_every_configuration_field_is_documented():
+    missing = [f"{group}.{f.name}" for group in GROUP_TYPES for f in group_fields(group)
+               if not f.metadata.get("help", "").strip()]
+    assert not missing, f"fields without a help sentence (use config.setting(default, help)): {missing}"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_option_has_help_and_h_equals_help(command):
+    params = typer.main.get_command(app).commands[command].params
+    undocumented = [p.name for p in params if not (getattr(p, "help", None) or "").strip()]
+    assert not undocumented, undocumented
+    long, short = run_cli(command, "--help"), run_cli(command, "-h")
+    assert long.exit_code == 0 and long.output == short.output
+    assert "Usage:" in long.output
+
+
+def test_root_help_takes_h_and_offers_completion():
+    result = run_cli("-h")
+    assert result.exit_code == 0 and result.output == run_cli("--help").output
+    assert "--install-completion" in result.output
+    assert all(command in result.output for command in COMMANDS)
+
+
+def test_train_help_shows_the_documentation_and_both_presets_defaults():
+    out = " ".join(run_cli("train", "--help").output.replace("│", " ").split())
+    assert "Seed of the batch sampler; -1 = seed. [default: -1]" in out
+    assert "Optimizer steps the schedule is planned for. [default: 20000; tiny preset: 60]" in out
+    assert "0 = full causal attention everywhere. [default: 0; tiny preset: 32]" in out
+
+
+def test_stages_that_start_from_an_artifact_say_so():
+    ttt = " ".join(run_cli("eval-ttt", "--help").output.replace("│", " ").split())
+    assert "Passes over each scored chunk; 0 = score only, no training. [default: from the artifact]" in ttt
+    assert "[default: 3" not in ttt
+    quant = flags("quantize")
+    names = {p.name for p in quant.values()}
+    assert {f.name for f in group_fields("quant")} <= names
+    for old, new in (("--clip-range", "--quant-clip-range"), ("--calib-batches", "--gptq-calib-samples"),
+                     ("--gptq", "--use-gptq"), ("--no-gptq", "--no-use-gptq")):
+        assert quant[old] is quant[new]
+
+
+def printed_config(*args) -> dict:
+    result = run_cli("train", *args, "--print-config")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_print_config_is_the_resolved_configuration_with_absolute_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    printed = printed_config("--preset", "tiny", "--data", "shards", "--train-seq-len-long", "256",
+                             "--num-gpus-long", "1")
+    expected = dataclasses.replace(tiny_preset(), train=dataclasses.replace(
+        tiny_preset().train, train_seq_len_long=256, num_gpus_long=1))
+    assert printed["model"]["rope_train_seq_len"] == 256  # derived from the longest sequence length
+    assert printed["data"]["data_path"] == str(tmp_path / "shards")
+    printed["model"]["rope_train_seq_len"] = expected.model.rope_train_seq_len
+    printed["data"]["data_path"] = ""
+    assert RunConfig.from_dict(printed) == expected
+
+
+def test_preset_then_file_then_flags(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('[train]\niterations = 7\nwarmdown_iters = 3\n[model]\nnum_layers = 5\n'
+                    'window_attn_layers = [1, 4]\n')
+    cfg = printed_config("--preset", "tiny", "--config", toml, "--warmdown-iters", "2")
+    assert (cfg["train"]["iterations"], cfg["train"]["warmdown_iters"]) == (7, 2)  # file, then the flag
+    assert (cfg["model"]["num_layers"], cfg["model"]["window_attn_layers"]) == (5, [1, 4])
+    assert cfg["model"]["model_dim"] == tiny_preset().model.model_dim  # the rest: the preset
+
+    js = tmp_path / "run.json"
+    js.write_text(json.dumps({"optim": {"matrix_lr": 0.05}}))
+    cfg = printed_config("--config", js)
+    assert cfg["optim"]["matrix_lr"] == 0.05
+    assert cfg["model"]["num_layers"] == RunConfig().model.num_layers  # no preset: the reference's
+
+
+def test_a_saved_configuration_round_trips(tmp_path):
+    saved = tmp_path / "config.json"
+    saved.write_text(json.dumps(printed_config("--preset", "tiny", "--iterations", "11")))
+    assert printed_config("--config", saved) == printed_config("--preset", "tiny", "--iterations", "11")
+
+
+@pytest.mark.parametrize("text,suffix,message", [
+    ("[train]\niterations = 'many'\n", ".toml", "iterations: 'many' is not a valid int"),
+    ("[train\n", ".toml", "not a valid TOML configuration"),
+    ('{"train": {"iterationz": 3}}', ".json", "unknown setting(s) iterationz"),
+    ('{"trian": {}}', ".json", "unknown section(s) trian"),
+])
+def test_a_bad_configuration_file_is_a_one_line_error(tmp_path, text, suffix, message):
+    path = tmp_path / f"bad{suffix}"
+    path.write_text(text)
+    result = run_cli("train", "--config", path, "--print-config")
+    assert result.exit_code == 1 and message in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_dry_run_checks_the_data_without_training(tiny_data_dir, tmp_path):
+    result = run_cli("train", "--preset", "tiny", "--data", tiny_data_dir, "--out", tmp_path / "run", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["data"]["data_path"] == str(tiny_data_dir)
+    assert "1 train and 1 val shard(s)" in result.output and not (tmp_path / "run").exists()
+    bad = run_cli("train", "--preset", "tiny", "--data", tiny_data_dir, "--vocab-size", "512", "--dry-run")
+    assert bad.exit_code == 1 and "has 1024 tokens but vocab_size=512" in bad.output
