@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 # A CPU build of torch is installed first so that set-up never pulls a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 DEMO ?= demo-out
+# Commands that run on the machine's GPUs: the project's environment when there is one.
+RUN_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 
 .PHONY: help setup demo test test-gpu clean
 
@@ -13,10 +15,16 @@ help:
 	@echo "make test   - set up, then run the test suite (CPU)"
 	@echo "make record / smoke-gpu - reproduce the reference's record run (see README)"
 
-$(VENV)/.installed: pyproject.toml
+# The package and its dependencies: all that the demo needs.
+$(VENV)/.package: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+# The tests' extra (pytest, hypothesis, and triton for the kernels' interpreter tests).
+$(VENV)/.installed: $(VENV)/.package
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
@@ -26,14 +34,14 @@ test: setup
 	$(PY) -m pytest -q -m "not gpu"
 
 test-gpu:
-	python3 -m pytest -q -m gpu
+	$(RUN_PYTHON) -m pytest -q -m gpu
 
-demo: setup
+demo: $(VENV)/.package
 	rm -rf $(DEMO)
 	$(VENV)/bin/windowgpt prepare data/demo/gutenberg_1mb.jsonl --out $(DEMO)/data --vocab-size 1024 --val-fraction 0.05
 	$(VENV)/bin/windowgpt train --preset tiny --data $(DEMO)/data --out $(DEMO)/run
 	$(VENV)/bin/windowgpt export $(DEMO)/run --out $(DEMO)/export
-	$(VENV)/bin/windowgpt quantize $(DEMO)/export --out $(DEMO)/model.ptz --gptq --data $(DEMO)/data
+	$(VENV)/bin/windowgpt quantize $(DEMO)/export --out $(DEMO)/model.ptz --gptq
 	$(VENV)/bin/windowgpt eval $(DEMO)/model.ptz --data $(DEMO)/data
 	$(VENV)/bin/windowgpt eval-ttt $(DEMO)/model.ptz --data $(DEMO)/data
 
@@ -41,7 +49,8 @@ clean:
 	rm -rf $(DEMO) .pytest_cache
 
 # --- Reproducing the reference's record run (GPU machines) -----------------------------
-# These use the machine's own torch (no venv): `make record DATA=... NPROC=8 OUT=...`.
+# These use the project's .venv when it exists (with a CUDA build of torch: see README),
+# else the machine's python3: `make record DATA=... NPROC=8 OUT=...`.
 # Each stage writes its own file under OUT and reruns only when its input is newer, so
 # `make $(OUT)/eval.json` reruns one stage. Training runs once per OUT: an interrupted
 # run is resumed; to train again with other settings, choose another OUT. Each stage's
@@ -49,11 +58,11 @@ clean:
 # OUT/record.json and OUT/README.md, exit 1 when the run breaks a rule.
 # Every record stage runs from OUT/code.pyz, the packed code (`windowgpt pack`) that the
 # reports count. It is packed once per OUT, before training; delete it to pack again.
-WINDOWGPT ?= python3 -m windowgpt_cli
+WINDOWGPT ?= $(RUN_PYTHON) -m windowgpt_cli
 CODE = $(OUT)/code.pyz
-RUN_CODE = python3 $(CODE)
+RUN_CODE = $(RUN_PYTHON) $(CODE)
 NPROC ?= 8
-TORCHRUN ?= python3 -m torch.distributed.run --standalone --nproc_per_node $(NPROC)
+TORCHRUN ?= $(RUN_PYTHON) -m torch.distributed.run --standalone --nproc_per_node $(NPROC)
 DATA ?= data/fineweb10B_sp1024
 OUT ?= record-out
 # The reference's defaults, plus what its comments recommend and the record used: windows

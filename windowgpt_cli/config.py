@@ -376,7 +376,7 @@ def apply_overrides(cfg: RunConfig, overrides: dict[str, dict[str, Any]]) -> Run
 # --- Presets ----------------------------------------------------------------------------
 
 def tiny_preset() -> RunConfig:
-    """A model that trains in seconds on a CPU and visibly learns, for demos and tests.
+    """A small model for a CPU that visibly learns in 60 steps, for demos and tests.
 
     Every feature of the full model stays on (windows with sinks, XSA, BigramHash, value
     embeddings, SmearGate, U-Net skips); the schedule is scaled to 60 steps.
