@@ -88,7 +88,7 @@ def world(tmp_path_factory, tiny_data_dir: Path, tiny_run_dir: Path, eval_tokeni
     w["paused"] = root / "paused"  # an unfinished run, to resume
     cfg = apply_overrides(tiny_preset(), {"data": {"data_path": str(tiny_data_dir)},
                                           "train": {"iterations": 4, "warmup_steps": 0}})
-    train(cfg, w["paused"], stop_at_step=2, notify=lambda _: None)
+    train(cfg, w["paused"], stop_at_step=2, echo=lambda _: None)
 
     w["flipped_ckpt"] = root / "flipped-run"
     w["flipped_ckpt"].mkdir()

@@ -174,5 +174,5 @@ def test_train_killed_at_each_write(monkeypatch, tmp_path, tiny_data_dir):
         seen.add(refused_or(lambda: export(run, tmp_path / "export")))
 
     # config.json, the checkpoint, summary.json
-    assert kill_runs(monkeypatch, lambda: train(cfg, run, notify=lambda _: None), reset, check) == 3
+    assert kill_runs(monkeypatch, lambda: train(cfg, run, echo=lambda _: None), reset, check) == 3
     assert seen == {"ok", "refused"}
