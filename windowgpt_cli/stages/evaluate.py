@@ -54,15 +54,16 @@ def load_inputs(artifact: Path, data_dir: Path, tokenizer: Path | None, ctx: Dis
     """Build the artifact's model and check that the data and the tokenizer are those it
     was trained with."""
     data = verify_data(data_dir, hash_splits=("val",))
-    inputs = load_model(artifact, Path(tokenizer) if tokenizer is not None else data.tokenizer, ctx, attn_backend)
-    check_same_tokenizer(data, inputs.weights.tokenizer_sha256, f"{artifact} was trained with")
-    inputs.data = data
-    return inputs
+    return load_model(artifact, Path(tokenizer) if tokenizer is not None else data.tokenizer, ctx, attn_backend, data)
 
 
-def load_model(artifact: Path, tokenizer_path: Path, ctx: DistContext, attn_backend: str = "auto") -> EvalInputs:
-    """Build the artifact's model, with the byte tables of its tokenizer (checked by hash)."""
+def load_model(artifact: Path, tokenizer_path: Path, ctx: DistContext, attn_backend: str = "auto",
+               data: DataManifest | None = None) -> EvalInputs:
+    """Build the artifact's model, with the byte tables of its tokenizer (checked by hash),
+    and check that the data, when given, was encoded with that tokenizer."""
     weights, model = model_io.build_model(Path(artifact), ctx.device)
+    if data is not None:
+        check_same_tokenizer(data, weights.tokenizer_sha256, f"{artifact} was trained with")
     if not tokenizer_path.is_file():
         raise DataError(f"{tokenizer_path}: no such tokenizer file")
     expected = weights.tokenizer_sha256
@@ -73,7 +74,7 @@ def load_model(artifact: Path, tokenizer_path: Path, ctx: DistContext, attn_back
     luts = load_byte_luts(tokenizer_path, None, weights.config.model.vocab_size).to(ctx.device)
     backend = model.set_attention_backend(attn_backend, ctx.device)
     enable_fast_math(ctx.device)
-    return EvalInputs(weights, model, luts, tokenizer_path, ctx, backend)
+    return EvalInputs(weights, model, luts, tokenizer_path, ctx, backend, data)
 
 
 def eval_record(result: EvalResult, inputs: EvalInputs, artifact: Path) -> dict[str, Any]:
