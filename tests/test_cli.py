@@ -130,3 +130,46 @@ def test_dry_run_checks_the_data_without_training(tiny_data_dir, tmp_path):
     assert "1 train and 1 val shard(s)" in result.output and not (tmp_path / "run").exists()
     bad = run_cli("train", "--preset", "tiny", "--data", tiny_data_dir, "--vocab-size", "512", "--dry-run")
     assert bad.exit_code == 1 and "has 1024 tokens but vocab_size=512" in bad.output
+
+
+HEAVY_MODULES = ("torch", "numpy", "sentencepiece")
+
+# Runs `python -m windowgpt_cli --help`, then every command's --help and -h, and --help of the
+# packed record's command line, and prints the heavy modules imported by then.
+HELP_PROBE = """
+import runpy, sys
+from typer.testing import CliRunner
+heavy = set(sys.argv[1:])
+sys.argv = ["windowgpt", "--help"]
+try:
+    runpy.run_module("windowgpt_cli", run_name="__main__")
+except SystemExit as exc:
+    assert not exc.code, exc.code
+import typer
+from windowgpt_cli.cli import app
+from windowgpt_cli.record_app import app as record_app
+for each, help_flags in ((app, ("--help", "-h")), (record_app, ("--help",))):
+    for command in ([], *([c] for c in sorted(typer.main.get_command(each).commands))):
+        for flag in help_flags:
+            result = CliRunner().invoke(each, [*command, flag])
+            assert result.exit_code == 0 and "Usage:" in result.output, (command, flag, result.output)
+print(sorted(heavy & set(sys.modules)))
+"""
+
+
+def test_help_imports_neither_torch_nor_numpy():
+    """--help answers at once: the heavy modules are imported only when a command runs."""
+    import subprocess
+    import sys
+
+    probe = subprocess.run([sys.executable, "-c", HELP_PROBE, *HEAVY_MODULES], capture_output=True, text=True)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert probe.stdout.strip().splitlines()[-1] == "[]", probe.stdout[-2000:]
+
+
+def test_quantize_help_names_every_compressor():
+    from windowgpt_cli import ptz
+
+    text = " ".join(run_cli("quantize", "--help").output.replace("│", " ").split())
+    assert all(name in text for name in ptz.COMPRESSORS)
+    assert f"[default: {ptz.DEFAULT_COMPRESSOR}]" in text

@@ -18,8 +18,6 @@ import zipimport
 from dataclasses import dataclass
 from pathlib import Path
 
-from .artifacts import sha256_bytes
-
 PACKAGE = "windowgpt_cli"
 PACKAGE_DIR = Path(__file__).resolve().parent
 RECORD_STAGES = tuple(f"{PACKAGE}.stages.{name}" for name in ("train", "export", "quantize", "evaluate", "eval_ttt"))
@@ -116,6 +114,8 @@ def archive_form(files: int, archive: Path) -> str:
 
 def count_code() -> CodeCount:
     """The packed archive this code runs from; without one, the record modules' source."""
+    from .artifacts import sha256_bytes  # imports torch: not at the top, so that --help answers at once
+
     archive = running_archive()
     if archive is None:
         return CodeCount(code_bytes(), SOURCE_FORM, record_modules(), code_bytes())

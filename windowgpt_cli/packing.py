@@ -12,7 +12,6 @@ import zipfile
 from pathlib import Path
 
 from . import codesize
-from .artifacts import atomic_write_bytes, sha256_bytes
 
 MAIN_MEMBER = "__main__.py"
 MAIN_SOURCE = f"from {codesize.RECORD_ENTRY} import main\nmain()\n"
@@ -39,6 +38,8 @@ def archive_bytes(members: list[tuple[str, bytes]]) -> bytes:
 
 def pack(out: Path) -> codesize.CodeCount:
     """Write the record's code as a runnable zipapp at `out`; returns what it counts."""
+    from .artifacts import atomic_write_bytes, sha256_bytes  # imports torch: only when packing
+
     out = Path(out)
     members = archive_members()
     data = archive_bytes(members)

@@ -20,10 +20,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .artifacts import atomic_write_json, atomic_write_text, sha256_file
-from .calibration import AFTER_TRAINING, INSIDE_TRAINING
 from .errors import ArtifactError
-from .evaluation import TTT_ORDER
+
+# artifacts, calibration and evaluation import torch: the functions that need them import
+# them, so that `windowgpt report --help` answers at once.
 
 SUMMARY, CONFIG, QUANT_REPORT = "train/summary.json", "train/config.json", "model.ptz.json"
 SLIDING, TTT = "eval.json", "eval-ttt.json"
@@ -67,6 +67,8 @@ class RunFiles:
 
 
 def read_run(out: Path) -> RunFiles:
+    from .artifacts import sha256_file
+
     out = Path(out)
     docs = [_read_json(out / name) for name in (SUMMARY, CONFIG, QUANT_REPORT, SLIDING, TTT)]
     wall = {}
@@ -98,6 +100,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 def training_seconds(run: RunFiles) -> dict[str, Any]:
     """Training time as the reference counts it (steps only, not warm-up, compilation or
     validation) plus GPTQ calibration, wherever it happened."""
+    from .calibration import AFTER_TRAINING
+
     summary = run.summary
     train_s = summary["training_time_ms"] / 1000.0
     inside = (summary.get("calibration") or {}).get("seconds")
@@ -155,6 +159,8 @@ def _limit(rule: str, value: float, limit: float, unit: str, applies: bool, why_
 
 
 def _calibration_check(run: RunFiles) -> Check:
+    from .calibration import INSIDE_TRAINING
+
     where = run.quant.get("calibration")
     rule = "GPTQ calibrated inside the training budget"
     if where is None:
@@ -164,6 +170,8 @@ def _calibration_check(run: RunFiles) -> Check:
 
 
 def _ttt_order_check(run: RunFiles) -> Check:
+    from .evaluation import TTT_ORDER
+
     order = run.ttt.get("ttt_order")
     note = "" if order else "the eval-ttt record does not state its order"
     return Check("TTT trains only on tokens already scored", PASS if order == TTT_ORDER else FAIL,
@@ -229,6 +237,8 @@ def build_record(out: Path, rules: Rules = Rules()) -> dict[str, Any]:
 
 def write_report(out: Path, rules: Rules = Rules()) -> dict[str, Any]:
     """Write OUT/record.json and OUT/README.md; returns the record."""
+    from .artifacts import atomic_write_json, atomic_write_text
+
     out = Path(out)
     record = build_record(out, rules)
     atomic_write_json(out / RECORD_JSON, record)

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
 
-from ..artifact_info import ArtifactInfo, differing_settings, read_artifact
 from ..cli_support import console, user_errors_exit_1
 from ..errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported only when a command runs, so that --help answers at once
+    from ..artifact_info import ArtifactInfo
 
 # (row label, key in a column's record, format)
 METRIC_ROWS = (
@@ -47,6 +49,8 @@ def column(info: ArtifactInfo) -> dict[str, Any]:
 
 def compare(paths: list[Path]) -> dict[str, Any]:
     """Everything `compare --json` prints: the columns and the differing settings."""
+    from ..artifact_info import differing_settings, read_artifact
+
     if not paths:
         raise ConfigError("give at least one run or artifact to compare")
     infos = [read_artifact(Path(p)) for p in paths]

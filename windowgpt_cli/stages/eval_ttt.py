@@ -4,26 +4,26 @@ Every chunk of the validation tokens is scored with sliding windows before the m
 trains on it, so no token is scored by a model that has seen it. Settings default to the
 artifact's saved configuration; the windows are the training length, as in the reference.
 """
+from __future__ import annotations
 
 import contextlib
 import dataclasses
 import time
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterator, Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..cli_support import FROM_ARTIFACT, console, err_console, option_help, user_errors_exit_1, with_config_flags
 from ..config import apply_overrides, validate
-from ..distributed import init_distributed, shutdown
 from ..errors import ConfigError
-from ..eval_results import save_eval_result
-from ..evaluation import (TTT_ORDER, ChunkProgress, evaluate_ttt, load_validation_tokens, should_compile,
-                          should_fuse)
 from .evaluate import (ArtifactArg, AttnOption, BatchOption, CompileOption, DataOption, DeviceOption, EvalReport,
                        FusedOption, JsonOption, ScoreOnceOption, TokenizerOption, check_eval_settings, eval_record,
                        load_inputs, report, show_progress_bars)
+
+if TYPE_CHECKING:
+    from ..evaluation import ChunkProgress
 
 LOG_EVERY_CHUNKS = 10  # without a terminal, a line every this many chunks (as the reference)
 
@@ -40,6 +40,11 @@ def ttt_evaluate_artifact(artifact: Path, data_dir: Path, *, ttt_overrides: dict
     ttt_overrides ({field: value} of TTTConfig) change the artifact's saved TTT settings.
     echo receives the log lines (settings, parameter counts, running bpb without a bar).
     """
+    # torch is imported only when a command runs, so that --help answers at once
+    from ..distributed import init_distributed, shutdown
+    from ..eval_results import save_eval_result
+    from ..evaluation import TTT_ORDER, evaluate_ttt, load_validation_tokens, should_compile, should_fuse
+
     ctx = init_distributed(device)
     try:
         inputs = load_inputs(artifact, data_dir, tokenizer, ctx, attn_backend)

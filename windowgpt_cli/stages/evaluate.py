@@ -9,25 +9,23 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterator, Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .. import model_io
-from ..artifacts import json_text, sha256_file
 from ..cli_support import FROM_ARTIFACT, console, err_console, option_help, user_errors_exit_1
 from ..config import RunConfig
-from ..datadir import DataManifest, check_same_tokenizer, verify_data
-from ..distributed import DistContext, init_distributed, shutdown
 from ..errors import ConfigError, DataError
-from ..eval_results import save_eval_result
-from ..evaluation import (EvalResult, batch_windows, evaluate_sliding, evaluate_standard, load_validation_tokens,
-                          should_compile, should_fuse)
-from ..model import GPT
-from ..runtime import compiled, enable_fast_math
-from ..tokenizer import ByteLuts, load_byte_luts
+
+if TYPE_CHECKING:  # torch is imported only when a command runs, so that --help answers at once
+    from .. import model_io
+    from ..datadir import DataManifest
+    from ..distributed import DistContext
+    from ..evaluation import EvalResult
+    from ..model import GPT
+    from ..tokenizer import ByteLuts
 
 
 # --- Shared with eval-ttt ---------------------------------------------------------------
@@ -53,6 +51,8 @@ def load_inputs(artifact: Path, data_dir: Path, tokenizer: Path | None, ctx: Dis
                 attn_backend: str = "auto") -> EvalInputs:
     """Build the artifact's model and check that the data and the tokenizer are those it
     was trained with."""
+    from ..datadir import check_same_tokenizer, verify_data
+
     data = verify_data(data_dir, hash_splits=("val",))
     return load_model(artifact, Path(tokenizer) if tokenizer is not None else data.tokenizer, ctx, attn_backend, data)
 
@@ -61,6 +61,13 @@ def load_model(artifact: Path, tokenizer_path: Path, ctx: DistContext, attn_back
                data: DataManifest | None = None) -> EvalInputs:
     """Build the artifact's model, with the byte tables of its tokenizer (checked by hash),
     and check that the data, when given, was encoded with that tokenizer."""
+    # torch is imported only when a command runs, so that --help answers at once
+    from .. import model_io
+    from ..artifacts import sha256_file
+    from ..datadir import check_same_tokenizer
+    from ..runtime import enable_fast_math
+    from ..tokenizer import load_byte_luts
+
     weights, model = model_io.build_model(Path(artifact), ctx.device)
     if data is not None:
         check_same_tokenizer(data, weights.tokenizer_sha256, f"{artifact} was trained with")
@@ -111,6 +118,8 @@ def results_table(record: dict[str, Any], title: str) -> Table:
 
 
 def report(record: dict[str, Any], title: str, as_json: bool) -> None:
+    from ..artifacts import json_text
+
     if as_json:
         typer.echo(json_text(record))
     else:
@@ -148,6 +157,12 @@ def evaluate_artifact(artifact: Path, data_dir: Path, *, stride: int | None = No
                       attn_backend: str = "auto", score_once: bool = False, compile_model: bool | None = None,
                       fused: bool | None = None, show_progress: bool = False) -> EvalReport:
     """Score the artifact on DATA_DIR's validation shards (standard or sliding evaluation)."""
+    from ..distributed import init_distributed, shutdown
+    from ..eval_results import save_eval_result
+    from ..evaluation import (batch_windows, evaluate_sliding, evaluate_standard, load_validation_tokens,
+                              should_compile, should_fuse)
+    from ..runtime import compiled
+
     ctx = init_distributed(device)
     try:
         inputs = load_inputs(artifact, data_dir, tokenizer, ctx, attn_backend)

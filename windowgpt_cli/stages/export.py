@@ -17,18 +17,17 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from .. import tensorfile
-from ..artifacts import atomic_write_bytes, atomic_write_json, publish_dir, sha256_file
-from ..calibration import HESSIANS_FILENAME
-from ..checkpoint import WEIGHT_CHOICES, checkpoint_path, load_checkpoint
 from ..cli_support import console, user_errors_exit_1
 from ..errors import ConfigError
-from ..model import unbank_state_dict
-from ..model_io import EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_INFO, EXPORT_VERSION, EXPORT_WEIGHTS
 
 
 def export(run_dir: Path, out: Path, weights: str = "ema") -> dict[str, Any]:
     """Write MODEL_DIR (out); returns what export.json records."""
+    # torch is imported only when a command runs, so that --help answers at once
+    from ..artifacts import publish_dir
+    from ..checkpoint import WEIGHT_CHOICES, load_checkpoint
+    from ..model import unbank_state_dict
+
     if weights not in WEIGHT_CHOICES:
         raise ConfigError(f"--weights {weights!r} must be one of {', '.join(WEIGHT_CHOICES)}")
     ckpt = load_checkpoint(run_dir)
@@ -37,6 +36,11 @@ def export(run_dir: Path, out: Path, weights: str = "ema") -> dict[str, Any]:
 
 
 def _write_export(out: Path, run_dir: Path, ckpt, tensors: dict, weights: str) -> dict[str, Any]:
+    from .. import tensorfile
+    from ..artifacts import atomic_write_json, sha256_file
+    from ..checkpoint import checkpoint_path
+    from ..model_io import EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_INFO, EXPORT_VERSION, EXPORT_WEIGHTS
+
     tensorfile.save(out / EXPORT_WEIGHTS, tensors, {"format": EXPORT_FORMAT, "format_version": EXPORT_VERSION})
     ckpt.config.save(out / EXPORT_CONFIG)
     hessians = _carry_hessians(Path(run_dir), out, weights)
@@ -62,6 +66,10 @@ def _write_export(out: Path, run_dir: Path, ckpt, tensors: dict, weights: str) -
 def _carry_hessians(run_dir: Path, out: Path, weights: str) -> str | None:
     """Copy the run's Hessians (collected under its EMA weights) into an export of those
     weights; leave none behind in an export of other weights."""
+    from ..artifacts import atomic_write_bytes
+    from ..calibration import HESSIANS_FILENAME
+    from ..checkpoint import checkpoint_path
+
     source, target = checkpoint_path(run_dir).parent / HESSIANS_FILENAME, out / HESSIANS_FILENAME
     if weights != "ema" or not source.is_file():
         target.unlink(missing_ok=True)

@@ -8,17 +8,15 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ..cli_support import console, user_errors_exit_1
-from ..distributed import DistContext
 from ..errors import ConfigError, DataError
-from ..generation import continuation, generate
-from ..model_io import load_weights
-from ..runtime import resolve_device
-from ..tokenizer import BOS_ID, load_sentencepiece, resolve_tokenizer
 from .evaluate import ArtifactArg, DeviceOption, JsonOption, load_model
 
 
 def find_tokenizer(artifact: Path, data_dir: Path | None, tokenizer: Path | None) -> Path:
     """--tokenizer, else DATA/tokenizer.model, else the tokenizer the artifact's run was trained with."""
+    from ..model_io import load_weights
+    from ..tokenizer import resolve_tokenizer
+
     found = resolve_tokenizer(data_dir, tokenizer)
     if found is None and data_dir is None:
         data = load_weights(artifact).config.data
@@ -34,6 +32,12 @@ def generate_text(artifact: Path, prompt: str, *, max_new_tokens: int = 64, temp
                   top_k: int = 50, seed: int = 0, data_dir: Path | None = None, tokenizer: Path | None = None,
                   device: str = "auto", use_cache: bool = True) -> dict[str, Any]:
     """Load the artifact's model, check its tokenizer, continue the prompt; returns what --json prints."""
+    # torch is imported only when a command runs, so that --help answers at once
+    from ..distributed import DistContext
+    from ..generation import continuation, generate
+    from ..runtime import resolve_device
+    from ..tokenizer import BOS_ID, load_sentencepiece
+
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {max_new_tokens} must be at least 1")
     if temperature < 0 or top_k < 0:

@@ -3,19 +3,23 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
 
-from ..artifact_info import ArtifactInfo, changed_from_defaults, read_artifact
 from ..cli_support import console, user_errors_exit_1
 from ..codesize import code_bytes
 from .quantize import DEFAULT_BUDGET
 
+if TYPE_CHECKING:  # torch is imported only when a command runs, so that --help answers at once
+    from ..artifact_info import ArtifactInfo
+
 
 def inspect_artifact(path: Path, budget: int = DEFAULT_BUDGET) -> dict[str, Any]:
     """Everything `inspect --json` prints."""
+    from ..artifact_info import changed_from_defaults, read_artifact
+
     info = read_artifact(Path(path))
     record: dict[str, Any] = {
         "artifact": str(info.path), "kind": info.kind, "format_version": info.format_version,

@@ -15,8 +15,6 @@ from typing import Annotated, Any
 
 import typer
 
-from ..artifact_info import differing_settings, read_artifact, read_metrics, short_setting
-from ..artifacts import atomic_write_bytes, atomic_write_text
 from ..cli_support import console, user_errors_exit_1
 from ..config import RunConfig
 from ..errors import ArtifactError, ConfigError
@@ -42,6 +40,9 @@ class RunCurves:
 
 def load_run_curves(path: Path) -> RunCurves:
     """A run directory's curves; an export or .ptz leads to its run when that can be found."""
+    # torch is imported only when a command runs, so that --help answers at once
+    from ..artifact_info import read_artifact, read_metrics
+
     path = Path(path)
     run_dir = path if (path / "metrics.jsonl").is_file() else read_artifact(path).run_dir
     if run_dir is None:
@@ -55,6 +56,8 @@ def _run_name(run_dir: Path) -> str:
 
 def legend_labels(runs: list[RunCurves]) -> list[str]:
     """Each run's name and its values of the settings in which the runs differ."""
+    from ..artifact_info import differing_settings, short_setting
+
     names = [r.name for r in runs]
     if len(set(names)) < len(names):
         names = [f"{i + 1}:{n}" for i, n in enumerate(names)]
@@ -103,6 +106,8 @@ def draw(runs: list[RunCurves]):
 
 def plot_runs(paths: list[Path], out: Path) -> Path:
     """Draw the runs' curves into out (.png or .html); returns out."""
+    from ..artifacts import atomic_write_bytes, atomic_write_text
+
     out = Path(out)
     if out.suffix.lower() not in FORMATS:
         raise ConfigError(f"--out {out}: the file must end in {' or '.join(FORMATS)}")

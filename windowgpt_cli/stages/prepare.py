@@ -17,24 +17,22 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterable, Iterator, Optional
 
-import numpy as np
 import typer
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
                            TransferSpeedColumn)
 from rich.table import Table
 
 from .. import __version__
-from ..artifacts import atomic_write_bytes, atomic_write_json, publish_dir, sha256_bytes, sha256_file
 from ..cli_support import console, err_console, user_errors_exit_1
 from ..corpus import DEFAULT_CHUNK_BYTES, RawChunk, check_inputs, iter_corpus, parse_chunk, read_chunks
-from ..datadir import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, index_manifest
 from ..errors import ConfigError, DataError
-from ..shards import SPLITS, encode_shard, open_shard, shard_name
-from ..tokenizer import (BOS_ID, DATA_DIR_TOKENIZER, DEFAULT_TRAIN_SAMPLE_BYTES, check_vocab_fits,
-                         has_byte_fallback, load_sentencepiece, no_byte_fallback_warning,
-                         train_sentencepiece, write_tokenizer_meta)
+
+# numpy, sentencepiece and torch (through the shard and tokenizer modules) are imported
+# where the work runs, so that --help answers at once.
+if TYPE_CHECKING:
+    import numpy as np
 
 DEFAULT_VOCAB_SIZE = 1024
 DEFAULT_VAL_FRACTION = 0.01
@@ -75,11 +73,17 @@ class ChunkEncoder:
     """Parses a chunk's documents, assigns each to a split and encodes them."""
 
     def __init__(self, tokenizer_path: Path, val_fraction: float):
+        from ..tokenizer import load_sentencepiece
+
         self.sp = load_sentencepiece(tokenizer_path)
         self.val_fraction = val_fraction
 
     def encode_documents(self, texts: list[str]) -> np.ndarray:
         """BOS + sp.encode(text) for each document, concatenated (as the reference's shards)."""
+        import numpy as np
+
+        from ..tokenizer import BOS_ID
+
         ids = self.sp.encode(texts, num_threads=1)  # parallelism comes from the processes
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         flat = np.fromiter(chain.from_iterable(ids), dtype=np.uint16, count=int(lengths.sum()))
@@ -87,6 +91,10 @@ class ChunkEncoder:
         return np.insert(flat, doc_starts, BOS_ID)
 
     def __call__(self, task: EncodeTask) -> dict[str, SplitPart]:
+        import numpy as np
+
+        from ..shards import SPLITS
+
         texts = parse_chunk(task.chunk)
         by_split: dict[str, list[str]] = {split: [] for split in SPLITS}
         for text in texts:
@@ -155,6 +163,8 @@ class SplitWriter:
     _buffered: int = 0
 
     def add(self, part: SplitPart) -> None:
+        import numpy as np
+
         self.documents += part.documents
         self.tokens += part.tokens.size
         self.text_bytes += part.text_bytes
@@ -168,11 +178,16 @@ class SplitWriter:
             self._buffer, self._buffered = [rest], rest.size
 
     def finish(self) -> None:
+        import numpy as np
+
         if self._buffered:
             self._write(np.concatenate(self._buffer))
             self._buffer, self._buffered = [], 0
 
     def _write(self, tokens: np.ndarray) -> None:
+        from ..artifacts import atomic_write_bytes, sha256_bytes
+        from ..shards import encode_shard, shard_name
+
         name = shard_name(self.split, len(self.shards))
         data = encode_shard(tokens)
         atomic_write_bytes(self.data_dir / name, data)
@@ -223,6 +238,10 @@ def _install_tokenizer(data_dir: Path, tokenizer: Path | None, vocab_size: int |
                        train_inputs: list[Path], val_fraction: float | None, sample_bytes: int,
                        threads: int) -> dict[str, Any]:
     """Put the tokenizer (given, or trained on the training split) at DATA_DIR/tokenizer.model."""
+    from ..artifacts import atomic_write_bytes, sha256_file
+    from ..tokenizer import (DATA_DIR_TOKENIZER, check_vocab_fits, has_byte_fallback, load_sentencepiece,
+                             train_sentencepiece, write_tokenizer_meta)
+
     target = data_dir / DATA_DIR_TOKENIZER
     if tokenizer is not None:
         sp = load_sentencepiece(tokenizer)
@@ -255,6 +274,8 @@ def _tasks(train_inputs: list[Path], val_inputs: list[Path] | None) -> Iterator[
 
 
 def _describe_inputs(train_inputs: list[Path], val_inputs: list[Path] | None) -> list[dict[str, Any]]:
+    from ..artifacts import sha256_file
+
     role = "train" if val_inputs is not None else "train+val"
     return [{"path": str(p), "split": split, "bytes": p.stat().st_size, "sha256": sha256_file(p)}
             for split, paths in ((role, train_inputs), ("val", val_inputs or [])) for p in paths]
@@ -263,13 +284,19 @@ def _describe_inputs(train_inputs: list[Path], val_inputs: list[Path] | None) ->
 def prepare(inputs: list[Path], out: Path, *, tokenizer: Path | None = None, vocab_size: int | None = None,
             val_fraction: float | None = None, val_inputs: list[Path] | None = None,
             shard_tokens: int = DEFAULT_SHARD_TOKENS, workers: int | None = None,
-            tokenizer_sample_bytes: int = DEFAULT_TRAIN_SAMPLE_BYTES,
+            tokenizer_sample_bytes: int | None = None,
             on_progress: Callable[[int, int], None] | None = None) -> PrepareResult:
     """Tokenize the inputs into DATA_DIR (see the module docstring); returns the manifest.
 
     Without --val files, a document is validation when validation_score(text) < val_fraction
-    (default 0.01). Documents keep their input order within each split.
+    (default 0.01). Documents keep their input order within each split. The tokenizer is
+    trained on the first tokenizer_sample_bytes of text (default: DEFAULT_TRAIN_SAMPLE_BYTES).
     """
+    from ..artifacts import publish_dir
+    from ..tokenizer import DEFAULT_TRAIN_SAMPLE_BYTES
+
+    if tokenizer_sample_bytes is None:
+        tokenizer_sample_bytes = DEFAULT_TRAIN_SAMPLE_BYTES
     started = time.perf_counter()
     inputs = [Path(p) for p in inputs]
     val_inputs = [Path(p) for p in val_inputs] if val_inputs is not None else None
@@ -293,6 +320,11 @@ def _prepare_into(data_dir: Path, inputs: list[Path], val_inputs: list[Path] | N
                   vocab_size: int | None, val_fraction: float | None, shard_tokens: int, workers: int,
                   tokenizer_sample_bytes: int, on_progress: Callable[[int, int], None] | None) -> dict[str, Any]:
     """Write everything into data_dir (a fresh directory); returns the manifest, written last."""
+    from ..artifacts import atomic_write_json
+    from ..datadir import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION
+    from ..shards import SPLITS
+    from ..tokenizer import BOS_ID, DATA_DIR_TOKENIZER
+
     tokenizer_info = _install_tokenizer(data_dir, tokenizer, vocab_size, inputs, val_fraction,
                                         tokenizer_sample_bytes, workers)
     writers = {split: SplitWriter(data_dir, split, shard_tokens) for split in SPLITS}
@@ -338,6 +370,11 @@ def _prepare_into(data_dir: Path, inputs: list[Path], val_inputs: list[Path] | N
 def index_data(data_dir: Path, tokenizer: Path | None = None) -> dict[str, Any]:
     """Give shards made elsewhere a manifest: the tokenizer (copied in as tokenizer.model
     when given) and every shard with its size and hash. The manifest is written last."""
+    from ..artifacts import atomic_write_bytes, atomic_write_json, sha256_file
+    from ..datadir import MANIFEST_NAME, index_manifest
+    from ..shards import SPLITS, open_shard
+    from ..tokenizer import DATA_DIR_TOKENIZER, check_vocab_fits, load_sentencepiece, write_tokenizer_meta
+
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise DataError(f"{data_dir}: no such data directory")
@@ -408,6 +445,10 @@ def command(
     json_output: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
 ) -> None:
     """Tokenize documents into train/val shards, with the tokenizer and a manifest (replaces DATA_DIR's shards)."""
+    from ..datadir import MANIFEST_NAME
+    from ..shards import SPLITS
+    from ..tokenizer import has_byte_fallback, load_sentencepiece, no_byte_fallback_warning
+
     if index is not None:
         if inputs or out is not None:
             raise ConfigError("--index DATA_DIR takes no input files and no --out")

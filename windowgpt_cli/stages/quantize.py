@@ -12,25 +12,23 @@ import contextlib
 import dataclasses
 import time
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterator, Optional
 
-import torch
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .. import codesize, ptz
-from ..artifacts import atomic_write_bytes, atomic_write_json, sha256_bytes
-from ..calibration import AFTER_TRAINING, INSIDE_TRAINING, Calibration, calibrate, hessians_path, stored_calibration
+from .. import codesize
 from ..cli_support import console, err_console, option_help, user_errors_exit_1, with_config_flags
 from ..config import RunConfig, apply_overrides
 from ..errors import ArtifactError, ConfigError
-from ..lineage import weights_lineage, without_paths
-from ..model import build_model, is_control_tensor, unbank_state_dict
-from ..model_io import LoadedWeights, load_weights
-from ..quant import INT6, QuantizedTensor, classify_param, quantize_state_dict
-from ..runtime import resolve_device, synchronize
-from ..datadir import check_same_tokenizer, verify_data
+
+if TYPE_CHECKING:  # torch is imported only when a command runs, so that --help answers at once
+    import torch
+
+    from ..calibration import Calibration
+    from ..model_io import LoadedWeights
+    from ..quant import QuantizedTensor
 
 DEFAULT_BUDGET = 16_000_000
 GROUPS = ("attn", "mlp", "embed", "other", "control")
@@ -41,6 +39,9 @@ def report_path(artifact: Path) -> Path:
 
 
 def tensor_group(name: str) -> str:
+    from ..model import is_control_tensor
+    from ..quant import classify_param
+
     return "control" if is_control_tensor(name) else classify_param(name)
 
 
@@ -48,7 +49,7 @@ StartPhase = Callable[[str, int], Callable[[int], None]]  # (description, total 
 
 
 def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir: Path | None = None,
-             calib_batches: int | None = None, clip_range: int | None = None, compressor: str = ptz.DEFAULT_COMPRESSOR,
+             calib_batches: int | None = None, clip_range: int | None = None, compressor: str | None = None,
              budget: int = DEFAULT_BUDGET, device: str = "auto", recalibrate: bool = False,
              settings: dict[str, Any] | None = None, progress: StartPhase | None = None) -> dict[str, Any]:
     """Quantize a run or export into a .ptz at `out` and write the report beside it.
@@ -56,14 +57,26 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
     Settings left as None come from the model's configuration (its `quant` group);
     `settings` ({field: value} of QuantConfig) sets any of them by name. GPTQ uses the
     Hessians training collected (RUN/hessians.safetensors, carried by an export of the EMA
-    weights) unless `recalibrate`; without them it calibrates on `data_dir`.
+    weights) unless `recalibrate`; without them it calibrates on `data_dir`. The compressor
+    defaults to ptz.DEFAULT_COMPRESSOR.
     `progress(description, total)` may return a callback advanced as work is done.
     Returns the report (also written as JSON next to the artifact).
     """
+    # torch is imported only when a command runs, so that --help answers at once
+    from .. import ptz
+    from ..artifacts import atomic_write_bytes, atomic_write_json
+    from ..lineage import weights_lineage, without_paths
+    from ..model import unbank_state_dict
+    from ..model_io import load_weights
+    from ..quant import quantize_state_dict
+    from ..runtime import resolve_device, synchronize
+
     started = time.perf_counter()
     out = Path(out)
     if out.is_dir() or report_path(out).is_dir():
         raise ArtifactError(f"{out if out.is_dir() else report_path(out)}: is a directory; give a file name to write")
+    if compressor is None:
+        compressor = ptz.DEFAULT_COMPRESSOR
     if compressor not in ptz.COMPRESSORS:
         raise ConfigError(f"--compressor {compressor!r} must be one of {', '.join(ptz.COMPRESSORS)}")
     weights = load_weights(model_path)
@@ -134,6 +147,8 @@ def run_calibration(weights: LoadedWeights, cfg: RunConfig, calib_batches: int |
                     dev: torch.device, recalibrate: bool, progress: StartPhase | None) -> tuple[Calibration, str]:
     """The Hessians training collected for these weights, or else a calibration now; and
     which of the two it is."""
+    from ..calibration import AFTER_TRAINING, INSIDE_TRAINING, stored_calibration
+
     stored = None if recalibrate else stored_calibration(weights)
     if stored is None:
         return calibration_hessians(weights, cfg, data_dir, dev, progress), AFTER_TRAINING
@@ -146,6 +161,10 @@ def run_calibration(weights: LoadedWeights, cfg: RunConfig, calib_batches: int |
 def calibration_hessians(weights: LoadedWeights, cfg: RunConfig, data_dir: Path | None, dev: torch.device,
                          progress: StartPhase | None) -> Calibration:
     """Calibrate the weights now, on the batches training would have calibrated on."""
+    from ..calibration import calibrate
+    from ..datadir import check_same_tokenizer, verify_data
+    from ..model import build_model
+
     data = data_dir or (Path(cfg.data.data_path) if cfg.data.data_path else None)
     if data is None:
         raise ConfigError("--gptq needs --data DATA_DIR (the training shards to calibrate on): "
@@ -166,6 +185,8 @@ def calibration_hessians(weights: LoadedWeights, cfg: RunConfig, data_dir: Path 
 
 
 def _calibration_record(calibration: Calibration, where: str, weights: LoadedWeights) -> dict[str, Any]:
+    from ..calibration import INSIDE_TRAINING, hessians_path
+
     info = {"batches": calibration.batches, "tokens": calibration.tokens, "layers": calibration.layers,
             "seconds": round(calibration.seconds, 3)}
     if where == INSIDE_TRAINING:
@@ -176,6 +197,10 @@ def _calibration_record(calibration: Calibration, where: str, weights: LoadedWei
 def _report(out: Path, data: bytes, payload: bytes, sd: dict[str, torch.Tensor], tensors: dict[str, QuantizedTensor],
             cfg: RunConfig, compressor: str, budget: int, dev: torch.device, timings: dict[str, float],
             source: dict[str, Any]) -> dict[str, Any]:
+    from .. import ptz
+    from ..artifacts import sha256_bytes
+    from ..quant import INT6
+
     groups = {g: {"tensors": 0, "params": 0, "raw_bytes": 0, "quantized_bytes": 0} for g in GROUPS}
     schemes: dict[str, int] = {}
     for name, qt in tensors.items():
@@ -251,6 +276,8 @@ def _code_line(report: dict[str, Any]) -> str:
 
 def _calibration_line(report: dict[str, Any]) -> str | None:
     """Where GPTQ's Hessians came from: only Hessians from inside training make a record artifact."""
+    from ..calibration import INSIDE_TRAINING
+
     if report["calibration"] is None:
         return None
     info = report["calibration_info"]
@@ -274,8 +301,8 @@ def command(
     data: Annotated[Optional[Path], typer.Option("--data", help=option_help(
         "Training shards for GPTQ calibration, when the run holds no Hessians from training.",
         "the artifact's data_path"), show_default=False)] = None,
-    compressor: Annotated[str, typer.Option("--compressor", help="Payload compressor: " + ", ".join(ptz.COMPRESSORS)
-                          + " (lzma is the reference's preset 6).")] = ptz.DEFAULT_COMPRESSOR,
+    compressor: Annotated[Optional[str], typer.Option("--compressor", help=option_help(
+        "Payload compressor: lzma, rans (lzma is the reference's preset 6).", "lzma"), show_default=False)] = None,
     budget: Annotated[int, typer.Option("--budget", help="Bytes allowed for code plus compressed model; "
                       "exceeding it exits 1 (the artifact is still written).")] = DEFAULT_BUDGET,
     device: Annotated[str, typer.Option("--device", help="auto (CUDA when available), cpu or cuda.")] = "auto",

@@ -11,7 +11,7 @@ import functools
 import operator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.table import Table
@@ -19,8 +19,9 @@ from rich.table import Table
 from ..cli_support import console, err_console, user_errors_exit_1
 from ..corpus import JSONL_SUFFIXES, iter_documents
 from ..errors import ConfigError, DataError
-from ..tokenizer import (ByteCount, check_tokenizer_meta, count_text_bytes, default_meta_path, has_byte_fallback,
-                         load_byte_luts, load_sentencepiece, no_byte_fallback_warning, write_tokenizer_meta)
+
+if TYPE_CHECKING:  # torch is imported only when a command runs, so that --help answers at once
+    from ..tokenizer import ByteCount
 
 # Each line exercises a different part of the tables: multi-byte UTF-8 of 2, 3 and 4
 # bytes, characters a small vocabulary lacks, and forms that NFKC normalization rewrites.
@@ -77,6 +78,9 @@ def tokenizer_meta(tokenizer: Path, out: Path | None = None, check: Path | None 
                    sample: Path | None = None) -> TokenizerMetaReport:
     """Write the tokenizer's .meta.npz (or, with `check`, refuse a file that disagrees with
     the tokenizer), then count a sample's bytes with the tables as every stage loads them."""
+    from ..tokenizer import (check_tokenizer_meta, count_text_bytes, default_meta_path, has_byte_fallback,
+                             load_byte_luts, load_sentencepiece, write_tokenizer_meta)
+
     tokenizer = Path(tokenizer)
     if check is not None and out is not None:
         raise ConfigError("give either --out (write) or --check (compare), not both")
@@ -125,6 +129,8 @@ def command(
     json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """Write (or --check) a tokenizer's byte tables for bits per byte, and test them on a sample."""
+    from ..tokenizer import no_byte_fallback_warning
+
     report = tokenizer_meta(tokenizer, out=out, check=check, sample=sample)
     total = report.total
     if not report.byte_fallback:

@@ -8,30 +8,27 @@ import shutil
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..calibration import HESSIANS_FILENAME
-from ..checkpoint import FILENAME as CHECKPOINT_FILENAME, checkpoint_path, load_checkpoint
 from ..cli_support import (EXIT_INTERRUPTED, ConfigFileOption, PresetOption, build_config, console, err_console,
                            option_help, print_error, user_errors_exit_1, with_config_flags)
-from ..artifacts import atomic_write_json, json_text
 from ..config import RunConfig, apply_overrides
-from ..distributed import init_distributed, shutdown
 from ..errors import ArtifactError, ConfigError, DataError
 from ..metric_sinks import open_sink
 from ..runlock import run_lock
-from ..training import RunLog, StopRequests, Trainer, TrainResult, build_setup, describe, find_inputs
+
+if TYPE_CHECKING:  # torch is imported only when a command runs, so that --help answers at once
+    from ..training import TrainResult
 
 Echo = Callable[[str], None]
 
 RESUMABLE_OVERRIDES = {"data_path", "tokenizer_path", "tokenizer_meta_path", "device", "attn_backend", "compile",
                        "sample_every", "sample_prompt", "logger"}
 SUMMARY = "summary.json"  # written when a run finishes
-RUN_FILES = ("config.json", "train.log", "metrics.jsonl", CHECKPOINT_FILENAME, HESSIANS_FILENAME, SUMMARY)
 
 
 @dataclass
@@ -58,6 +55,11 @@ def train_and_report(cfg: RunConfig, out_dir: Path, *, resume: bool = False, for
     holds one unless `force` (the old run's files are removed first); resuming a finished
     run changes nothing.
     """
+    # torch is imported only when a command runs, so that --help answers at once
+    from ..checkpoint import checkpoint_path, load_checkpoint
+    from ..distributed import init_distributed, shutdown
+    from ..training import TrainResult, build_setup
+
     echo = echo or (lambda line: print(line, flush=True))
     out_dir = Path(out_dir)
     if resume and force:
@@ -99,9 +101,13 @@ def train_and_report(cfg: RunConfig, out_dir: Path, *, resume: bool = False, for
 
 def _claim_run_dir(out_dir: Path, resume: bool, force: bool, notify: Echo):
     """The checkpoint to resume (or None), after refusing to overwrite a run by mistake."""
+    from ..calibration import HESSIANS_FILENAME
+    from ..checkpoint import FILENAME as CHECKPOINT_FILENAME, load_checkpoint
+
     if resume:
         return load_checkpoint(out_dir)
-    existing = [name for name in RUN_FILES if (out_dir / name).exists()]
+    run_files = ("config.json", "train.log", "metrics.jsonl", CHECKPOINT_FILENAME, HESSIANS_FILENAME, SUMMARY)
+    existing = [name for name in run_files if (out_dir / name).exists()]
     if existing and not force:
         what = "a checkpoint" if CHECKPOINT_FILENAME in existing else f"a run ({existing[0]})"
         raise ConfigError(f"{out_dir} already holds {what}: pass --resume to continue it, --force to start "
@@ -115,6 +121,10 @@ def _claim_run_dir(out_dir: Path, resume: bool, force: bool, notify: Echo):
 
 def _train_locked(cfg, ctx, setup, ckpt, out_dir: Path, stop_at_step: int | None, show_progress: bool,
                   echo: Echo) -> TrainReport:
+    from ..artifacts import atomic_write_json
+    from ..checkpoint import checkpoint_path
+    from ..training import RunLog, StopRequests, Trainer, describe
+
     sink = open_sink(cfg.train.logger, out_dir, cfg) if ctx.is_main else None
     try:
         with _ProgressBar(show_progress and ctx.is_main, cfg.train.iterations, echo) as (echo, on_step):
@@ -289,6 +299,10 @@ def command(
     overrides: dict[str, dict[str, Any]] | None = None,
 ) -> None:
     """Train a model on token shards; logs like the reference, checkpoints atomically."""
+    from ..artifacts import json_text
+    from ..checkpoint import load_checkpoint
+    from ..training import find_inputs
+
     overrides = dict(overrides or {})
     paths = {k: str(v) for k, v in (("data_path", data), ("tokenizer_path", tokenizer)) if v is not None}
     overrides["data"] = {**overrides.get("data", {}), **paths}
