@@ -5,8 +5,8 @@ import typer
 
 from . import __version__
 from .cli_support import run_app
-from .stages import (compare, eval_ttt, evaluate, export, generate, inspect, pack, plot, prepare, quantize,
-                     report, tokenizer_meta, train)
+from .record_app import add_record_stages
+from .stages import compare, generate, inspect, pack, plot, prepare, report, tokenizer_meta
 
 app = typer.Typer(
     name="windowgpt",
@@ -33,11 +33,7 @@ def _root(
 
 app.command("prepare")(prepare.command)
 app.command("tokenizer-meta")(tokenizer_meta.command)
-app.command("train", context_settings={"max_content_width": 120})(train.command)
-app.command("export")(export.command)
-app.command("quantize")(quantize.command)
-app.command("eval")(evaluate.command)
-app.command("eval-ttt")(eval_ttt.command)
+add_record_stages(app)
 app.command("report")(report.command)
 app.command("generate")(generate.command)
 app.command("inspect")(inspect.command)

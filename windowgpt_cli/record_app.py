@@ -10,13 +10,19 @@ import typer
 from .cli_support import run_app
 from .stages import eval_ttt, evaluate, export, quantize, train
 
+
+def add_record_stages(app: typer.Typer) -> None:
+    """Register train, export, quantize, eval and eval-ttt (the full command line too)."""
+    app.command("train", context_settings={"max_content_width": 120})(train.command)
+    app.command("export")(export.command)
+    app.command("quantize")(quantize.command)
+    app.command("eval")(evaluate.command)
+    app.command("eval-ttt")(eval_ttt.command)
+
+
 app = typer.Typer(name="windowgpt", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="windowgpt's record stages, packed: train, export, quantize, eval, eval-ttt.")
-app.command("train", context_settings={"max_content_width": 120})(train.command)
-app.command("export")(export.command)
-app.command("quantize")(quantize.command)
-app.command("eval")(evaluate.command)
-app.command("eval-ttt")(eval_ttt.command)
+add_record_stages(app)
 
 
 def main() -> None:
