@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from typer.testing import CliRunner
 
-from windowgpt_cli.calibration import HESSIANS_FILENAME, calibrate, load_hessians, weights_sha256
+from windowgpt_cli.artifacts import tensors_sha256
+from windowgpt_cli.calibration import HESSIANS_FILENAME, calibrate, load_hessians
 from windowgpt_cli.checkpoint import load_checkpoint
 from windowgpt_cli.cli import app
 from windowgpt_cli.model import build_model
@@ -237,7 +238,7 @@ def test_two_ranks_calibrate_their_shares_and_sum_them(dist_two_rank_run, tiny_d
     two, _ = dist_two_rank_run
     stored = load_hessians(two / HESSIANS_FILENAME)
     ckpt = load_checkpoint(two)
-    assert stored.weights_sha256 == weights_sha256(ckpt.weights("ema"))
+    assert stored.weights_sha256 == tensors_sha256(ckpt.weights("ema"))
     model = build_model(ckpt.config.model, torch.device("cpu"))
     model.load_state_dict(ckpt.weights("ema"))
     with one_thread():

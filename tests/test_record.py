@@ -14,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from windowgpt_cli import codesize
-from windowgpt_cli.calibration import (AFTER_TRAINING, HESSIANS_FILENAME, INSIDE_TRAINING, load_hessians,
-                                       weights_sha256)
+from windowgpt_cli.artifacts import tensors_sha256
+from windowgpt_cli.calibration import AFTER_TRAINING, HESSIANS_FILENAME, INSIDE_TRAINING, load_hessians
 from windowgpt_cli.checkpoint import load_checkpoint
 from windowgpt_cli.cli import app
 from windowgpt_cli.errors import ArtifactError, ConfigError
@@ -98,7 +98,7 @@ def test_training_stops_early_by_the_reserve_and_calibrates_inside_its_budget(re
 
     stored = load_hessians(out / "train" / HESSIANS_FILENAME)
     assert stored.step == summary["step"] and stored.batches == 4 and stored.tokens == calibration["tokens"]
-    assert stored.weights_sha256 == weights_sha256(load_checkpoint(out / "train").weights("ema"))
+    assert stored.weights_sha256 == tensors_sha256(load_checkpoint(out / "train").weights("ema"))
     assert sum(len(names) for names in stored.hessians) == 24
     # The export of the EMA weights carries them.
     assert (out / "export" / HESSIANS_FILENAME).read_bytes() == (out / "train" / HESSIANS_FILENAME).read_bytes()

@@ -100,6 +100,18 @@ def json_text(obj: Any, indent: int | None = 2) -> str:
     return json.dumps(finite_json(obj), indent=indent, allow_nan=False)
 
 
+def read_json_object(path: Path, error: type[Exception] = ArtifactError, hint: str = "") -> dict[str, Any]:
+    """A JSON file holding one object; `error` (with the hint appended) when it is not."""
+    suffix = f"; {hint}" if hint else ""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        raise error(f"{path}: not readable JSON{suffix}") from None
+    if not isinstance(value, dict):
+        raise error(f"{path}: not a JSON object{suffix}")
+    return value
+
+
 def atomic_write_json(path: Path, obj: Any) -> Path:
     return atomic_write_text(path, json_text(obj) + "\n")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -42,7 +42,9 @@ class Calibration:
     tokens: int
     seconds: float
     step: int | None = None  # the training step whose EMA weights were calibrated (None: after training)
-    weights_sha256: str = ""  # weights_sha256() of the weights they were collected under
+    # tensors_sha256() of the weights they were collected under: by content, so a run's EMA
+    # weights and their export give the same one
+    weights_sha256: str = ""
 
     @property
     def layers(self) -> int:
@@ -93,12 +95,6 @@ def calibrate(model: torch.nn.Module, cfg: RunConfig, train_files: list[Path], d
     return Calibration(hessians, cfg.quant.gptq_calib_samples, total_tokens, time.perf_counter() - started)
 
 
-def weights_sha256(state_dict: Mapping[str, Tensor]) -> str:
-    """A fingerprint of weights by content (names, dtypes, shapes, values), whatever file
-    holds them: a run's EMA weights and their export give the same one."""
-    return tensors_sha256(dict(state_dict))
-
-
 # --- On disk ---------------------------------------------------------------------------
 
 def save_hessians(path: Path, calibration: Calibration) -> Path:
@@ -134,7 +130,7 @@ def stored_calibration(weights: LoadedWeights) -> Calibration | None:
     if path is None or not path.is_file():
         return None
     calibration = load_hessians(path)
-    if calibration.weights_sha256 != weights_sha256(weights.state_dict):
+    if calibration.weights_sha256 != tensors_sha256(weights.state_dict):
         raise ArtifactError(f"{path} was collected under other weights than {weights.path}; remove it, or "
                             "calibrate afresh with --recalibrate --data DATA")
     return calibration

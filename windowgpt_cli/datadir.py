@@ -8,12 +8,11 @@ Shards made elsewhere (e.g. the reference's FineWeb download) get a manifest fro
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from .artifacts import is_sha256, sha256_file
+from .artifacts import is_sha256, read_json_object, sha256_file
 from .errors import DataError
 from .shards import SPLITS, list_shards, read_token_count
 
@@ -55,11 +54,8 @@ def read_manifest(data_dir: Path) -> DataManifest:
     path = data_dir / MANIFEST_NAME
     if not path.is_file():
         raise DataError(f"{data_dir}: no {MANIFEST_NAME}, so it may be incomplete; {HOW_TO_MAKE}")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        raise DataError(f"{path}: not readable JSON; {HOW_TO_MAKE}") from None
-    if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
+    raw = read_json_object(path, DataError, HOW_TO_MAKE)
+    if raw.get("format") != MANIFEST_FORMAT:
         raise DataError(f"{path}: not a windowgpt data manifest")
     if raw.get("version") != MANIFEST_VERSION:
         raise DataError(f"{path}: manifest version {raw.get('version')!r} is not supported (expected "

@@ -2,12 +2,12 @@
 scored, where `inspect` and `compare` find them."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from .artifacts import atomic_write_json
+from .artifacts import atomic_write_json, read_json_object
 from .checkpoint import FILENAME as CHECKPOINT_FILENAME
+from .errors import ArtifactError
 from .model_io import EXPORT_WEIGHTS
 
 EVAL_MODES = ("standard", "sliding", "ttt")
@@ -35,8 +35,8 @@ def find_eval_results(artifact: Path) -> dict[str, dict[str, Any]]:
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object, or None where there is none to read (results are optional)."""
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return read_json_object(path)
+    except ArtifactError:
         return None
-    return value if isinstance(value, dict) else None

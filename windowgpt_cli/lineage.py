@@ -3,10 +3,10 @@ give the same bytes wherever they were quantized (paths go to the `.ptz.json` re
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 from .config import RunConfig
+from .eval_results import read_json
 from .model_io import EXPORT_INFO, LoadedWeights
 
 DATA_PATH_FIELDS = ("data_path", "tokenizer_path", "tokenizer_meta_path")
@@ -18,11 +18,7 @@ def weights_lineage(weights: LoadedWeights) -> dict[str, Any]:
     lineage: dict[str, Any] = {"kind": weights.kind, "sha256": weights.sha256}
     info_path = weights.path.parent / EXPORT_INFO
     if weights.kind == "export" and info_path.is_file():
-        try:
-            info = json.loads(info_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            info = {}
-        info = info if isinstance(info, dict) else {}
+        info = read_json(info_path) or {}
         lineage.update({"run_sha256": info.get("source_sha256"), "step": info.get("step"),
                         "weights": info.get("weights")})
     return lineage

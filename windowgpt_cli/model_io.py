@@ -8,7 +8,6 @@ None of them is read with pickle's ability to run code.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import ptz, tensorfile
-from .artifacts import is_sha256, sha256_file
+from .artifacts import is_sha256, read_json_object, sha256_file
 from .checkpoint import FILENAME as CHECKPOINT_FILENAME, load_checkpoint
 from .config import RunConfig
 from .errors import ArtifactError, ConfigError
@@ -83,11 +82,8 @@ def read_export(export_dir: Path) -> tuple[RunConfig, dict[str, Tensor], dict]:
     for path in (config_path, info_path):
         if not path.is_file():
             raise ArtifactError(f"{export_dir}: export has no {path.name} (incomplete; export it again)")
-    try:
-        info = json.loads(info_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        raise ArtifactError(f"{info_path}: not readable JSON") from None
-    if not isinstance(info, dict) or info.get("format") != EXPORT_FORMAT:
+    info = read_json_object(info_path)
+    if info.get("format") != EXPORT_FORMAT:
         raise ArtifactError(f"{info_path}: not a windowgpt export description")
     for key in ("sha256", "config_sha256", "tokenizer_sha256"):
         if not is_sha256(info.get(key)):

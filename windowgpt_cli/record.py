@@ -15,7 +15,6 @@ The time limits are defined on 8 GPUs: on another number they are marked not app
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -86,13 +85,9 @@ def read_run(out: Path) -> RunFiles:
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ArtifactError(f"{path} is missing: the record report reads what `make record` writes into OUT")
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        raise ArtifactError(f"{path}: not readable JSON") from None
-    if not isinstance(doc, dict):
-        raise ArtifactError(f"{path}: not a JSON object")
-    return doc
+    from .artifacts import read_json_object
+
+    return read_json_object(path)
 
 
 # --- Figures -------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 import signal
 import time
@@ -19,8 +18,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .artifacts import json_text, sha256_file
-from .calibration import HESSIANS_FILENAME, calibrate, save_hessians, weights_sha256
+from .artifacts import json_text, sha256_file, tensors_sha256
+from .calibration import HESSIANS_FILENAME, calibrate, save_hessians
 from .checkpoint import FILENAME as CHECKPOINT_FILENAME
 from .checkpoint import Checkpoint, save_checkpoint
 from .config import RunConfig
@@ -457,7 +456,7 @@ class Trainer:
                           f"training+calibration={total_ms:.0f}ms, "
                           f"max_wallclock={self.wallclock_ms + self.gptq_reserve_ms:.0f}ms")
         if s.ctx.is_main:
-            calibration.step, calibration.weights_sha256 = self.step, weights_sha256(ema)
+            calibration.step, calibration.weights_sha256 = self.step, tensors_sha256(ema)
             save_hessians(self.out_dir / HESSIANS_FILENAME, calibration)
         barrier()
         return {"seconds": round(calibration.seconds, 3), "batches": calibration.batches,

@@ -51,7 +51,7 @@ def load_inputs(artifact: Path, data_dir: Path, tokenizer: Path | None, ctx: Dis
                 attn_backend: str = "auto") -> EvalInputs:
     """Build the artifact's model and check that the data and the tokenizer are those it
     was trained with."""
-    from ..datadir import check_same_tokenizer, verify_data
+    from ..datadir import verify_data
 
     data = verify_data(data_dir, hash_splits=("val",))
     return load_model(artifact, Path(tokenizer) if tokenizer is not None else data.tokenizer, ctx, attn_backend, data)
