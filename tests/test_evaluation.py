@@ -210,6 +210,25 @@ def test_standard_accepts_any_mean_loss_callable(eval_model, eval_val_tokens, ev
         evaluate_standard(loss_fn, val, eval_luts, seq_len=SEQ, batch_tokens=SEQ - 1, device=CPU)
 
 
+def test_standard_through_a_training_graph_pads_the_last_batch_and_scores_the_same(eval_model, eval_val_tokens,
+                                                                                    eval_luts):
+    val = truncated(eval_val_tokens)
+    shapes, grad_modes = [], []
+
+    def loss_fn(x, y):
+        shapes.append(tuple(x.shape))
+        grad_modes.append(torch.is_grad_enabled() and not torch.is_inference_mode_enabled())
+        return eval_model(x, y)
+
+    result = evaluate_standard(loss_fn, val, eval_luts, seq_len=SEQ, batch_tokens=3 * SEQ, device=CPU,
+                               training_graph=True)
+    assert shapes == [(3, SEQ), (3, SEQ)] and all(grad_modes)  # one shape, autograd on: the training graph's
+    want = evaluate_standard(eval_model, val, eval_luts, seq_len=SEQ, batch_tokens=SEQ, device=CPU)
+    assert (result.tokens, result.bytes) == (want.tokens, want.bytes)
+    assert result.val_loss == pytest.approx(want.val_loss, rel=1e-6)
+    assert result.val_bpb == pytest.approx(want.val_bpb, rel=1e-6)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_rank_shares_add_up_to_the_whole(eval_model, eval_val_tokens, eval_luts, world):
     val = truncated(eval_val_tokens)

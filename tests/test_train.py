@@ -145,3 +145,24 @@ def test_the_bar_shows_a_finished_cuda_loss_without_waiting_for_the_current_one(
     assert loss.read(third) == "2.5000"
     torch.cuda.synchronize()
     assert loss.read(fourth) in {"3.5000", "4.5000"}
+
+
+def test_validation_runs_through_the_compiled_training_graph(tiny_data_dir, tmp_path):
+    """Validating at the start and the end compiles nothing beyond the training step's graph."""
+    from torch._dynamo.testing import CompileCounter
+
+    from windowgpt_cli.distributed import DistContext
+    from windowgpt_cli.training import RunLog, Trainer, build_setup
+
+    cfg = tiny_cfg(tiny_data_dir, iterations=2, warmup_steps=1).resolved()
+    setup = build_setup(cfg, DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    setup.forward = torch.compile(setup.model, backend=counter, dynamic=False, fullgraph=True)
+    tmp_path.mkdir(exist_ok=True)
+    trainer = Trainer(setup, tmp_path, RunLog(tmp_path, enabled=False))
+    trainer.warm_up()
+    assert counter.frame_count == 1
+    val_loss, val_bpb = trainer.validate()
+    assert counter.frame_count == 1  # no inference graph beside the training one
+    assert 0 < val_loss < 10 and 0 < val_bpb < 10

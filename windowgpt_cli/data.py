@@ -157,7 +157,8 @@ class TokenStream:
         return self._maps[shard]
 
     def next_batch(self, global_tokens: int, seq_len: int, grad_accum_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's next micro-batch as CPU int64 tensors (inputs, targets)."""
+        """This rank's next micro-batch as contiguous CPU int64 tensors (inputs, targets): every
+        batch has one layout, so a compiled model sees one set of strides (validation too)."""
         local_seqs = global_tokens // (self.world_size * grad_accum_steps) // seq_len
         if local_seqs < 1:
             raise DataError(f"train_batch_tokens={global_tokens} gives no full sequence of {seq_len} tokens per "
@@ -173,7 +174,7 @@ class TokenStream:
             batch[rows] = tokens[starts[:, None] + offsets]
             self._check_vocab(shard, batch[rows])
         tensor = torch.from_numpy(batch)
-        return tensor[:, :-1], tensor[:, 1:]
+        return tensor[:, :-1].contiguous(), tensor[:, 1:].contiguous()
 
     def _check_vocab(self, shard: int, rows: np.ndarray) -> None:
         if self.vocab_size is None:
@@ -202,7 +203,7 @@ class Prefetcher:
         try:
             while not self._stop.is_set():
                 x, y = self.stream.next_batch(*self.args)
-                item = (x.contiguous(), y.contiguous(), self.stream.state_dict())
+                item = (x, y, self.stream.state_dict())
                 if self.pin:
                     item = (item[0].pin_memory(), item[1].pin_memory(), item[2])
                 while not self._stop.is_set():

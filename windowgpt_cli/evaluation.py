@@ -23,6 +23,7 @@ the device until the end.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -85,6 +86,7 @@ class EvalResult:
     stride: int  # 0 for standard
     batch_seqs: int  # sequences or windows per forward pass
     per_chunk: list[ChunkScore] = field(default_factory=list)  # ttt only
+    timings: dict[str, float] = field(default_factory=dict)  # seconds of the phases inside `seconds`
 
     @property
     def tokens_per_second(self) -> float:
@@ -92,13 +94,13 @@ class EvalResult:
 
 
 def _result(mode: str, sums: Tensor, seconds: float, seq_len: int, stride: int, batch_seqs: int,
-            per_chunk: list[ChunkScore] | None = None) -> EvalResult:
+            per_chunk: list[ChunkScore] | None = None, timings: dict[str, float] | None = None) -> EvalResult:
     nats, tokens, n_bytes = sums.tolist()
     if tokens <= 0 or n_bytes <= 0:
         raise DataError("nothing was scored: the validation tokens stand for no bytes")
     val_loss, val_bpb = bits_per_byte(nats, tokens, n_bytes)
     return EvalResult(mode, val_loss, val_bpb, nats, int(tokens), int(n_bytes), seconds, seq_len, stride,
-                      batch_seqs, per_chunk or [])
+                      batch_seqs, per_chunk or [], {k: round(v, 3) for k, v in (timings or {}).items()})
 
 
 # --- Validation tokens ------------------------------------------------------------------
@@ -157,7 +159,7 @@ def batch_windows(requested: int, cfg: ModelConfig, seq_len: int, device: torch.
 
 def evaluate_standard(loss_fn: LossFn, val_tokens: Tensor, luts: ByteLuts, *, seq_len: int, batch_tokens: int,
                       device: torch.device, rank: int = 0, world_size: int = 1,
-                      progress: BatchProgress | None = None) -> EvalResult:
+                      progress: BatchProgress | None = None, training_graph: bool = False) -> EvalResult:
     """The reference's `eval_val`: consecutive sequences of seq_len, each token scored once.
 
     loss_fn(x, y) returns the mean cross-entropy of a [B, seq_len] batch (a GPT, or the
@@ -166,6 +168,11 @@ def evaluate_standard(loss_fn: LossFn, val_tokens: Tensor, luts: ByteLuts, *, se
     The rank scores sequences [total * rank // world, total * (rank + 1) // world); sums are
     all-reduced when torch.distributed is initialized. The module's train/eval mode is left
     alone: the model behaves the same in both.
+
+    training_graph=True runs loss_fn as training calls it, so that a compiled training
+    forward serves without compiling another graph: every batch has the same shape (the
+    last is padded with rows whose targets cross-entropy ignores) and autograd stays on
+    (each batch's graph is dropped at once).
     """
     if batch_tokens < seq_len:
         raise ConfigError(f"the evaluation batch ({batch_tokens} tokens per rank) must hold at least one "
@@ -178,13 +185,13 @@ def evaluate_standard(loss_fn: LossFn, val_tokens: Tensor, luts: ByteLuts, *, se
     luts = luts.to(device)
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     batches = range(0, last - first, batch_seqs)
-    with torch.inference_mode():
+    with contextlib.nullcontext() if training_graph else torch.inference_mode():
         for done, begin in enumerate(batches, 1):
             end = min(begin + batch_seqs, last - first)
             local = tokens[begin * seq_len: end * seq_len + 1]
             x, y = local[:-1].view(-1, seq_len), local[1:].view(-1, seq_len)
             with autocast(device):
-                loss = loss_fn(x, y).detach()
+                loss = loss_fn(*_padded(x, y, batch_seqs) if training_graph else (x, y)).detach()
             sums[NATS] += loss.to(torch.float64) * y.numel()
             sums[TOKENS] += y.numel()
             sums[BYTES] += luts.count_bytes(x, y).sum()
@@ -192,6 +199,17 @@ def evaluate_standard(loss_fn: LossFn, val_tokens: Tensor, luts: ByteLuts, *, se
                 progress(done, len(batches))
     all_reduce_(sums)
     return _result("standard", sums, _sync_clock(device) - start, seq_len, 0, batch_seqs)
+
+
+IGNORED_TARGET = -100  # F.cross_entropy's default ignore_index
+
+
+def _padded(x: Tensor, y: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """x, y grown to `rows` rows; the added targets are ignored by the loss."""
+    missing = rows - x.shape[0]
+    if missing <= 0:
+        return x, y
+    return F.pad(x, (0, 0, 0, missing)), F.pad(y, (0, 0, 0, missing), value=IGNORED_TARGET)
 
 
 def _sync_clock(device: torch.device) -> float:
@@ -282,6 +300,7 @@ class WindowScorer:
                  device: torch.device, compile_model: bool, fused: bool = False, autotune: bool = False):
         if batch_rows < 1:
             raise ConfigError(f"the evaluation batch ({batch_rows} windows) must hold at least one window")
+        built = _sync_clock(device)
         self.model, self.tokens, self.luts = model, tokens, luts
         self.seq_len, self.width, self.batch_rows, self.device = seq_len, width, batch_rows, device
         # Logits leave the forward in the autocast dtype and the loss is taken outside it, as
@@ -299,6 +318,8 @@ class WindowScorer:
             self.logits_fn = compiled(model.logits_at, compile_model, autotune=autotune)
         self.window_offsets = torch.arange(seq_len, device=device)
         self.row_offsets = torch.arange(width, device=device)
+        # set-up (kernel builds) and the first batch (what compiles at its first call)
+        self.timings = {"scorer_setup": _sync_clock(device) - built}
 
     def rows(self, plan: WindowPlan) -> tuple[Tensor, Tensor, Tensor]:
         """(window start, first scored window offset, window length) of every row, padded to
@@ -320,7 +341,11 @@ class WindowScorer:
         with torch.inference_mode():
             for b in range(num_batches):
                 batch = slice(b * self.batch_rows, (b + 1) * self.batch_rows)
+                first_call = "first_batch" not in self.timings
+                begun = _sync_clock(self.device) if first_call else 0.0
                 sums += self._score_batch(starts[batch], first[batch], lengths[batch])
+                if first_call:
+                    self.timings["first_batch"] = _sync_clock(self.device) - begun
                 if progress is not None:
                     progress(b + 1, num_batches)
         return sums
@@ -384,7 +409,8 @@ def evaluate_sliding(model: GPT, val_tokens: Tensor, luts: ByteLuts, *, seq_len:
                           compile_model=should_compile(compile_model, device), fused=should_fuse(fused, device))
     sums = scorer.score(plan, progress)
     all_reduce_(sums)
-    return _result("sliding", sums, _sync_clock(device) - start, seq_len, stride, scorer.batch_rows)
+    return _result("sliding", sums, _sync_clock(device) - start, seq_len, stride, scorer.batch_rows,
+                   timings=scorer.timings)
 
 
 # --- Score-first test-time training -----------------------------------------------------
@@ -540,6 +566,7 @@ def evaluate_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTConfig,
     trainer = _ChunkTrainer(model, params, ttt, tokens, seq_len=seq_len, device=device, rank=rank,
                             world_size=world_size, compile_model=compile_training)
     chunk_sums = torch.zeros(num_chunks, 3, dtype=torch.float64, device=device)
+    training_seconds = 0.0
     try:
         for ci, windows in enumerate(chunks):
             if windows.numel() == 0:
@@ -548,7 +575,9 @@ def evaluate_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTConfig,
             chunk_sums[ci] = scorer.score(plan.select(mine))
             if ci < num_chunks - 1 and ttt.ttt_epochs > 0:
                 chunk_start, chunk_end = ci * ttt.ttt_chunk_tokens, min((ci + 1) * ttt.ttt_chunk_tokens, total_tokens)
+                begun = _sync_clock(device)
                 trainer.train_chunk(chunk_start, chunk_end, ttt_learning_rate(ttt.ttt_lr, ci, num_chunks))
+                training_seconds += _sync_clock(device) - begun
             if on_chunk is not None:
                 on_chunk(ChunkProgress(ci + 1, num_chunks, *chunk_sums[: ci + 1].sum(0).tolist()))
     finally:
@@ -556,4 +585,4 @@ def evaluate_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTConfig,
     all_reduce_(chunk_sums)
     per_chunk = [ChunkScore(nats, int(n), int(b)) for nats, n, b in chunk_sums.tolist()]
     return _result("ttt", chunk_sums.sum(0), _sync_clock(device) - start, seq_len, stride, scorer.batch_rows,
-                   per_chunk)
+                   per_chunk, {**scorer.timings, "ttt_training": training_seconds})

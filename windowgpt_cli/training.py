@@ -31,6 +31,7 @@ from .evaluation import evaluate_standard, load_validation_tokens
 from .model import GPT, build_model
 from .optim import Optimizers, WeightAverages, build_optimizers, lr_scale, muon_momentum_at
 from .runtime import autocast, compiled, device_name, enable_fast_math, seed_everything, synchronize
+from .timing import Phases
 from .tokenizer import ByteLuts, load_byte_luts, tokenizer_vocab_size
 
 SWA_LR_THRESHOLD = 0.2  # SWA collects snapshots once the LR scale falls below this
@@ -204,8 +205,10 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
 
 
 class Trainer:
-    def __init__(self, setup: Setup, out_dir: Path, log: RunLog, progress: Callable[[dict], None] | None = None):
+    def __init__(self, setup: Setup, out_dir: Path, log: RunLog, progress: Callable[[dict], None] | None = None,
+                 phases: Phases | None = None):
         self.s, self.out_dir, self.log, self.progress = setup, out_dir, log, progress
+        self.phases = phases or Phases()  # where the time outside the training steps goes
         t = setup.cfg.train
         self.wallclock_ms = 1000.0 * t.max_wallclock_seconds if t.max_wallclock_seconds > 0 else None
         # GPTQ calibration counts as training: under a cap, training leaves it this much time.
@@ -254,13 +257,18 @@ class Trainer:
         model_state = {k: v.detach().clone() for k, v in s.model.state_dict().items()}
         optimizer_state = copy.deepcopy(s.optimizers.state_dict())
         stream_state = self.stream.state_dict()
+        with self.phases.timed("warmup", sync=s.ctx.device):
+            self._warm_up_steps()
+        s.model.load_state_dict(model_state, strict=True)
+        s.optimizers.load_state_dict(optimizer_state)
+        self.stream.load_state_dict(stream_state)
+
+    def _warm_up_steps(self) -> None:
+        t = self.s.cfg.train
         for i in range(t.warmup_steps):
             self._train_step(self._direct_batch, 1.0)
             if t.warmup_steps <= 20 or (i + 1) % 10 == 0 or i + 1 == t.warmup_steps:
                 self.log.line(f"warmup_step:{i + 1}/{t.warmup_steps}")
-        s.model.load_state_dict(model_state, strict=True)
-        s.optimizers.load_state_dict(optimizer_state)
-        self.stream.load_state_dict(stream_state)
 
     def _direct_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.stream.next_batch(self.s.cfg.train.train_batch_tokens, self.s.seq_len, self.s.grad_accum_steps)
@@ -269,11 +277,18 @@ class Trainer:
     # --- validation ---
 
     def validate(self) -> tuple[float, float]:
+        """val_loss and val_bpb; a compiled model validates through its training graph, in
+        batches of a training micro-batch's shape, so that no second graph is compiled."""
         s, t = self.s, self.s.cfg.train
-        local_batch_tokens = t.val_batch_size // (s.ctx.world_size * s.grad_accum_steps)
-        result = evaluate_standard(s.forward, s.val_tokens, s.luts, seq_len=t.train_seq_len,
-                                   batch_tokens=local_batch_tokens, device=s.ctx.device,
-                                   rank=s.ctx.rank, world_size=s.ctx.world_size)
+        training_graph = s.forward is not s.model and s.seq_len == t.train_seq_len
+        if training_graph:
+            local_batch_tokens = t.train_batch_tokens // (s.ctx.world_size * s.grad_accum_steps)
+        else:
+            local_batch_tokens = t.val_batch_size // (s.ctx.world_size * s.grad_accum_steps)
+        with self.phases.timed("validation", sync=s.ctx.device):
+            result = evaluate_standard(s.forward, s.val_tokens, s.luts, seq_len=t.train_seq_len,
+                                       batch_tokens=local_batch_tokens, device=s.ctx.device,
+                                       rank=s.ctx.rank, world_size=s.ctx.world_size, training_graph=training_graph)
         s.model.train()
         return result.val_loss, result.val_bpb
 
@@ -282,6 +297,10 @@ class Trainer:
     def checkpoint(self, prefetcher: Prefetcher | None) -> Path:
         """Rank 0 writes RUN_DIR/checkpoint.pt; every rank takes part (Muon's momentum
         shards and every rank's loader state are gathered) and waits until it is on disk."""
+        with self.phases.timed("checkpoint"):
+            return self._write_checkpoint(prefetcher)
+
+    def _write_checkpoint(self, prefetcher: Prefetcher | None) -> Path:
         s = self.s
         loader_state = prefetcher.state_dict() if prefetcher is not None else self.stream.state_dict()
         # Ranks with a longer sequence length draw differently from their stream: keep each rank's.
@@ -445,8 +464,9 @@ class Trainer:
         as the reference collects them in its reserve; rank 0 writes RUN/hessians.safetensors."""
         s, q = self.s, self.s.cfg.quant
         self.log.line(f"gptq:calibrating with {q.gptq_calib_samples} batches (training data)...")
-        calibration = calibrate(s.model, s.cfg, s.train_files, s.ctx.device, rank=s.ctx.rank,
-                                world_size=s.ctx.world_size)
+        with self.phases.timed("calibration"):
+            calibration = calibrate(s.model, s.cfg, s.train_files, s.ctx.device, rank=s.ctx.rank,
+                                    world_size=s.ctx.world_size)
         total_ms = self.training_time_ms + 1000.0 * calibration.seconds
         self.log.line(f"gptq:calibrated {calibration.layers} layers in {calibration.seconds:.1f}s "
                       f"({calibration.batches} batches, {calibration.tokens} tokens)")

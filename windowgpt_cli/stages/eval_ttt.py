@@ -19,8 +19,8 @@ from ..cli_support import FROM_ARTIFACT, console, err_console, option_help, user
 from ..config import apply_overrides, validate
 from ..errors import ConfigError
 from .evaluate import (ArtifactArg, AttnOption, BatchOption, CompileOption, DataOption, DeviceOption, EvalReport,
-                       FusedOption, JsonOption, ScoreOnceOption, TokenizerOption, check_eval_settings, eval_record,
-                       load_inputs, report, show_progress_bars)
+                       FusedOption, JsonOption, ScoreOnceOption, TokenizerOption, add_timings, check_eval_settings,
+                       eval_record, load_inputs, report, show_progress_bars)
 
 if TYPE_CHECKING:
     from ..evaluation import ChunkProgress
@@ -44,10 +44,13 @@ def ttt_evaluate_artifact(artifact: Path, data_dir: Path, *, ttt_overrides: dict
     from ..distributed import init_distributed, shutdown
     from ..eval_results import save_eval_result
     from ..evaluation import TTT_ORDER, evaluate_ttt, load_validation_tokens, should_compile, should_fuse
+    from ..timing import Phases
 
+    phases = Phases()
     ctx = init_distributed(device)
     try:
-        inputs = load_inputs(artifact, data_dir, tokenizer, ctx, attn_backend)
+        with phases.timed("load"):
+            inputs = load_inputs(artifact, data_dir, tokenizer, ctx, attn_backend)
         cfg = apply_overrides(inputs.config, {"ttt": dict(ttt_overrides or {})})
         validate(cfg)
         ttt = cfg.ttt
@@ -61,8 +64,9 @@ def ttt_evaluate_artifact(artifact: Path, data_dir: Path, *, ttt_overrides: dict
             raise ConfigError("test-time training scores sliding windows: --stride must be in 1..seq_len")
         # As the reference: the tokens are cut to whole sequences of the longer of the
         # training (here: TTT window) and evaluation lengths.
-        val_tokens = load_validation_tokens(data_dir, max(seq_len, cfg.eval.eval_seq_len), cfg.model.vocab_size,
-                                            inputs.data.shards("val"))
+        with phases.timed("tokens"):
+            val_tokens = load_validation_tokens(data_dir, max(seq_len, cfg.eval.eval_seq_len), cfg.model.vocab_size,
+                                                inputs.data.shards("val"))
         echo = echo if ctx.is_main else None
         compiling = should_fuse(fused, ctx.device) or should_compile(compile_model, ctx.device)
         with chunk_progress(show_progress and ctx.is_main, echo, compiling) as on_chunk:
@@ -76,6 +80,7 @@ def ttt_evaluate_artifact(artifact: Path, data_dir: Path, *, ttt_overrides: dict
         record["ttt_order"] = TTT_ORDER
         record["per_chunk"] = [{"loss_sum": c.loss_sum, "tokens": c.tokens, "bytes": c.bytes, "val_bpb": c.val_bpb}
                                for c in result.per_chunk]
+        add_timings(record, phases, result)
         if ctx.is_main:  # beside the artifact, for `compare` and `inspect`
             save_eval_result(Path(artifact), record)
         return EvalReport(result, record, ctx.is_main)

@@ -96,6 +96,19 @@ def eval_record(result: EvalResult, inputs: EvalInputs, artifact: Path) -> dict[
     }
 
 
+def add_timings(record: dict[str, Any], phases, result: EvalResult) -> None:
+    """The command's wall time by phase (timing.Phases), scoring's own phases beside it."""
+    phases.add("scoring", result.seconds)
+    record["timings_s"] = phases.as_dict()
+    record["scoring_timings_s"] = result.timings
+
+
+def timings_line(record: dict[str, Any]) -> str:
+    inner = ", ".join(f"{name} {s:.1f}s" for name, s in record.get("scoring_timings_s", {}).items())
+    line = "time: " + ", ".join(f"{name} {s:.1f}s" for name, s in record["timings_s"].items())
+    return f"{line} (scoring: {inner})" if inner else line
+
+
 def results_table(record: dict[str, Any], title: str) -> Table:
     table = Table(title=title, show_header=False)
     table.add_column("metric", style="bold")
@@ -124,6 +137,8 @@ def report(record: dict[str, Any], title: str, as_json: bool) -> None:
         typer.echo(json_text(record))
     else:
         console.print(results_table(record, title))
+    if "timings_s" in record:
+        err_console.print(timings_line(record), highlight=False, soft_wrap=True)
 
 
 @contextlib.contextmanager
@@ -162,10 +177,13 @@ def evaluate_artifact(artifact: Path, data_dir: Path, *, stride: int | None = No
     from ..evaluation import (batch_windows, evaluate_sliding, evaluate_standard, load_validation_tokens,
                               should_compile, should_fuse)
     from ..runtime import compiled
+    from ..timing import Phases
 
+    phases = Phases()
     ctx = init_distributed(device)
     try:
-        inputs = load_inputs(artifact, data_dir, tokenizer, ctx, attn_backend)
+        with phases.timed("load"):
+            inputs = load_inputs(artifact, data_dir, tokenizer, ctx, attn_backend)
         cfg = inputs.config
         seq_len = cfg.eval.eval_seq_len if seq_len is None else seq_len
         stride = cfg.eval.eval_stride if stride is None else stride
@@ -173,8 +191,9 @@ def evaluate_artifact(artifact: Path, data_dir: Path, *, stride: int | None = No
         check_eval_settings(seq_len, stride, batch_seqs)
         # As the reference: the tokens are cut to whole sequences of the longer of the
         # training and evaluation lengths.
-        val_tokens = load_validation_tokens(data_dir, max(cfg.train.train_seq_len, seq_len), cfg.model.vocab_size,
-                                            inputs.data.shards("val"))
+        with phases.timed("tokens"):
+            val_tokens = load_validation_tokens(data_dir, max(cfg.train.train_seq_len, seq_len),
+                                                cfg.model.vocab_size, inputs.data.shards("val"))
         standard = stride == 0 or stride == seq_len
         compile_model = should_compile(compile_model, ctx.device)
         compiling = compile_model or (not standard and should_fuse(fused, ctx.device))
@@ -193,6 +212,7 @@ def evaluate_artifact(artifact: Path, data_dir: Path, *, stride: int | None = No
         record = eval_record(result, inputs, Path(artifact))
         if result.mode == "sliding":
             record["score_once"] = score_once
+        add_timings(record, phases, result)
         if ctx.is_main:  # beside the artifact, for `compare` and `inspect`
             save_eval_result(Path(artifact), record)
         return EvalReport(result, record, ctx.is_main)

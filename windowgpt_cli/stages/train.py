@@ -58,8 +58,10 @@ def train_and_report(cfg: RunConfig, out_dir: Path, *, resume: bool = False, for
     # torch is imported only when a command runs, so that --help answers at once
     from ..checkpoint import checkpoint_path, load_checkpoint
     from ..distributed import init_distributed, shutdown
+    from ..timing import Phases
     from ..training import TrainResult, build_setup
 
+    phases = Phases()
     echo = echo or (lambda line: print(line, flush=True))
     out_dir = Path(out_dir)
     if resume and force:
@@ -84,7 +86,8 @@ def train_and_report(cfg: RunConfig, out_dir: Path, *, resume: bool = False, for
                     record = json.loads((out_dir / SUMMARY).read_text(encoding="utf-8")) if ctx.is_main else None
                     return TrainReport(TrainResult(ckpt.step, ckpt.training_time_ms, finished=True,
                                                    checkpoint=checkpoint_path(out_dir)), record, ctx.is_main)
-                setup = build_setup(cfg, ctx)
+                with phases.timed("setup"):
+                    setup = build_setup(cfg, ctx)
                 if ckpt is not None and ckpt.tokenizer_sha256 != setup.tokenizer_sha256:
                     raise DataError(f"{cfg.data.data_path}: encoded with another tokenizer than the run in {out_dir} "
                                     "was trained with; resume with the run's data")
@@ -94,7 +97,7 @@ def train_and_report(cfg: RunConfig, out_dir: Path, *, resume: bool = False, for
                 raise
             if ctx.is_main:
                 cfg.save(out_dir / "config.json")
-            return _train_locked(cfg, ctx, setup, ckpt, out_dir, stop_at_step, show_progress, echo)
+            return _train_locked(cfg, ctx, setup, ckpt, out_dir, stop_at_step, show_progress, echo, phases)
     finally:
         shutdown()
 
@@ -120,28 +123,36 @@ def _claim_run_dir(out_dir: Path, resume: bool, force: bool, notify: Echo):
 
 
 def _train_locked(cfg, ctx, setup, ckpt, out_dir: Path, stop_at_step: int | None, show_progress: bool,
-                  echo: Echo) -> TrainReport:
+                  echo: Echo, phases) -> TrainReport:
     from ..artifacts import atomic_write_json
     from ..checkpoint import checkpoint_path
+    from ..timing import compile_line, compile_seconds
     from ..training import RunLog, StopRequests, Trainer, describe
 
     sink = open_sink(cfg.train.logger, out_dir, cfg) if ctx.is_main else None
     try:
         with _ProgressBar(show_progress and ctx.is_main, cfg.train.iterations, echo) as (echo, on_step):
             log = RunLog(out_dir, enabled=ctx.is_main, echo=echo, sink=sink)
-            trainer = Trainer(setup, out_dir, log, progress=on_step)
+            trainer = Trainer(setup, out_dir, log, progress=on_step, phases=phases)
             if ckpt is not None:
                 trainer.restore(ckpt)
                 log.line(f"resume:step:{trainer.step}/{cfg.train.iterations} from {checkpoint_path(out_dir)}")
             else:
                 describe(setup, log)
                 trainer.warm_up()
+            trained_before_ms = trainer.training_time_ms
             with StopRequests().installed() as stops:
                 result = trainer.run(stop_at_step, stops)
+            phases.add("training", (result.training_time_ms - trained_before_ms) / 1000.0)
+            timings = phases.as_dict()
+            log.line(compile_line())
+            log.line(phases.line())
     finally:
         if sink is not None:
             sink.close()
     record = summary(result, cfg) if ctx.is_main and result.finished else None
+    if record is not None:
+        record.update(timings_s=timings, compile_s=round(compile_seconds(), 3))
     if record is not None:
         atomic_write_json(out_dir / SUMMARY, record)
     return TrainReport(result, record, ctx.is_main)
