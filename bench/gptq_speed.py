@@ -11,9 +11,9 @@ training shards used for calibration. It measures, on this machine:
 2. Hessian collection and the batched GPTQ on their own, and the reference's
    `gptq_quantize_weight` (CPU, column by column) on the same weights and Hessians for a
    few layers: time, and reconstruction error (H-weighted and plain MSE) of both;
-3. every .ptz compressor on the real payload (size, compress and decompress time) and the
-   order-0 entropy of the int6/int8 codes, a bound no byte-wise coder of the codes beats
-   without modelling context;
+3. every compressor of bench/compressors.py on the real payload (size, compress and
+   decompress time) and the order-0 entropy of the int6/int8 codes, a bound no byte-wise
+   coder of the codes beats without modelling context;
 4. the reference's own artifact (torch.save + lzma preset 6 of mixed_quantize_int6) from
    the same weights, and whether its dequantized tensors equal ours bit for bit.
 
@@ -23,24 +23,24 @@ stand-in (default: shim/ beside the reference).
 from __future__ import annotations
 
 import argparse
-import bz2
 import importlib.util
 import io
 import json
 import lzma
+import os
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
 from rich.console import Console
-from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from compressors import CANDIDATES, run_all  # noqa: E402  (bench/compressors.py)
+from compressors import table as compressor_table  # noqa: E402
 from windowgpt_cli import ptz  # noqa: E402
 from windowgpt_cli.model import unbank_state_dict  # noqa: E402
 from windowgpt_cli.model_io import load_weights  # noqa: E402
@@ -49,15 +49,6 @@ from windowgpt_cli.runtime import resolve_device, synchronize  # noqa: E402
 from windowgpt_cli.stages.quantize import calibration_hessians, quant_settings, quantize  # noqa: E402
 
 console = Console(width=160)
-
-
-BASELINES = {
-    "lzma-9e": lambda b: lzma.compress(b, preset=9 | lzma.PRESET_EXTREME),
-    "lzma-pb0": lambda b: lzma.compress(b, format=lzma.FORMAT_XZ, filters=[
-        {"id": lzma.FILTER_LZMA2, "preset": 6, "lc": 3, "lp": 0, "pb": 0}]),
-    "zlib-9": lambda b: zlib.compress(b, 9),
-    "bz2-9": lambda b: bz2.compress(b, 9),
-}
 
 
 def import_reference(script: Path, shim: Path):
@@ -170,22 +161,11 @@ def bench_compressors(artifact_path: Path) -> dict:
     rows = {"payload_bytes": len(payload), "code_entropy_bytes": round(entropy), "other_raw_bytes": other,
             "int6_entropy_bytes": round(int6_entropy), "int6_entropy_column_buckets": round(by_column),
             "int6_entropy_row_buckets": round(by_row), "compressors": {}}
-    table = Table(title=f"compressors on {artifact_path.name} (payload {len(payload):,} B; order-0 entropy of codes "
-                        f"{entropy:,.0f} B + {other:,} B of scales and kept tensors)")
-    for col in ("compressor", "bytes", "vs lzma", "compress s", "decompress s"):
-        table.add_column(col, justify="right")
-    base = None
-    for name in ptz.COMPRESSORS:
-        data, t_c = timed(lambda: ptz.compress_payload(payload, name), torch.device("cpu"))
-        _, t_d = timed(lambda: ptz.decompress_payload(data, name), torch.device("cpu"))
-        base = base or len(data)
-        rows["compressors"][name] = {"bytes": len(data), "compress_s": round(t_c, 2), "decompress_s": round(t_d, 2)}
-        table.add_row(name, f"{len(data):,}", f"{len(data) / base - 1:+.2%}", f"{t_c:.1f}", f"{t_d:.1f}")
-    for name, compress in BASELINES.items():  # measured for comparison, not offered by .ptz
-        data, t_c = timed(lambda: compress(payload), torch.device("cpu"))
-        rows["compressors"][name] = {"bytes": len(data), "compress_s": round(t_c, 2)}
-        table.add_row(f"{name} (not offered)", f"{len(data):,}", f"{len(data) / base - 1:+.2%}", f"{t_c:.1f}", "")
-    console.print(table)
+    results = run_all(payload, list(CANDIDATES), os.cpu_count() or 1)
+    rows["compressors"] = results
+    console.print(compressor_table(results, f"compressors on {artifact_path.name} (payload {len(payload):,} B; "
+                                            f"order-0 entropy of codes {entropy:,.0f} B + {other:,} B of scales "
+                                            "and kept tensors)"))
     return rows
 
 

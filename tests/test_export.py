@@ -127,13 +127,19 @@ def test_cli_export_and_quantize_report_and_enforce_the_budget(quant_run_dir: Pa
     assert "parameter_count" in result.output
 
     artifact = tmp_path / "m.ptz"
-    result = runner.invoke(app, ["quantize", str(tmp_path / "e"), "--out", str(artifact), "--compressor", "rans"],
-                           env=WIDE)
+    result = runner.invoke(app, ["quantize", str(tmp_path / "e"), "--out", str(artifact)], env=WIDE)
     assert result.exit_code == 0, result.output
     report = json.loads(report_path(artifact).read_text())
     for label in ("attn", "mlp", "embed", "control", "compressed model", "code", "total", "16,000,000"):
         assert label in result.output
-    assert f"{report['total_bytes']:,}" in result.output and report["compressor"] == "rans"
+    assert f"{report['total_bytes']:,}" in result.output
+    # the default, auto, chose one compressor; the header and the report name it
+    assert report["compressor_option"] == "auto" and report["compressor"] in ("lzma", "rans")
+    assert ptz.compressor_of(artifact.read_bytes()) == report["compressor"]
+    assert f"({report['compressor']} by auto," in result.output
+    _, model = model_io.build_model(artifact, torch.device("cpu"))  # loads as eval loads it
+    assert sum(p.numel() for p in model.parameters()) == json.loads((tmp_path / "e" / "export.json").read_text())[
+        "parameter_count"]
 
     too_small = report["model_bytes"]  # leaves nothing for the code
     result = runner.invoke(app, ["quantize", str(tmp_path / "e"), "--out", str(artifact), "--budget", str(too_small),

@@ -129,8 +129,12 @@ def world(tmp_path_factory, tiny_data_dir: Path, tiny_run_dir: Path, eval_tokeni
     w["old_ptz"] = root / "old.ptz"  # version 1: no size or hash in the header
     w["old_ptz"].write_bytes(ptz.MAGIC + bytes([1, 1]) + lzma.compress(payload))
     w["bomb_ptz"] = root / "bomb.ptz"  # a few kB that would inflate to 20 MB
-    w["bomb_ptz"].write_bytes(good[:7] + ptz._SIZE_AND_HASH.pack(len(payload), bytes(32))
-                              + lzma.compress(bytes(20_000_000)))
+    w["bomb_ptz"].write_bytes(ptz.MAGIC + bytes([ptz.FORMAT_VERSION, ptz.COMPRESSORS["lzma"].id])
+                              + ptz._SIZE_AND_HASH.pack(len(payload), bytes(32)) + lzma.compress(bytes(20_000_000)))
+    w["rans_flipped_ptz"] = root / "rans-flipped.ptz"  # one bit of the rANS-coded words changed
+    coded = bytearray(ptz.compress_payload(payload, "rans"))
+    coded[-40] ^= 0x08
+    w["rans_flipped_ptz"].write_bytes(bytes(coded))
 
     w["a_file"] = root / "a-file"
     w["a_file"].write_text("not a directory\n")
@@ -224,6 +228,7 @@ CASES = [
     ("eval {old_ptz} --data {data}", 1, "version 1 is not supported"),
     ("eval {bomb_ptz} --data {data}", 1, "declares"),
     ("eval {huge_ptz} --data {data}", 1, "model_dim=100000"),
+    ("eval {rans_flipped_ptz} --data {data}", 1, "rANS stream"),
     ("eval {flipped_ckpt} --data {data}", 1, "flipped-run"),
     ("eval {no_info} --data {data}", 1, "export.json"),
     ("eval {ptz} --data {no_manifest}", 1, "windowgpt prepare"),

@@ -92,13 +92,15 @@ def _artifact() -> ptz.PtzArtifact:
     return ptz.PtzArtifact(cfg, quantize_state_dict(sd), "cd" * 32, {"kind": "export", "sha256": "ef" * 32})
 
 
-@pytest.mark.parametrize("compressor", list(ptz.COMPRESSORS))
+@pytest.mark.parametrize("compressor", ptz.COMPRESSOR_CHOICES)
 def test_ptz_round_trip_restores_dequantized_tensors_and_config(tmp_path: Path, compressor: str):
     artifact = _artifact()
     path = tmp_path / "m.ptz"
     size = ptz.save(path, artifact, compressor)
     assert size == path.stat().st_size
-    assert path.read_bytes()[:7] == b"WGPTZ" + bytes([ptz.FORMAT_VERSION, ptz.COMPRESSORS[compressor].id])
+    used = ptz.compressor_of(path.read_bytes())
+    assert used == compressor or compressor == ptz.AUTO and used in ptz.COMPRESSORS
+    assert path.read_bytes()[:7] == b"WGPTZ" + bytes([ptz.FORMAT_VERSION, ptz.COMPRESSORS[used].id])
     back = ptz.load(path)
     assert back.config.to_dict() == artifact.config.to_dict()
     assert back.tokenizer_sha256 == artifact.tokenizer_sha256 and back.source == artifact.source
@@ -248,33 +250,122 @@ def test_the_cli_refuses_a_planted_pickle_with_one_line(tmp_path: Path):
 
 # --- The rANS compressor ----------------------------------------------------------------
 
+def _codes(rows: int, cols: int, spread: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.clamp(torch.round(torch.randn(rows, cols, generator=g) * spread), -31, 31).to(torch.int8)
+
+
 def test_rans_codes_int8_tensors_near_their_entropy_and_below_lzma():
-    g = torch.Generator().manual_seed(9)
-    codes = torch.clamp(torch.round(torch.randn(400, 500, generator=g) * 4), -31, 31).to(torch.int8)
-    payload = tensorfile.dumps({"a.q": codes, "small.q": codes[:2, :10].contiguous(), "b": torch.randn(50, generator=g)})
+    codes = _codes(400, 500, 4, 9)
+    payload = tensorfile.dumps({"a.q": codes, "small.q": codes[:2, :10].contiguous(), "b": torch.randn(50)})
     counts = torch.bincount(codes.flatten().long() + 128).double()
     p = counts[counts > 0] / codes.numel()
     entropy_bytes = float(-(p * p.log2()).sum()) * codes.numel() / 8
     coded = ptz.compress_payload(payload, "rans")
-    overhead = 4 * ptz.RANS_LANES + 1_000  # lane states, header, table, the lzma-coded rest
+    overhead = 4 * ptz.rans_lanes(codes.numel()) + 1_000  # lane states, header, table, the lzma-coded rest
     assert len(coded) <= entropy_bytes * 1.002 + overhead
     assert len(coded) < len(ptz.compress_payload(payload, "lzma"))
     assert ptz.decompress_payload(coded, "x") == payload
 
 
-def test_rans_refuses_altered_or_truncated_streams(tmp_path: Path):
-    good = ptz.encode(_artifact(), "rans")
-    header = ptz.HEADER_BYTES + ptz._RANS_HEADER.size
+def test_rans_lanes_grow_with_the_symbols_within_bounds():
+    lanes = [ptz.rans_lanes(n) for n in (0, 10_000, 4_000_000, 27_000_000, 10**9)]
+    assert lanes == sorted(lanes) and lanes[0] == ptz.RANS_MIN_LANES and lanes[-1] == ptz.RANS_MAX_LANES
+    assert all(n & (n - 1) == 0 for n in lanes)  # powers of two
+    assert 27_000_000 // lanes[3] >= ptz.RANS_SYMBOLS_PER_LANE
+
+
+def test_auto_keeps_the_smaller_of_rans_and_lzma_on_a_small_payload():
+    noisy = tensorfile.dumps({"a.q": _codes(300, 400, 6, 3)})  # independent codes: rans is smaller
+    periodic = tensorfile.dumps({"a.q": (torch.arange(120_000) % 50 - 25).to(torch.int8)})  # lzma's kind
+    assert len(noisy) < ptz.AUTO_TRIES_LZMA_BELOW and len(periodic) < ptz.AUTO_TRIES_LZMA_BELOW
+    winners = set()
+    for payload in (noisy, periodic):
+        sizes = {name: len(ptz.compress_payload(payload, name)) for name in ptz.COMPRESSORS}
+        auto = ptz.compress_payload(payload, ptz.AUTO)
+        assert len(auto) == min(sizes.values()) and sizes[ptz.compressor_of(auto)] == len(auto)
+        assert ptz.decompress_payload(auto, "x") == payload
+        winners.add(ptz.compressor_of(auto))
+    assert winners == {"rans", "lzma"}
+
+
+def test_auto_codes_large_payloads_with_rans_alone(monkeypatch: pytest.MonkeyPatch):
+    payload = tensorfile.dumps({"a.q": (torch.arange(120_000) % 50 - 25).to(torch.int8)})  # lzma would win
+    monkeypatch.setattr(ptz, "AUTO_TRIES_LZMA_BELOW", len(payload))
+    assert ptz.compressor_of(ptz.compress_payload(payload, ptz.AUTO)) == "rans"
+
+
+def _as_rans_v1(coded: bytes) -> bytes:
+    """A 1024-lane stream of compressor id 3 rewritten as compressor id 2, the first rans
+    format (the same stream without the lane count in its header)."""
+    header, body = coded[:ptz.HEADER_BYTES], coded[ptz.HEADER_BYTES:]
+    assert ptz._RANS_HEADER.unpack_from(body)[-1] == ptz.RANS_V1_LANES
+    return (header[:6] + bytes([2]) + header[7:] + body[:ptz._RANS_V1_HEADER.size]
+            + body[ptz._RANS_HEADER.size:])
+
+
+def _rans_streams(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[bytes, int]]:
+    """An artifact coded by rans as written today and in the first format (id 2), each with
+    the size of its rANS header."""
+    artifact = _artifact()
+    current = ptz.encode(artifact, "rans")
+    with monkeypatch.context() as patch:
+        patch.setattr(ptz, "rans_lanes", lambda symbols: ptz.RANS_V1_LANES)
+        first = _as_rans_v1(ptz.encode(artifact, "rans"))
+    return {"current": (current, ptz._RANS_HEADER.size), "first": (first, ptz._RANS_V1_HEADER.size)}
+
+
+def test_the_first_rans_format_still_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    first, _ = _rans_streams(monkeypatch)["first"]
+    (tmp_path / "old.ptz").write_bytes(first)
+    back, artifact = ptz.load(tmp_path / "old.ptz"), _artifact()
+    assert ptz.compressor_of(first) == "rans" and first[6] == 2
+    expected, got = artifact.dequantized(), back.dequantized()
+    assert list(got) == list(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("version", ["current", "first"])
+def test_rans_refuses_altered_or_truncated_streams(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: str):
+    good, rans_header = _rans_streams(monkeypatch)[version]
+    header = ptz.HEADER_BYTES + rans_header
     variants = {
         "truncated": good[:-3],
         "padded": good + b"\0\0",
         "word flipped": good[:-100] + bytes([good[-100] ^ 0x40]) + good[-99:],
         "state flipped": good[:header + 200] + bytes([good[header + 200] ^ 1]) + good[header + 201:],
         "header only": good[:header - 5],
+        "side flipped": good[:header + 30] + bytes([good[header + 30] ^ 0x10]) + good[header + 31:],
     }
+    if version == "current":
+        lanes_at = header - 4
+        for lanes in (0, ptz.RANS_MAX_LANES + 1, struct.unpack_from("<I", good, lanes_at)[0] // 2):
+            variants[f"{lanes} lanes"] = good[:lanes_at] + struct.pack("<I", lanes) + good[header:]
     for name, data in variants.items():
         path = tmp_path / f"{name.replace(' ', '_')}.ptz"
         path.write_bytes(data)
         with pytest.raises(ArtifactError) as excinfo:
             ptz.load(path)
         assert one_line_error(excinfo).startswith(str(path)), name
+
+
+def test_decoding_refuses_a_corrupt_rans_stream_as_corrupt_payload(monkeypatch: pytest.MonkeyPatch):
+    """Every prefix and every single-byte change of a small stream raises CorruptPayload
+    (or decodes to exactly the payload, which the header's hash then confirms)."""
+    payload = tensorfile.dumps({"a.q": _codes(64, 80, 3, 5), "b": torch.arange(6, dtype=torch.float32)})
+    for lanes in (ptz.RANS_V1_LANES, 64):
+        monkeypatch.setattr(ptz, "rans_lanes", lambda symbols: lanes)
+        stream = ptz.compress_payload(payload, "rans")
+        if lanes == ptz.RANS_V1_LANES:
+            stream = _as_rans_v1(stream)
+        decompress = ptz._DECOMPRESSORS[stream[6]][1]
+        body = stream[ptz.HEADER_BYTES:]
+        assert decompress(body, len(payload)) == payload
+        for cut in range(0, len(body), 7):
+            with pytest.raises(ptz.CorruptPayload):
+                decompress(body[:cut], len(payload))
+        for at in range(0, len(body), 5):
+            altered = body[:at] + bytes([body[at] ^ 0x21]) + body[at + 1:]
+            try:
+                assert decompress(altered, len(payload)) == payload, at
+            except ptz.CorruptPayload:
+                pass

@@ -103,8 +103,7 @@ def _read_export(export_dir: Path) -> ArtifactInfo:
 def _read_ptz(path: Path) -> ArtifactInfo:
     artifact = ptz.load(path)
     data_head = path.open("rb").read(ptz.HEADER_BYTES)
-    version, compressor_id = data_head[len(ptz.MAGIC)], data_head[len(ptz.MAGIC) + 1]
-    compressor = next((name for name, c in ptz.COMPRESSORS.items() if c.id == compressor_id), str(compressor_id))
+    version, compressor = data_head[len(ptz.MAGIC)], ptz.compressor_of(data_head)
     groups = _group_sizes({name: (_numel(qt.shape), qt.stored_bytes, qt.scheme + (f"_{qt.method}" if qt.method else ""))
                            for name, qt in artifact.tensors.items()})
     report = read_json(path.with_name(path.name + ".json"))

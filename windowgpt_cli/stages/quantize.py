@@ -58,7 +58,7 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
     `settings` ({field: value} of QuantConfig) sets any of them by name. GPTQ uses the
     Hessians training collected (RUN/hessians.safetensors, carried by an export of the EMA
     weights) unless `recalibrate`; without them it calibrates on `data_dir`. The compressor
-    defaults to ptz.DEFAULT_COMPRESSOR.
+    defaults to ptz.DEFAULT_COMPRESSOR; the report names the one used (`auto` picks lzma or rans).
     `progress(description, total)` may return a callback advanced as work is done.
     Returns the report (also written as JSON next to the artifact).
     """
@@ -77,8 +77,8 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
         raise ArtifactError(f"{out if out.is_dir() else report_path(out)}: is a directory; give a file name to write")
     if compressor is None:
         compressor = ptz.DEFAULT_COMPRESSOR
-    if compressor not in ptz.COMPRESSORS:
-        raise ConfigError(f"--compressor {compressor!r} must be one of {', '.join(ptz.COMPRESSORS)}")
+    if compressor not in ptz.COMPRESSOR_CHOICES:
+        raise ConfigError(f"--compressor {compressor!r} must be one of {', '.join(ptz.COMPRESSOR_CHOICES)}")
     weights = load_weights(model_path)
     if weights.kind == "ptz":
         raise ConfigError(f"{model_path} is already quantized; quantize a run or export directory")
@@ -215,7 +215,7 @@ def _report(out: Path, data: bytes, payload: bytes, sd: dict[str, torch.Tensor],
     total = len(data) + code.bytes
     return {
         "artifact": str(out), "sha256": sha256_bytes(data), "format_version": ptz.FORMAT_VERSION,
-        "compressor": compressor, "source": source, "device": str(dev),
+        "compressor": ptz.compressor_of(data), "compressor_option": compressor, "source": source, "device": str(dev),
         "gptq": cfg.quant.use_gptq, "calib_batches": cfg.quant.gptq_calib_samples if cfg.quant.use_gptq else 0,
         "clip_range": cfg.quant.quant_clip_range, "schemes": schemes, "groups": groups,
         "payload_bytes": len(payload), "model_bytes": len(data), "code_bytes": code.bytes,
@@ -243,7 +243,8 @@ def _progress_bars(enabled: bool) -> Iterator[StartPhase | None]:
 
 
 def _budget_table(report: dict[str, Any]) -> Table:
-    table = Table(title=f"{report['artifact']} ({report['compressor']}, clip {report['clip_range']}"
+    chosen = f" by {report['compressor_option']}" if report["compressor_option"] != report["compressor"] else ""
+    table = Table(title=f"{report['artifact']} ({report['compressor']}{chosen}, clip {report['clip_range']}"
                         f"{', GPTQ' if report['gptq'] else ''})")
     for col in ("group", "tensors", "params", "raw bytes", "quantized bytes"):
         table.add_column(col, justify="left" if col == "group" else "right")
@@ -302,7 +303,8 @@ def command(
         "Training shards for GPTQ calibration, when the run holds no Hessians from training.",
         "the artifact's data_path"), show_default=False)] = None,
     compressor: Annotated[Optional[str], typer.Option("--compressor", help=option_help(
-        "Payload compressor: lzma, rans (lzma is the reference's preset 6).", "lzma"), show_default=False)] = None,
+        "Payload compressor: auto (rans, or lzma where that is smaller on a small payload), rans, or lzma "
+        "(the reference's xz preset 6).", "auto"), show_default=False)] = None,
     budget: Annotated[int, typer.Option("--budget", help="Bytes allowed for code plus compressed model; "
                       "exceeding it exits 1 (the artifact is still written).")] = DEFAULT_BUDGET,
     device: Annotated[str, typer.Option("--device", help="auto (CUDA when available), cpu or cuda.")] = "auto",
