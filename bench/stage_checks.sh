@@ -27,13 +27,7 @@ gpu0() {
 
 gpu1() {
   # The reference seeds its sampler with a hash of the shard paths it globs.
-  data_seed=$(python3 -c "
-import glob, os, sys
-seed = 0
-for f in sorted(glob.glob(os.path.join(sys.argv[1], 'fineweb_train_*.bin'))):
-    for b in f.encode():
-        seed = ((seed ^ b) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
-print(seed)" "$ref_data")
+  data_seed=$(python3 "$repo/bench/reference_seed.py" "$ref_data")
   echo "== windowgpt train, 200 steps, reference batch order (--data-seed $data_seed)"
   CUDA_VISIBLE_DEVICES=1 wg train --data "$ref_data" --tokenizer "$tok" --out "$work/ours" --data-seed "$data_seed" \
     --train-batch-tokens 131072 --iterations 200 --max-wallclock-seconds 0 --val-loss-every 0 --train-log-every 50 \

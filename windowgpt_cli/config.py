@@ -424,7 +424,8 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "muon_momentum_warmup_start": (0, 1), "muon_momentum_warmup_steps": (0, None), "muon_wd": (0, None),
     "beta1": (0, 0.999999), "beta2": (0, 0.999999), "adam_eps": (1e-30, 1), "adam_wd": (0, None),
     "grad_clip_norm": (0, None),
-    "seed": (0, 2**32 - 1), "data_seed": (-1, 2**32 - 1), "iterations": (0, None), "warmdown_iters": (0, None),
+    # data_seed: 64-bit, as the seeds the reference derives from its shard paths (bench/reference_seed.py)
+    "seed": (0, 2**32 - 1), "data_seed": (-1, 2**64 - 1), "iterations": (0, None), "warmdown_iters": (0, None),
     "warmup_steps": (0, None), "train_batch_tokens": (1, 1 << 40), "train_seq_len": (1, 1 << 22),
     "train_seq_len_long": (0, 1 << 22), "num_gpus_long": (0, 1 << 16), "grad_accum_steps": (0, 1 << 16),
     "max_wallclock_seconds": (0, None), "val_loss_every": (0, None), "train_log_every": (0, None),

@@ -90,6 +90,14 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+def phase(name: str) -> contextlib.AbstractContextManager:
+    """A named range in torch.profiler's traces (bench/train_profile.py attributes GPU time
+    to a step's phases by them); nothing at all when no profiler runs."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -30,11 +30,28 @@ from .errors import ConfigError, DataError, TrainingDiverged
 from .evaluation import evaluate_standard, load_validation_tokens
 from .model import GPT, build_model
 from .optim import Optimizers, WeightAverages, build_optimizers, lr_scale, muon_momentum_at
-from .runtime import autocast, compiled, device_name, enable_fast_math, seed_everything, synchronize
+from .runtime import autocast, compiled, device_name, enable_fast_math, phase, seed_everything, synchronize
 from .timing import Phases
 from .tokenizer import ByteLuts, load_byte_luts, tokenizer_vocab_size
 
 SWA_LR_THRESHOLD = 0.2  # SWA collects snapshots once the LR scale falls below this
+
+
+@dataclass(frozen=True)
+class StepPhases:
+    """The names of a training step's profiler ranges (see runtime.phase)."""
+
+    data: str = "train.data"
+    forward: str = "train.forward"
+    backward: str = "train.backward"
+    grad_clip: str = "train.grad_clip"
+    grad_sync: str = "train.grad_sync"
+    adam: str = "train.adam"
+    muon: str = "train.muon"
+    ema: str = "train.ema"
+
+
+PHASES = StepPhases()
 
 
 @dataclass
@@ -224,28 +241,43 @@ class Trainer:
 
     # --- one optimizer step ---
 
-    def _train_step(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
+    def _optimizer_step(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
         s = self.s
         opt = s.optimizers
         opt.zero_grad()
         train_loss = torch.zeros((), device=s.ctx.device)
         for _ in range(s.grad_accum_steps):
-            x, y = next_batch()
-            with autocast(s.ctx.device):
+            with phase(PHASES.data):
+                x, y = next_batch()
+            with phase(PHASES.forward), autocast(s.ctx.device):
                 loss = s.forward(x, y)
             train_loss += loss.detach()
-            (loss / s.grad_accum_steps).backward()
+            with phase(PHASES.backward):
+                (loss / s.grad_accum_steps).backward()
         train_loss /= s.grad_accum_steps
         opt.set_muon_momentum(muon_momentum_at(self.step, s.cfg.optim))
         opt.set_lr_scale(scale)
         if s.cfg.optim.grad_clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(s.model.parameters(), s.cfg.optim.grad_clip_norm)
+            with phase(PHASES.grad_clip):
+                torch.nn.utils.clip_grad_norm_(s.model.parameters(), s.cfg.optim.grad_clip_norm)
         # Bank gradients travel while the replicated ones are averaged and Adam steps.
-        opt.muon.launch_reduce_scatters()
-        average_gradients(opt.replicated)
-        opt.step_adams()
-        opt.muon.step()
+        with phase(PHASES.muon):
+            opt.muon.launch_reduce_scatters()
+        with phase(PHASES.grad_sync):
+            average_gradients(opt.replicated)
+        with phase(PHASES.adam):
+            opt.step_adams()
+        with phase(PHASES.muon):
+            opt.muon.step()
         opt.zero_grad()
+        return train_loss
+
+    def train_step(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
+        """One optimizer step and its EMA update; the step's mean training loss (on the device)."""
+        train_loss = self._optimizer_step(next_batch, scale)
+        with phase(PHASES.ema):
+            self.s.averages.update_ema(self.s.model, self.step)
+        self.step += 1
         return train_loss
 
     def warm_up(self) -> None:
@@ -266,7 +298,7 @@ class Trainer:
     def _warm_up_steps(self) -> None:
         t = self.s.cfg.train
         for i in range(t.warmup_steps):
-            self._train_step(self._direct_batch, 1.0)
+            self._optimizer_step(self._direct_batch, 1.0)
             if t.warmup_steps <= 20 or (i + 1) % 10 == 0 or i + 1 == t.warmup_steps:
                 self.log.line(f"warmup_step:{i + 1}/{t.warmup_steps}")
 
@@ -372,9 +404,7 @@ class Trainer:
                     break
                 elapsed_ms = self.training_time_ms + 1000.0 * (time.perf_counter() - t0)
                 scale = lr_scale(self.step, elapsed_ms, t, self.wallclock_ms)
-                train_loss = self._train_step(prefetcher.next, scale)
-                s.averages.update_ema(s.model, self.step)
-                self.step += 1
+                train_loss = self.train_step(prefetcher.next, scale)
                 approx_ms = self.training_time_ms + 1000.0 * (time.perf_counter() - t0)
                 if t.swa_enabled and scale < SWA_LR_THRESHOLD and self.step % t.swa_every == 0:
                     if s.averages.swa_count == 0:

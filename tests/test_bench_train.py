@@ -1,0 +1,207 @@
+"""The training benchmarks' pure parts: log comparison, the reference's sampler seed, and
+the profile's kernel classification and breakdown (plus one tiny profiled run on the CPU)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import compare_logs  # noqa: E402
+import reference_seed  # noqa: E402
+import train_profile  # noqa: E402
+from windowgpt_cli.training import PHASES  # noqa: E402
+
+
+# --- compare_logs ---------------------------------------------------------------------------
+
+def train_lines(step_avgs: dict[int, float], losses: dict[int, float] | None = None, total: int = 40) -> str:
+    """Log lines as both the reference and windowgpt print them (with noise around)."""
+    lines = ["warmup_step:20/20", "model_params:26993756"]
+    for step, avg in step_avgs.items():
+        loss = (losses or {}).get(step, 5.0)
+        lines.append(f"step:{step}/{total} train_loss:{loss:.4f} train_time:{avg * step:.0f}ms step_avg:{avg:.2f}ms")
+    return "\n".join(lines) + "\n"
+
+
+def write_pair(log_dir: Path, name: str, ref: str, ours: str) -> None:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    (log_dir / f"ref_{name}.log").write_text(ref)
+    (log_dir / f"ours_{name}.log").write_text(ours)
+
+
+def test_step_time_is_the_mean_over_steps_11_to_the_last_common_step():
+    ref = compare_logs.parse_log(train_lines({10: 1000.0, 20: 800.0, 40: 700.0}))
+    ours = compare_logs.parse_log(train_lines({10: 900.0, 20: 600.0, 30: 550.0}))
+    # last common step: 20; reference (800*20 - 1000*10) / 10 = 600, ours (600*20 - 900*10) / 10 = 300
+    assert compare_logs.step_time(ref, ours) == {"reference_ms": 600.0, "windowgpt_ms": 300.0, "ratio": 0.5}
+    no_step_10 = compare_logs.parse_log(train_lines({20: 800.0, 40: 700.0}))
+    assert compare_logs.step_time(no_step_10, ours)["ratio"] is None
+    assert compare_logs.step_time(ref, None)["reference_ms"] is None
+
+
+def test_the_result_file_has_its_shape_and_takes_later_directories_first(tmp_path, capsys):
+    first, second = tmp_path / "first", tmp_path / "second"
+    write_pair(first, "record_786k", train_lines({10: 700.0, 40: 670.0}), train_lines({10: 650.0, 40: 610.0}))
+    write_pair(first, "full_786k", train_lines({10: 1.0, 40: 1.0}), train_lines({10: 1.0, 40: 1.0}))
+    write_pair(second, "full_786k", train_lines({10: 700.0, 40: 640.0}), train_lines({10: 600.0, 40: 560.0}))
+    parity_steps = {10: 120.0, 50: 110.0, 100: 105.0, 200: 104.0}
+    ref = train_lines(parity_steps, {50: 4.1234, 100: 3.5, 200: 3.1}, total=200)
+    ref += "step:200/200 val_loss:3.0000 val_bpb:1.8000 train_time:20800ms step_avg:104.00ms\n"
+    ours = train_lines({**parity_steps, 200: 102.0}, {50: 4.1200, 100: 3.51, 200: 3.12}, total=200)
+    ours += "step:200/200 val_loss:3.0100 val_bpb:1.8100 train_time:20400ms step_avg:102.00ms\n"
+    write_pair(second, "parity", ref, ours)
+    (second / "gpu.txt").write_text("NVIDIA H200\n")
+    out = tmp_path / "results" / "train_step_h200.json"
+
+    compare_logs.main([str(first), str(second), "--json", str(out)])
+
+    result = json.loads(out.read_text())
+    assert set(result) == {"gpu", "configs", "parity"} and result["gpu"] == "NVIDIA H200"
+    assert list(result["configs"]) == ["record_786k", "full_786k", "record_131k"]
+    assert result["configs"]["record_786k"] == {"reference_ms": 660.0, "windowgpt_ms": 596.67, "ratio": 0.904}
+    assert result["configs"]["full_786k"]["reference_ms"] == 620.0  # the second directory's pair
+    # No record_131k pair: the parity run's steps 11..200
+    assert result["configs"]["record_131k"]["reference_ms"] == pytest.approx((104.0 * 200 - 1200.0) / 190, abs=0.01)
+    assert result["parity"] == {"train_loss_50": [4.1234, 4.12], "train_loss_100": [3.5, 3.51],
+                                "train_loss_200": [3.1, 3.12], "val_bpb": [1.8, 1.81]}
+    table = capsys.readouterr().out
+    assert "| record_786k | 660.0 | 596.7 | 0.904 |" in table
+    assert "| val_bpb | 1.8000 | 1.8100 | 0.0100 |" in table
+
+
+def test_missing_runs_are_null(tmp_path):
+    write_pair(tmp_path, "record_786k", train_lines({10: 700.0, 40: 670.0}), "")  # ours died before logging
+    result = compare_logs.assemble("gpu", compare_logs.read_pairs([tmp_path]))
+    assert all(v is None for row in result["configs"].values() for v in row.values())
+    assert result["parity"]["val_bpb"] == [None, None]
+    assert "| record_786k | - | - | - |" in compare_logs.markdown(result)
+
+
+# --- reference_seed ---------------------------------------------------------------------------
+
+def test_the_reference_seed_hashes_the_train_shard_paths_as_given(tmp_path):
+    from windowgpt_cli.config import apply_overrides, preset
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("fineweb_train_000000.bin", "fineweb_train_000001.bin"):
+        (data / name).write_bytes(b"")
+    seed = reference_seed.reference_data_seed(str(data))
+    (data / "fineweb_val_000000.bin").write_bytes(b"")
+    (data / "manifest.json").write_text("{}")
+    assert reference_seed.reference_data_seed(str(data)) == seed  # only train shards count
+    link = tmp_path / "link"
+    link.symlink_to(data)
+    assert reference_seed.reference_data_seed(str(link)) != seed  # the path as given, not resolved
+    (data / "fineweb_train_000002.bin").write_bytes(b"")
+    assert reference_seed.reference_data_seed(str(data)) != seed
+    # A 64-bit seed, which --data-seed takes.
+    assert apply_overrides(preset("default"), {"train": {"data_seed": seed}}).resolved().train.data_seed == seed
+
+
+# --- train_profile ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, phase, kind, category", [
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", PHASES.forward, "kernel", "matmul"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", PHASES.backward, "kernel",
+     "matmul"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>", PHASES.forward,
+     "kernel", "matmul"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>, true>", PHASES.forward,
+     "kernel", "attention_fwd"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>", PHASES.backward,
+     "kernel", "attention_bwd"),
+    ("triton_tem_fused_flex_attention_0", PHASES.forward, "kernel", "attention_fwd"),
+    ("triton_tem_fused_flex_attention_backward_1", PHASES.backward, "kernel", "attention_bwd"),
+    ("cutlass::device_kernel<flash::enable_sm90<flash::FlashAttnFwdSm90<...>>>", PHASES.forward, "kernel",
+     "attention_fwd"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3_64x64x128", None, "kernel",
+     "attention_bwd"),
+    ("triton_red_fused__log_softmax__to_copy_mul_tanh_0", PHASES.forward, "kernel", "cross_entropy"),
+    ("triton_per_fused_nll_loss_backward_3", PHASES.backward, "kernel", "cross_entropy"),
+    ("triton_poi_fused_add_mul_rms_norm_3", PHASES.forward, "kernel", "elementwise_norm"),
+    ("_stream_norm_kernel", PHASES.forward, "kernel", "elementwise_norm"),
+    ("_leaky_square_kernel", PHASES.backward, "kernel", "elementwise_norm"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", PHASES.backward,
+     "kernel", "elementwise_norm"),
+    ("Memset (Device)", PHASES.backward, "memset", "elementwise_norm"),
+    ("mystery_op", PHASES.forward, "kernel", "other"),
+    # The phase decides for the optimizer, EMA, clipping and data phases, whatever the name.
+    ("nvjet_tst_64x8_64x16_4x1_v_bz_TNN", PHASES.muon, "kernel", "muon"),
+    ("triton_poi_fused_add_mul_0", PHASES.muon, "kernel", "muon"),
+    ("void at::native::multi_tensor_apply_kernel<TensorListMetadata<4>, FusedAdamMathFunctor>", PHASES.adam,
+     "kernel", "adamw"),
+    ("void at::native::multi_tensor_apply_kernel<TensorListMetadata<2>, BinaryOpListAlphaFunctor>", PHASES.ema,
+     "kernel", "ema"),
+    ("void at::native::reduce_kernel<512, 1, ReduceOp<float, NormTwoOps>>", PHASES.grad_clip, "kernel",
+     "grad_clip"),
+    ("Memcpy HtoD (Pinned -> Device)", PHASES.data, "memcpy", "data_h2d"),
+    ("Memcpy HtoD (Pinned -> Device)", None, "memcpy", "data_h2d"),
+    ("Memcpy DtoD (Device -> Device)", PHASES.forward, "memcpy", "elementwise_norm"),
+    # NCCL is communication wherever it runs.
+    ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", PHASES.muon, "kernel", "communication"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", PHASES.grad_sync, "kernel", "communication"),
+])
+def test_kernels_are_classified(name, phase, kind, category):
+    assert train_profile.classify(name, phase, kind) == category
+
+
+def _range(name: str, start: float, end: float) -> dict:
+    return {"ph": "X", "cat": "user_annotation", "name": name, "ts": start, "dur": end - start, "tid": 1}
+
+
+def _kernel(name: str, start: float, dur: float, launched: float, correlation: int, cat: str = "kernel") -> list[dict]:
+    return [{"ph": "X", "cat": cat, "name": name, "ts": start, "dur": dur, "args": {"correlation": correlation}},
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launched, "dur": 2.0,
+             "args": {"correlation": correlation}, "tid": 2}]
+
+
+def test_the_breakdown_attributes_kernels_by_their_launch_phase():
+    events = [_range(train_profile.STEP_RANGE, 0, 1000), _range(PHASES.data, 0, 10), _range(PHASES.forward, 10, 100),
+              _range(PHASES.backward, 100, 300), _range(PHASES.muon, 300, 400), _range(PHASES.ema, 400, 450),
+              _range(train_profile.STEP_RANGE, 1000, 2000)]
+    events += _kernel("Memcpy HtoD (Pinned -> Device)", 20, 10, 5, 1, cat="gpu_memcpy")
+    events += _kernel("nvjet_tst_128x256", 30, 200, 50, 2)  # runs on after its phase ends
+    events += _kernel("triton_tem_fused_flex_attention_0", 230, 100, 60, 3)
+    events += _kernel("triton_tem_fused_flex_attention_1", 330, 300, 150, 4)  # launched from another thread
+    events += _kernel("nvjet_tst_64x8", 630, 100, 310, 5)  # Newton-Schulz
+    events += _kernel("multi_tensor_apply_kernel", 700, 50, 420, 6)
+    events += _kernel("triton_poi_fused_add_0", 700, 100, 1100, 7)  # overlaps the one above: another stream
+    events += _kernel("nvjet_outside_the_steps", 5000, 1000, 3000, 8)
+    events.append({"ph": "X", "cat": "kernel", "name": "mystery_op", "ts": 1200, "dur": 50, "args": {}})
+
+    result = train_profile.breakdown(events, step_wall_ms=0.5, top=1)
+
+    ms = result["categories_ms"]
+    assert result["steps_profiled"] == 2
+    assert ms["data_h2d"] == 0.005 and ms["matmul"] == 0.1 and ms["attention_fwd"] == 0.05
+    assert ms["attention_bwd"] == 0.15 and ms["muon"] == 0.05 and ms["ema"] == 0.025
+    assert ms["elementwise_norm"] == 0.05 and ms["other"] == 0.025  # no launch event: its own start
+    assert result["kernel_sum_ms"] == 0.455
+    assert result["gpu_busy_ms"] == 0.415  # 20..800 and 1200..1250 µs, over 2 steps
+    assert ms["host_gaps"] == pytest.approx(0.5 - 0.415)
+    assert result["top_kernels"]["matmul"] == [["nvjet_tst_128x256", 0.1]]
+    assert "host gaps" in train_profile.table(result)
+
+
+def test_a_profiled_tiny_run_on_the_cpu_marks_every_phase(tiny_data_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    out, trace = tmp_path / "profile.json", tmp_path / "trace.json"
+    args = ["--data", str(tiny_data_dir), "--preset", "tiny", "--steps", "1", "--timed-steps", "1",
+            "--train-batch-tokens", "1024", "--grad-accum-steps", "1", "--warmup-steps", "1", "--json", str(out),
+            "--trace", str(trace)]
+    run = CliRunner().invoke(train_profile.app, args)
+    assert run.exit_code == 0, run.output
+    result = json.loads(out.read_text())
+    assert result["gpu"] == "cpu" and result["steps_profiled"] == 1 and result["step_wall_ms"] > 0
+    assert set(result["categories_ms"]) == {*train_profile.CATEGORIES, train_profile.HOST_GAPS}
+    names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "user_annotation"}
+    assert {PHASES.data, PHASES.forward, PHASES.backward, PHASES.grad_clip, PHASES.grad_sync, PHASES.adam,
+            PHASES.muon, PHASES.ema, train_profile.STEP_RANGE} <= names
+    assert "host gaps" in run.output
