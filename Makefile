@@ -63,6 +63,9 @@ CODE = $(OUT)/code.pyz
 RUN_CODE = $(RUN_PYTHON) $(CODE)
 NPROC ?= 8
 TORCHRUN ?= $(RUN_PYTHON) -m torch.distributed.run --standalone --nproc_per_node $(NPROC)
+# The stages that run one process per GPU: under torchrun on several GPUs; on one, a plain
+# process (rank 0 of 1), which spares torchrun's agent its seconds of start-up per command.
+RUN_RANKS = $(if $(filter 1,$(NPROC)),$(RUN_CODE),$(TORCHRUN) $(CODE))
 DATA ?= data/fineweb10B_sp1024
 OUT ?= record-out
 # The reference's defaults, plus what its comments recommend and the record used: windows
@@ -108,9 +111,9 @@ $(DATA)/manifest.json:
 $(OUT)/train/summary.json: | $(CODE) $(DATA)/manifest.json
 	mkdir -p $(OUT) && start=$$(date +%s.%N) && \
 	if [ -f $(OUT)/train/checkpoint.pt ]; then \
-		$(TORCHRUN) $(CODE) train --data $(DATA) --out $(OUT)/train --resume; \
+		$(RUN_RANKS) train --data $(DATA) --out $(OUT)/train --resume; \
 	else \
-		$(TORCHRUN) $(CODE) train --data $(DATA) --out $(OUT)/train $(RECORD_FLAGS); \
+		$(RUN_RANKS) train --data $(DATA) --out $(OUT)/train $(RECORD_FLAGS); \
 	fi && $(call wall_s,train)
 
 # The export carries the Hessians training collected; quantize uses them (no --data).
@@ -122,10 +125,10 @@ $(OUT)/model.ptz: $(OUT)/export/model.safetensors $(CODE)
 
 $(OUT)/eval.json: $(OUT)/model.ptz $(CODE)
 	start=$$(date +%s.%N) && \
-	$(TORCHRUN) $(CODE) eval $< --data $(DATA) --stride 64 --json > $@.tmp && $(call wall_s,eval)
+	$(RUN_RANKS) eval $< --data $(DATA) --stride 64 --json > $@.tmp && $(call wall_s,eval)
 	mv $@.tmp $@
 
 $(OUT)/eval-ttt.json: $(OUT)/model.ptz $(CODE)
 	start=$$(date +%s.%N) && \
-	$(TORCHRUN) $(CODE) eval-ttt $< --data $(DATA) --json $(EVAL_TTT_FLAGS) > $@.tmp && $(call wall_s,eval-ttt)
+	$(RUN_RANKS) eval-ttt $< --data $(DATA) --json $(EVAL_TTT_FLAGS) > $@.tmp && $(call wall_s,eval-ttt)
 	mv $@.tmp $@

@@ -1,0 +1,149 @@
+"""bench/pipeline_report.py: the JSON and table it assembles from bench/pipeline.sh's logs."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from windowgpt_cli.config import tiny_preset
+from windowgpt_cli.stages.train import summary
+from windowgpt_cli.training import TrainResult
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def report_module():
+    spec = importlib.util.spec_from_file_location("pipeline_report", REPO / "bench" / "pipeline_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_json(path: Path, value: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value))
+
+
+def train_summary(training_ms: float, calibration_s: float | None) -> dict:
+    """summary.json as `train` writes it."""
+    calibration = {"seconds": calibration_s, "batches": 4, "tokens": 4096} if calibration_s is not None else None
+    result = TrainResult(step=12, training_time_ms=training_ms, finished=True, calibration=calibration,
+                         devices=["NVIDIA H200"])
+    return summary(result, tiny_preset())
+
+
+def quant_report(load: float, total: float, model_bytes: int) -> dict:
+    return {"model_bytes": model_bytes, "timings_s": {"load": load, "hessians": 0.5, "quantize": 3.0, "gptq": 2.5,
+                                                      "compress": 1.0, "total": total}}
+
+
+def timed(folder: Path, command: str, wall: float, rc: str = "0", cache: tuple[int, int] = (0, 9)) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{command}.rc").write_text(f"{rc}\n")
+    (folder / f"{command}.wall_s").write_text(f"{wall:.3f}\n")
+    (folder / f"{command}.cache_files").write_text(f"{cache[0]} {cache[1]}\n")
+
+
+def write_pass(logs: Path, name: str, scale: float, cache_before: int) -> None:
+    """Every command's logs for one pass, as pipeline.sh leaves them; times scale with `scale`."""
+    folder = logs / name
+    cache = (cache_before, cache_before + 5)
+    for command, wall in (("prepare", 20), ("train", 100), ("export", 8), ("quantize", 30), ("eval", 40),
+                          ("eval_ttt", 60), ("smoke_gpu", 270)):
+        timed(folder, command, wall * scale, cache=cache)
+    write_json(folder / "prepare.json", {"splits": {}, "seconds": 12.5 * scale})
+    write_json(folder / "train.summary.json", train_summary(16000.0 * scale, 3.0))
+    write_json(folder / "export.json", {"step": 12})
+    write_json(folder / "quantize.report.json", quant_report(2.0, 12.0 * scale, 9_000_000))
+    write_json(folder / "eval.json", {"mode": "sliding", "val_bpb": 1.7, "seconds": 19.5 * scale})
+    write_json(folder / "eval_ttt.json", {"mode": "ttt", "val_bpb": 1.69, "seconds": 44.0 * scale})
+    smoke = folder / "smoke_gpu"
+    write_json(smoke / "summary.json", train_summary(20000.0, None))
+    write_json(smoke / "model.ptz.json", quant_report(1.0, 5.0, 8_000_000))
+    write_json(smoke / "eval.json", {"val_bpb": 1.75, "seconds": 19.0})
+    write_json(smoke / "eval-ttt.json", {"val_bpb": 1.74, "seconds": 30.0})
+
+
+@pytest.fixture
+def logs(tmp_path: Path) -> Path:
+    logs = tmp_path / "logs"
+    write_pass(logs, "cold", 1.0, cache_before=0)
+    write_pass(logs, "warm", 0.5, cache_before=40)
+    (logs / "gpu.txt").write_text("NVIDIA H200\n")
+    return logs
+
+
+def test_each_command_gets_its_wall_time_and_the_work_it_reports(report_module, logs):
+    report = report_module.build_report([logs])
+    assert report["gpu"] == "NVIDIA H200"
+    cold, warm = report["cold"], report["warm"]
+    assert list(cold) == list(report_module.COMMANDS)
+    assert cold["prepare"] == {"wall_s": 20.0, "work_s": 12.5}
+    assert cold["train"] == {"wall_s": 100.0, "work_s": 19.0}  # 16 s of steps + 3 s of calibration
+    assert cold["export"] == {"wall_s": 8.0, "work_s": None}
+    assert cold["quantize"] == {"wall_s": 30.0, "work_s": 10.0}  # total less loading
+    assert cold["eval"] == {"wall_s": 40.0, "work_s": 19.5}
+    assert cold["eval_ttt"] == {"wall_s": 60.0, "work_s": 44.0}
+    assert cold["smoke_gpu"] == {"wall_s": 270.0, "work_s": pytest.approx(20.0 + 4.0 + 19.0 + 30.0)}
+    assert warm["train"] == {"wall_s": 50.0, "work_s": 11.0}
+    assert warm["quantize"] == {"wall_s": 15.0, "work_s": 4.0}
+    assert report["results"]["cold"] == {
+        "eval_val_bpb": 1.7, "eval_ttt_val_bpb": 1.69, "ptz_bytes": 9_000_000, "smoke_gpu_eval_val_bpb": 1.75,
+        "smoke_gpu_eval_ttt_val_bpb": 1.74, "smoke_gpu_ptz_bytes": 8_000_000}
+    assert report["cache_files"]["warm"]["eval"] == {"before": 40, "after": 45}
+    assert report_module.cache_warnings(report) == []
+
+
+def test_failed_skipped_and_unfinished_commands(report_module, logs):
+    timed(logs / "cold", "eval_ttt", 3.0, rc="1")
+    (logs / "warm" / "smoke_gpu.rc").write_text("skipped\n")
+    (logs / "cold" / "smoke_gpu" / "eval-ttt.json").unlink()  # make stopped before its last stage
+    report = report_module.build_report([logs])
+    assert report["cold"]["eval_ttt"] == {"wall_s": None, "work_s": None, "exit_status": "1"}
+    assert report["warm"]["smoke_gpu"] == {"wall_s": None, "work_s": None, "exit_status": "skipped"}
+    assert report["cold"]["smoke_gpu"] == {"wall_s": 270.0, "work_s": None}
+    table = report_module.markdown_table(report)
+    assert "| eval_ttt | exit 1 | exit 1 | 30.0 s | 22.0 s |" in table
+    assert "| smoke_gpu | 270.0 s | n/a | exit skipped | exit skipped |" in table
+
+
+def test_later_logs_override_earlier_ones_command_by_command(report_module, logs, tmp_path: Path):
+    later = tmp_path / "later"
+    for name in ("cold", "warm"):  # a second run of pipeline.sh with COMMANDS=smoke_gpu
+        timed(later / name, "smoke_gpu", 200.0)
+        write_json(later / name / "smoke_gpu" / "eval.json", {"val_bpb": 1.5, "seconds": 1.0})
+    report = report_module.build_report([logs, later])
+    assert report["gpu"] == "NVIDIA H200"  # the later folder names no GPU: the earlier one's stands
+    assert report["cold"]["smoke_gpu"] == {"wall_s": 200.0, "work_s": None}  # its other stages are missing
+    assert report["cold"]["train"] == {"wall_s": 100.0, "work_s": 19.0}
+    assert report["results"]["cold"]["smoke_gpu_eval_val_bpb"] == 1.5
+    assert report["results"]["cold"]["eval_val_bpb"] == 1.7
+
+
+def test_caches_that_were_not_what_the_pass_says_are_flagged(report_module, logs):
+    timed(logs / "cold", "train", 100.0, cache=(7, 9))
+    timed(logs / "warm", "eval", 20.0, cache=(0, 3))
+    timed(logs / "warm", "prepare", 10.0, cache=(0, 0))  # prepare compiles nothing: never flagged
+    warnings = report_module.cache_warnings(report_module.build_report([logs]))
+    assert len(warnings) == 2
+    assert warnings[0].startswith("cold train started with 7 files")
+    assert warnings[1].startswith("warm eval started with empty caches")
+
+
+def test_main_writes_every_out_and_prints_the_table(report_module, logs, tmp_path: Path, capsys):
+    outs = [tmp_path / "a" / "pipeline.json", tmp_path / "results" / "pipeline_h200.json"]
+    assert report_module.main([str(logs), "--out", str(outs[0]), "--out", str(outs[1])]) == 0
+    written = [json.loads(p.read_text()) for p in outs]
+    assert written[0] == written[1] == report_module.build_report([logs])
+    printed = capsys.readouterr().out
+    assert "| command | cold wall | cold work | warm wall | warm work |" in printed
+    assert "| train | 100.0 s | 19.0 s | 50.0 s | 11.0 s |" in printed
+    assert "| export | 8.0 s | n/a | 4.0 s | n/a |" in printed
+
+
+def test_main_refuses_a_missing_log_folder(report_module, tmp_path: Path, capsys):
+    assert report_module.main([str(tmp_path / "nowhere")]) == 1
+    assert "no such log folder" in capsys.readouterr().err
