@@ -171,3 +171,12 @@ def test_layer_weights_are_the_bank_slots_cast_once():
     assert matmul_dtype(x) == torch.float32
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert matmul_dtype(x) == torch.bfloat16
+
+
+def test_an_uninitialized_model_takes_loaded_weights_and_gives_the_same_logits():
+    torch.manual_seed(0)
+    model = GPT(tiny_preset().model)
+    blank = GPT(tiny_preset().model, initialize=False)
+    blank.load_state_dict(model.state_dict(), strict=True)
+    ids = torch.randint(0, 1024, (2, 16))
+    assert torch.equal(model.forward_logits(ids), blank.forward_logits(ids))

@@ -376,7 +376,8 @@ class ValueEmbedding(ProjectedEmbedding):
 # --- The model ---------------------------------------------------------------------------
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, initialize: bool = True):
+        """initialize=False skips the reference's initialization, for weights loaded next."""
         super().__init__()
         self.cfg = cfg
         n, dim = cfg.num_layers, cfg.model_dim
@@ -397,7 +398,8 @@ class GPT(nn.Module):
         self.ve_layer_scales = nn.ParameterList(
             [nn.Parameter(torch.ones(1, dtype=torch.float32)) for _ in self.ve_layer_indices])
         self.lm_head = None if cfg.tie_embeddings else CastedLinear(dim, cfg.vocab_size, bias=False)
-        self._init_weights()
+        if initialize:
+            self._init_weights()
 
     @property
     def num_layers(self) -> int:
@@ -535,10 +537,11 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float(), target_ids.reshape(-1), reduction="mean")
 
 
-def build_model(cfg: ModelConfig, device: torch.device) -> GPT:
+def build_model(cfg: ModelConfig, device: torch.device, initialize: bool = True) -> GPT:
     """Build on the CPU (so initialization draws the same numbers everywhere), then move.
-    On CUDA the reference's dtypes apply (`use_cuda_dtypes`); on the CPU all is float32."""
-    model = GPT(cfg)
+    On CUDA the reference's dtypes apply (`use_cuda_dtypes`); on the CPU all is float32.
+    initialize=False leaves the weights to be loaded (`load_state_dict`)."""
+    model = GPT(cfg, initialize)
     if device.type == "cuda":
         use_cuda_dtypes(model)
     return model.to(device)

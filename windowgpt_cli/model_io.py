@@ -59,7 +59,7 @@ def load_weights(artifact: Path) -> LoadedWeights:
 def build_model(artifact: Path, device: torch.device) -> tuple[LoadedWeights, GPT]:
     """Load weights and the model they belong to, on `device`, in eval mode."""
     weights = load_weights(artifact)
-    model = build_gpt(weights.config.model, device)
+    model = build_gpt(weights.config.model, device, initialize=False)
     try:
         model.load_state_dict(weights.state_dict, strict=True)
     except RuntimeError as exc:

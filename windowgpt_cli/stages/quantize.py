@@ -174,7 +174,7 @@ def calibration_hessians(weights: LoadedWeights, cfg: RunConfig, data_dir: Path 
                           "directory here; pass --data DATA_DIR")
     manifest = verify_data(Path(data))
     check_same_tokenizer(manifest, weights.tokenizer_sha256, f"{weights.path} was trained with")
-    model = build_model(cfg.model, dev)
+    model = build_model(cfg.model, dev, initialize=False)
     model.load_state_dict(weights.state_dict, strict=True)
     model.set_attention_backend(cfg.train.attn_backend, dev)
     advance = progress("calibrating", cfg.quant.gptq_calib_samples) if progress else None
