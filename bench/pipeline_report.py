@@ -28,6 +28,7 @@ from typing import Any
 
 PASSES = ("cold", "warm")
 COMMANDS = ("prepare", "train", "export", "quantize", "eval", "eval_ttt", "smoke_gpu")
+NOT_RUN = {"wall_s": None, "work_s": None, "exit_status": "not run"}  # a command no log folder ran
 SMOKE_DIR = "smoke_gpu"  # LOG_DIR/PASS/smoke_gpu/: the files of `make smoke-gpu`'s OUT
 
 
@@ -145,8 +146,8 @@ def build_report(log_dirs: list[Path]) -> dict[str, Any]:
                     if cache is not None:
                         report["cache_files"][pass_name][command] = cache
             report["results"][pass_name].update(read_results(pass_dir))
-    for pass_name in PASSES:  # in the commands' order, whatever order the folders came in
-        report[pass_name] = {c: report[pass_name][c] for c in COMMANDS if c in report[pass_name]}
+    for pass_name in PASSES:  # every command, in the commands' order, whatever order the folders came in
+        report[pass_name] = {c: report[pass_name].get(c, dict(NOT_RUN)) for c in COMMANDS}
     return report
 
 
@@ -166,6 +167,8 @@ def cache_warnings(report: dict[str, Any]) -> list[str]:
 def _seconds(entry: dict[str, Any] | None, key: str) -> str:
     if entry is None:
         return "-"
+    if entry.get("exit_status") == NOT_RUN["exit_status"]:
+        return "not run"
     if entry.get("exit_status") is not None:
         return f"exit {entry['exit_status']}"
     value = entry[key]
@@ -177,8 +180,6 @@ def markdown_table(report: dict[str, Any]) -> str:
              "| command | cold wall | cold work | warm wall | warm work |", "| --- | --- | --- | --- | --- |"]
     for command in COMMANDS:
         cold, warm = report["cold"].get(command), report["warm"].get(command)
-        if cold is None and warm is None:
-            continue
         cells = [_seconds(cold, "wall_s"), _seconds(cold, "work_s"), _seconds(warm, "wall_s"), _seconds(warm, "work_s")]
         lines.append(f"| {command} | " + " | ".join(cells) + " |")
     for pass_name in PASSES:

@@ -147,3 +147,13 @@ def test_main_writes_every_out_and_prints_the_table(report_module, logs, tmp_pat
 def test_main_refuses_a_missing_log_folder(report_module, tmp_path: Path, capsys):
     assert report_module.main([str(tmp_path / "nowhere")]) == 1
     assert "no such log folder" in capsys.readouterr().err
+
+
+def test_a_command_no_log_folder_ran_is_listed_as_not_run(report_module, logs):
+    for name in ("cold", "warm"):
+        for suffix in ("wall_s", "rc", "cache_files"):
+            (logs / name / f"smoke_gpu.{suffix}").unlink(missing_ok=True)
+    report = report_module.build_report([logs])
+    assert report["warm"]["smoke_gpu"] == {"wall_s": None, "work_s": None, "exit_status": "not run"}
+    assert list(report["cold"]) == list(report_module.COMMANDS)
+    assert "| smoke_gpu | not run | not run | not run | not run |" in report_module.markdown_table(report)
