@@ -145,7 +145,8 @@ def _train_locked(cfg, ctx, setup, ckpt, out_dir: Path, stop_at_step: int | None
                 result = trainer.run(stop_at_step, stops)
             phases.add("training", (result.training_time_ms - trained_before_ms) / 1000.0)
             timings = phases.as_dict()
-            log.line(compile_line())
+            if compile_seconds() > 0:
+                log.line(compile_line())
             log.line(phases.line())
     finally:
         if sink is not None:
