@@ -68,6 +68,10 @@ def test_eval_with_the_sequence_length_as_stride_is_standard(eval_run_dir, eval_
 
 def test_eval_score_once_counts_each_target_once(eval_run_dir, eval_data_dir):
     out = run_json("eval", eval_run_dir, "--data", eval_data_dir, "--score-once")
+    timings = out["timings_s"]  # the command's phases, scoring's own beside them
+    assert {"start", "load", "tokens", "scoring", "other", "total"} <= set(timings)
+    assert timings["scoring"] == pytest.approx(out["seconds"], abs=1e-3)
+    assert {"scorer_setup", "first_batch"} <= set(out["scoring_timings_s"])
     assert out["tokens"] == 4 * 128 and out["score_once"] is True
 
 

@@ -115,6 +115,11 @@ def test_train_ends_with_a_table_or_json(tiny_data_dir, tmp_path):
     assert record["tokens_per_s"] == pytest.approx(3 * tiny_preset().train.train_batch_tokens
                                                    / (record["training_time_ms"] / 1000), rel=1e-3)
     assert "step:3/3 val_loss:" in result.stderr
+    timings = record["timings_s"]  # where the command's wall time went, from the process's start
+    assert {"start", "setup", "validation", "checkpoint", "training", "other", "total"} <= set(timings)
+    assert timings["training"] == pytest.approx(record["training_time_ms"] / 1000, abs=1e-3)
+    assert sum(v for k, v in timings.items() if k != "total") == pytest.approx(timings["total"], abs=0.01)
+    assert "time: start" in result.stderr
     table = runner.invoke(app, [*args, "--out", str(tmp_path / "b")], env=WIDE)
     assert table.exit_code == 0, table.output
     for row in ("steps", "training time", "ms per step", "tokens / second", "val_bpb (EMA weights)",
