@@ -290,17 +290,13 @@ class Trainer:
         optimizer_state = copy.deepcopy(s.optimizers.state_dict())
         stream_state = self.stream.state_dict()
         with self.phases.timed("warmup", sync=s.ctx.device):
-            self._warm_up_steps()
+            for i in range(t.warmup_steps):
+                self._optimizer_step(self._direct_batch, 1.0)
+                if t.warmup_steps <= 20 or (i + 1) % 10 == 0 or i + 1 == t.warmup_steps:
+                    self.log.line(f"warmup_step:{i + 1}/{t.warmup_steps}")
         s.model.load_state_dict(model_state, strict=True)
         s.optimizers.load_state_dict(optimizer_state)
         self.stream.load_state_dict(stream_state)
-
-    def _warm_up_steps(self) -> None:
-        t = self.s.cfg.train
-        for i in range(t.warmup_steps):
-            self._optimizer_step(self._direct_batch, 1.0)
-            if t.warmup_steps <= 20 or (i + 1) % 10 == 0 or i + 1 == t.warmup_steps:
-                self.log.line(f"warmup_step:{i + 1}/{t.warmup_steps}")
 
     def _direct_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.stream.next_batch(self.s.cfg.train.train_batch_tokens, self.s.seq_len, self.s.grad_accum_steps)

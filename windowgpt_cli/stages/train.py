@@ -154,7 +154,6 @@ def _train_locked(cfg, ctx, setup, ckpt, out_dir: Path, stop_at_step: int | None
     record = summary(result, cfg) if ctx.is_main and result.finished else None
     if record is not None:
         record.update(timings_s=timings, compile_s=round(compile_seconds(), 3))
-    if record is not None:
         atomic_write_json(out_dir / SUMMARY, record)
     return TrainReport(result, record, ctx.is_main)
 
