@@ -150,3 +150,9 @@ def test_cli_export_and_quantize_report_and_enforce_the_budget(quant_run_dir: Pa
 
     result = runner.invoke(app, ["quantize", str(artifact), "--out", str(tmp_path / "again.ptz")], env=WIDE)
     assert result.exit_code == 1 and "already quantized" in result.output
+
+    result = runner.invoke(app, ["quantize", str(tmp_path / "e"), "--out", str(tmp_path / "z.ptz"),
+                                 "--compressor", "zstd"], env=WIDE)
+    assert result.exit_code == 1 and result.output.count("error:") == 1
+    assert "must be one of auto, lzma, rans" in result.output
+    assert not (tmp_path / "z.ptz").exists()
