@@ -171,3 +171,22 @@ def test_validation_runs_through_the_compiled_training_graph(tiny_data_dir, tmp_
     val_loss, val_bpb = trainer.validate()
     assert counter.frame_count == 1  # no inference graph beside the training one
     assert 0 < val_loss < 10 and 0 < val_bpb < 10
+
+
+def test_warm_up_takes_one_micro_batch_per_step_and_undoes_itself(tiny_data_dir, tmp_path):
+    from windowgpt_cli.distributed import DistContext
+    from windowgpt_cli.training import RunLog, Trainer, build_setup
+
+    cfg = tiny_cfg(tiny_data_dir, iterations=2, warmup_steps=3).resolved()
+    setup = build_setup(cfg, DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    assert setup.grad_accum_steps > 1
+    calls = []
+    model_forward = setup.forward
+    setup.forward = lambda x, y: calls.append(x.shape) or model_forward(x, y)
+    trainer = Trainer(setup, tmp_path, RunLog(tmp_path, enabled=False))
+    weights = {k: v.clone() for k, v in setup.model.state_dict().items()}
+    stream = trainer.stream.state_dict()
+    trainer.warm_up()
+    assert len(calls) == 3  # one micro-batch per warm-up step
+    assert all(torch.equal(v, weights[k]) for k, v in setup.model.state_dict().items())
+    assert trainer.stream.state_dict() == stream and trainer.step == 0

@@ -241,12 +241,13 @@ class Trainer:
 
     # --- one optimizer step ---
 
-    def _optimizer_step(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
+    def _optimizer_step(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], scale: float,
+                        micro_batches: int | None = None) -> torch.Tensor:
         s = self.s
         opt = s.optimizers
         opt.zero_grad()
         train_loss = torch.zeros((), device=s.ctx.device)
-        for _ in range(s.grad_accum_steps):
+        for _ in range(micro_batches or s.grad_accum_steps):
             with phase(PHASES.data):
                 x, y = next_batch()
             with phase(PHASES.forward), autocast(s.ctx.device):
@@ -282,7 +283,9 @@ class Trainer:
 
     def warm_up(self) -> None:
         """Run warmup_steps real steps (compilation, allocator), then restore the initial
-        weights, optimizer state and data stream: they change nothing but speed."""
+        weights, optimizer state and data stream: they change nothing but speed. Each takes
+        one micro-batch: every micro-batch has the same shape and runs the same graphs, so
+        the other grad_accum_steps - 1 would only spend time."""
         s, t = self.s, self.s.cfg.train
         if t.warmup_steps <= 0:
             return
@@ -291,7 +294,7 @@ class Trainer:
         stream_state = self.stream.state_dict()
         with self.phases.timed("warmup", sync=s.ctx.device):
             for i in range(t.warmup_steps):
-                self._optimizer_step(self._direct_batch, 1.0)
+                self._optimizer_step(self._direct_batch, 1.0, micro_batches=1)
                 if t.warmup_steps <= 20 or (i + 1) % 10 == 0 or i + 1 == t.warmup_steps:
                     self.log.line(f"warmup_step:{i + 1}/{t.warmup_steps}")
         s.model.load_state_dict(model_state, strict=True)
