@@ -202,6 +202,13 @@ def table(result: dict[str, Any]) -> str:
 
 # --- the run -----------------------------------------------------------------------------
 
+def peak_memory_gib(device) -> float:
+    """The most memory the run's tensors held at once (0 off CUDA)."""
+    import torch
+
+    return torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else 0.0
+
+
 def profile_training(cfg, steps: int, timed_steps: int, trace: Path) -> tuple[float, dict[str, Any]]:
     """Warm up, time `timed_steps` steps, profile `steps` more into `trace`; the wall time
     per step and a description of the run."""
@@ -249,7 +256,7 @@ def profile_training(cfg, steps: int, timed_steps: int, trace: Path) -> tuple[fl
                  "window_attn_size": m.window_attn_size, "num_sink_tokens": m.num_sink_tokens,
                  "window_attn_layers": list(m.window_attn_layers) if m.window_attn_size else [],
                  "attn_backend": setup.model.blocks[0].attn.backend, "warm_up_s": round(warm_up_s, 1),
-                 "timed_steps": timed_steps}
+                 "timed_steps": timed_steps, "peak_memory_gib": round(peak_memory_gib(ctx.device), 2)}
         return wall_ms, about
     finally:
         shutdown()
@@ -284,7 +291,7 @@ def command(
     result = {**about, **breakdown(events, wall_ms, top)}
     print(f"{about['gpu']}: {about['train_batch_tokens']:,} tokens/step, window {about['window_attn_size']} "
           f"on layers {about['window_attn_layers']}, attention {about['attn_backend']}, "
-          f"warm-up {about['warm_up_s']} s")
+          f"warm-up {about['warm_up_s']} s, peak memory {about['peak_memory_gib']} GiB")
     print(table(result))
     if json_path is not None:
         from windowgpt_cli.artifacts import atomic_write_json
