@@ -231,7 +231,7 @@ def profile_training(cfg, steps: int, timed_steps: int, trace: Path) -> tuple[fl
             warm_up_s = time.perf_counter() - t0
             t = cfg.train
             prefetcher = Prefetcher(trainer.stream, t.train_batch_tokens, setup.seq_len, setup.grad_accum_steps,
-                                    ctx.device)
+                                    ctx.device, per_pass=setup.micro_batches_per_pass)
             try:
                 trainer.train_step(prefetcher.next, 1.0)  # the loop's first step (EMA's first update)
                 synchronize(ctx.device)
@@ -253,6 +253,7 @@ def profile_training(cfg, steps: int, timed_steps: int, trace: Path) -> tuple[fl
         m = cfg.model
         about = {"gpu": device_name(ctx.device), "train_batch_tokens": t.train_batch_tokens,
                  "train_seq_len": t.train_seq_len, "grad_accum_steps": setup.grad_accum_steps,
+                 "micro_batches_per_pass": setup.micro_batches_per_pass,
                  "window_attn_size": m.window_attn_size, "num_sink_tokens": m.num_sink_tokens,
                  "window_attn_layers": list(m.window_attn_layers) if m.window_attn_size else [],
                  "attn_backend": setup.model.blocks[0].attn.backend, "warm_up_s": round(warm_up_s, 1),

@@ -99,3 +99,19 @@ def test_out_of_vocabulary_tokens_are_an_error(shards):
     stream = TokenStream(shards, seed=0, vocab_size=100)
     with pytest.raises(DataError, match="outside the model's vocabulary"):
         stream.next_batch(8 * 16, 16, 1)
+
+
+def test_a_pass_is_the_next_micro_batches_in_the_stream_order(shards):
+    direct = _batches(TokenStream(shards, seed=7), 4)
+    stream = TokenStream(shards, seed=7)
+    pre = Prefetcher(stream, 8 * 4 * 16, 16, 4, torch.device("cpu"), depth=2, per_pass=2)
+    try:
+        passes = [pre.next() for _ in range(2)]
+        state = pre.state_dict()
+    finally:
+        pre.close()
+    for (x, y), pair in zip(passes, (direct[:2], direct[2:])):
+        assert torch.equal(x, torch.cat([b[0] for b in pair])) and torch.equal(y, torch.cat([b[1] for b in pair]))
+    again = TokenStream(shards, seed=0)
+    again.load_state_dict(state)  # the state after a pass is the state after its last micro-batch
+    assert torch.equal(again.next_batch(8 * 4 * 16, 16, 4)[0], _batches(TokenStream(shards, seed=7), 5)[4][0])

@@ -190,3 +190,47 @@ def test_warm_up_takes_one_micro_batch_per_step_and_undoes_itself(tiny_data_dir,
     assert len(calls) == 3  # one micro-batch per warm-up step
     assert all(torch.equal(v, weights[k]) for k, v in setup.model.state_dict().items())
     assert trainer.stream.state_dict() == stream and trainer.step == 0
+
+
+def _one_step(data_dir, per_pass: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+    """(weights before, weights after one training step, its loss) with per_pass micro-batches a pass."""
+    from windowgpt_cli.distributed import DistContext
+    from windowgpt_cli.training import RunLog, Trainer, build_setup
+
+    cfg = tiny_cfg(data_dir, iterations=1, warmup_steps=0, micro_batches_per_pass=per_pass).resolved()
+    setup = build_setup(cfg, DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    assert setup.micro_batches_per_pass == per_pass and setup.passes_per_step == setup.grad_accum_steps // per_pass
+    before = {k: v.clone() for k, v in setup.model.state_dict().items()}
+    trainer = Trainer(setup, data_dir, RunLog(data_dir, enabled=False))
+    loss = trainer.train_step(trainer._direct_batch, 1.0)
+    return before, setup.model.state_dict(), loss
+
+
+def test_micro_batches_in_one_pass_give_the_step_of_separate_passes(tiny_data_dir):
+    start, separate, separate_loss = _one_step(tiny_data_dir, 1)
+    _, together, together_loss = _one_step(tiny_data_dir, 2)
+    assert sum(not torch.equal(start[k], v) for k, v in separate.items()) > 10  # the step moved the weights
+    assert torch.allclose(separate_loss, together_loss, rtol=1e-6)
+    for name, value in separate.items():  # the same update, to Newton-Schulz's bfloat16 rounding (~1%)
+        update, other = value - start[name], together[name] - start[name]
+        assert (update - other).norm() <= 0.03 * update.norm() + 1e-9, name
+
+
+def test_micro_batches_per_pass_fit_the_gpu_memory_and_divide_the_step(monkeypatch):
+    from types import SimpleNamespace
+
+    from windowgpt_cli.errors import ConfigError
+    from windowgpt_cli.training import (TRAIN_MEMORY_FRACTION, micro_batches_per_pass_for,
+                                        training_bytes_per_token)
+
+    cfg = RunConfig()  # the reference's model: 786,432 tokens in 8 micro-batches on one GPU
+    cuda = torch.device("cuda")
+    micro = training_bytes_per_token(cfg.model) * cfg.train.train_batch_tokens // 8
+    for fitting, expected in ((0.5, 1), (1, 1), (3, 2), (7.9, 4), (8, 8), (100, 8)):
+        memory = int(fitting * micro / TRAIN_MEMORY_FRACTION) + 1
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=memory))
+        assert micro_batches_per_pass_for(cfg, 1, 8, cuda) == expected, fitting
+    assert micro_batches_per_pass_for(cfg, 1, 8, torch.device("cpu")) == 1
+    cfg.train.micro_batches_per_pass = 3
+    with pytest.raises(ConfigError, match="must divide grad_accum_steps=8"):
+        micro_batches_per_pass_for(cfg, 1, 8, cuda)

@@ -123,6 +123,9 @@ class TrainConfig:
     num_gpus_long: int = setting(0, "The last N ranks train at train_seq_len_long; 0 = none.")
     grad_accum_steps: int = setting(0, "Micro-batches per step on each rank; 0 = 8 // world_size, as the "
                                        "reference.")
+    micro_batches_per_pass: int = setting(0, "Micro-batches that run together in one forward and backward (the "
+                                             "same gradient, fewer and larger kernels); 0 = on CUDA as many as "
+                                             "fit in half the GPU's memory, elsewhere 1.")
     max_wallclock_seconds: float = setting(600.0, "Stop training after this many seconds, with the warm-down "
                                                   "fitted to the cap; 0 = no cap.")
     val_loss_every: int = setting(4000, "Validate every N steps (and always at the end); 0 = only at the end.")
@@ -428,6 +431,7 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "seed": (0, 2**32 - 1), "data_seed": (-1, 2**64 - 1), "iterations": (0, None), "warmdown_iters": (0, None),
     "warmup_steps": (0, None), "train_batch_tokens": (1, 1 << 40), "train_seq_len": (1, 1 << 22),
     "train_seq_len_long": (0, 1 << 22), "num_gpus_long": (0, 1 << 16), "grad_accum_steps": (0, 1 << 16),
+    "micro_batches_per_pass": (0, 1 << 16),
     "max_wallclock_seconds": (0, None), "val_loss_every": (0, None), "train_log_every": (0, None),
     "val_batch_size": (1, 1 << 40), "ema_decay": (0, 0.999999999), "warmdown_max_fraction": (1e-9, 1),
     "swa_every": (1, None), "checkpoint_every": (0, None),

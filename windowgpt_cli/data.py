@@ -176,6 +176,14 @@ class TokenStream:
         tensor = torch.from_numpy(batch)
         return tensor[:, :-1].contiguous(), tensor[:, 1:].contiguous()
 
+    def next_pass(self, global_tokens: int, seq_len: int, grad_accum_steps: int,
+                  per_pass: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next per_pass micro-batches, concatenated: what one forward and backward takes."""
+        if per_pass == 1:
+            return self.next_batch(global_tokens, seq_len, grad_accum_steps)
+        parts = [self.next_batch(global_tokens, seq_len, grad_accum_steps) for _ in range(per_pass)]
+        return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+
     def _check_vocab(self, shard: int, rows: np.ndarray) -> None:
         if self.vocab_size is None:
             return
@@ -185,13 +193,14 @@ class TokenStream:
 
 
 class Prefetcher:
-    """Builds micro-batches in a background thread into pinned memory, so the GPU never
-    waits for the sampler; its state is the stream's state after the last batch taken."""
+    """Builds batches (per_pass micro-batches each) in a background thread into pinned
+    memory, so the GPU never waits for the sampler; its state is the stream's state after
+    the last batch taken."""
 
     def __init__(self, stream: TokenStream, global_tokens: int, seq_len: int, grad_accum_steps: int,
-                 device: torch.device, depth: int = 16):
+                 device: torch.device, depth: int = 16, per_pass: int = 1):
         self.stream, self.device = stream, device
-        self.args = (global_tokens, seq_len, grad_accum_steps)
+        self.args = (global_tokens, seq_len, grad_accum_steps, per_pass)
         self.pin = device.type == "cuda"
         self._state = stream.state_dict()
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -202,7 +211,7 @@ class Prefetcher:
     def _produce(self) -> None:
         try:
             while not self._stop.is_set():
-                x, y = self.stream.next_batch(*self.args)
+                x, y = self.stream.next_pass(*self.args)
                 item = (x, y, self.stream.state_dict())
                 if self.pin:
                     item = (item[0].pin_memory(), item[1].pin_memory(), item[2])

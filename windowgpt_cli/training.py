@@ -22,7 +22,7 @@ from .artifacts import json_text, sha256_file, tensors_sha256
 from .calibration import HESSIANS_FILENAME, calibrate, save_hessians
 from .checkpoint import FILENAME as CHECKPOINT_FILENAME
 from .checkpoint import Checkpoint, save_checkpoint
-from .config import RunConfig
+from .config import ModelConfig, RunConfig
 from .datadir import verify_data
 from .data import Prefetcher, TokenStream
 from .distributed import DistContext, all_reduce_, average_gradients, barrier, gather_from_ranks
@@ -136,6 +136,11 @@ class Setup:
     grad_accum_steps: int
     seq_len: int  # this rank's training sequence length
     tokenizer: Path | None = None
+    micro_batches_per_pass: int = 1  # micro-batches concatenated into one forward and backward
+
+    @property
+    def passes_per_step(self) -> int:
+        return self.grad_accum_steps // self.micro_batches_per_pass
 
 
 def grad_accum_steps_for(cfg: RunConfig, world_size: int) -> int:
@@ -144,6 +149,37 @@ def grad_accum_steps_for(cfg: RunConfig, world_size: int) -> int:
     if 8 % world_size != 0:
         raise ConfigError(f"world size {world_size} does not divide 8; set --grad-accum-steps explicitly")
     return 8 // world_size
+
+
+# Activations may take this share of a GPU's memory (the rest: weights, optimizer state,
+# the compiler's workspace and the allocator's slack).
+TRAIN_MEMORY_FRACTION = 0.5
+
+
+def training_bytes_per_token(cfg: ModelConfig) -> int:
+    """A bound on what one training token keeps alive for the backward: per layer the
+    float32 residual stream's parts and the bfloat16 inputs and outputs of its matrix
+    products and attention, and the float32 logits and their gradient."""
+    bf16_per_layer = 5 * cfg.model_dim + 2 * cfg.kv_dim + 3 * cfg.mlp_dim
+    return cfg.num_layers * (4 * 3 * cfg.model_dim + 2 * bf16_per_layer) + 4 * 3 * cfg.vocab_size
+
+
+def micro_batches_per_pass_for(cfg: RunConfig, world_size: int, accum: int, device: torch.device) -> int:
+    """How many of a step's micro-batches run as one forward and backward: the setting, or
+    for 0 on CUDA the most (a divisor of accum) whose activations fit in
+    TRAIN_MEMORY_FRACTION of the GPU's memory. The micro-batches themselves, and so the data
+    and the gradient, do not change: the sampler still draws grad_accum_steps of them."""
+    chosen = cfg.train.micro_batches_per_pass
+    if chosen > 0:
+        if accum % chosen:
+            raise ConfigError(f"micro_batches_per_pass={chosen} must divide grad_accum_steps={accum}")
+        return chosen
+    if device.type != "cuda":
+        return 1
+    micro_tokens = cfg.train.train_batch_tokens // (world_size * accum)
+    budget = torch.cuda.get_device_properties(device).total_memory * TRAIN_MEMORY_FRACTION
+    fitting = int(budget // (micro_tokens * training_bytes_per_token(cfg.model)))
+    return max(d for d in range(1, accum + 1) if accum % d == 0 and d <= max(fitting, 1))
 
 
 def check_batch_divides(cfg: RunConfig, world_size: int, accum: int) -> None:
@@ -207,6 +243,7 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     val_tokens = load_validation_tokens(data_dir, val_seq_len, cfg.model.vocab_size, inputs.val_files)
     accum = grad_accum_steps_for(cfg, ctx.world_size)
     check_batch_divides(cfg, ctx.world_size, accum)
+    per_pass = micro_batches_per_pass_for(cfg, ctx.world_size, accum, ctx.device)
 
     seed_everything(cfg.train.seed)
     enable_fast_math(ctx.device)
@@ -217,7 +254,7 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
         cfg=cfg, ctx=ctx, model=model, forward=forward, optimizers=build_optimizers(model, cfg.optim),
         averages=WeightAverages(model, cfg.train.ema_decay, cfg.train.ema_warmup), luts=luts, val_tokens=val_tokens,
         train_files=train_files, tokenizer_sha256=inputs.tokenizer_sha256,
-        grad_accum_steps=accum, seq_len=rank_seq_len(cfg, ctx), tokenizer=tokenizer,
+        grad_accum_steps=accum, seq_len=rank_seq_len(cfg, ctx), tokenizer=tokenizer, micro_batches_per_pass=per_pass,
     )
 
 
@@ -242,20 +279,22 @@ class Trainer:
     # --- one optimizer step ---
 
     def _optimizer_step(self, next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], scale: float,
-                        micro_batches: int | None = None) -> torch.Tensor:
+                        passes: int | None = None) -> torch.Tensor:
         s = self.s
         opt = s.optimizers
         opt.zero_grad()
         train_loss = torch.zeros((), device=s.ctx.device)
-        for _ in range(micro_batches or s.grad_accum_steps):
+        # Each pass is micro_batches_per_pass micro-batches of equal size, so the mean of
+        # the passes' mean losses is the step's mean loss.
+        for _ in range(passes or s.passes_per_step):
             with phase(PHASES.data):
                 x, y = next_batch()
             with phase(PHASES.forward), autocast(s.ctx.device):
                 loss = s.forward(x, y)
             train_loss += loss.detach()
             with phase(PHASES.backward):
-                (loss / s.grad_accum_steps).backward()
-        train_loss /= s.grad_accum_steps
+                (loss / s.passes_per_step).backward()
+        train_loss /= s.passes_per_step
         opt.set_muon_momentum(muon_momentum_at(self.step, s.cfg.optim))
         opt.set_lr_scale(scale)
         if s.cfg.optim.grad_clip_norm > 0:
@@ -284,8 +323,8 @@ class Trainer:
     def warm_up(self) -> None:
         """Run warmup_steps real steps (compilation, allocator), then restore the initial
         weights, optimizer state and data stream: they change nothing but speed. Each takes
-        one micro-batch: every micro-batch has the same shape and runs the same graphs, so
-        the other grad_accum_steps - 1 would only spend time."""
+        one forward and backward: every pass has the same shape and runs the same graphs, so
+        a step's other passes would only spend time."""
         s, t = self.s, self.s.cfg.train
         if t.warmup_steps <= 0:
             return
@@ -294,7 +333,7 @@ class Trainer:
         stream_state = self.stream.state_dict()
         with self.phases.timed("warmup", sync=s.ctx.device):
             for i in range(t.warmup_steps):
-                self._optimizer_step(self._direct_batch, 1.0, micro_batches=1)
+                self._optimizer_step(self._direct_batch, 1.0, passes=1)
                 if t.warmup_steps <= 20 or (i + 1) % 10 == 0 or i + 1 == t.warmup_steps:
                     self.log.line(f"warmup_step:{i + 1}/{t.warmup_steps}")
         s.model.load_state_dict(model_state, strict=True)
@@ -302,8 +341,10 @@ class Trainer:
         self.stream.load_state_dict(stream_state)
 
     def _direct_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self.stream.next_batch(self.s.cfg.train.train_batch_tokens, self.s.seq_len, self.s.grad_accum_steps)
-        return x.to(self.s.ctx.device), y.to(self.s.ctx.device)
+        s = self.s
+        x, y = self.stream.next_pass(s.cfg.train.train_batch_tokens, s.seq_len, s.grad_accum_steps,
+                                     s.micro_batches_per_pass)
+        return x.to(s.ctx.device), y.to(s.ctx.device)
 
     # --- validation ---
 
@@ -313,7 +354,7 @@ class Trainer:
         s, t = self.s, self.s.cfg.train
         training_graph = s.forward is not s.model and s.seq_len == t.train_seq_len
         if training_graph:
-            local_batch_tokens = t.train_batch_tokens // (s.ctx.world_size * s.grad_accum_steps)
+            local_batch_tokens = t.train_batch_tokens // (s.ctx.world_size * s.passes_per_step)
         else:
             local_batch_tokens = t.val_batch_size // (s.ctx.world_size * s.grad_accum_steps)
         with self.phases.timed("validation", sync=s.ctx.device):
@@ -376,7 +417,8 @@ class Trainer:
     def run(self, stop_at_step: int | None, stops: StopRequests) -> TrainResult:
         s, t = self.s, self.s.cfg.train
         device = s.ctx.device
-        prefetcher = Prefetcher(self.stream, t.train_batch_tokens, s.seq_len, s.grad_accum_steps, device)
+        prefetcher = Prefetcher(self.stream, t.train_batch_tokens, s.seq_len, s.grad_accum_steps, device,
+                                per_pass=s.micro_batches_per_pass)
         tokens_per_step = t.train_batch_tokens
         last_val: tuple[float, float] | None = None
         if self.gptq_reserve_ms > 0:
@@ -547,7 +589,8 @@ def describe(setup: Setup, log: RunLog) -> None:
     if windows:
         sinks = f" sink_tokens={cfg.model.num_sink_tokens}" if cfg.model.num_sink_tokens > 0 else ""
         log.line(f"window_attn:size={cfg.model.window_attn_size} layers:{windows}{sinks}")
-    log.line(f"world_size:{ctx.world_size} grad_accum_steps:{setup.grad_accum_steps} device:{ctx.device} "
+    log.line(f"world_size:{ctx.world_size} grad_accum_steps:{setup.grad_accum_steps} "
+             f"micro_batches_per_pass:{setup.micro_batches_per_pass} device:{ctx.device} "
              f"attn_backend:{model.blocks[0].attn.backend}")
     log.line(f"rank_seq_lens:{gather_from_ranks(setup.seq_len)}")
     log.line(f"train_batch_tokens:{cfg.train.train_batch_tokens} train_seq_len:{cfg.train.train_seq_len} "

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # torch is imported only when a command runs, so that --help 
 Echo = Callable[[str], None]
 
 RESUMABLE_OVERRIDES = {"data_path", "tokenizer_path", "tokenizer_meta_path", "device", "attn_backend", "compile",
-                       "sample_every", "sample_prompt", "logger"}
+                       "micro_batches_per_pass", "sample_every", "sample_prompt", "logger"}
 SUMMARY = "summary.json"  # written when a run finishes
 
 
@@ -322,7 +322,7 @@ def command(
         if given or config_file or preset_name:
             raise ConfigError("--resume takes its settings from the checkpoint; only --data, --tokenizer, --device, "
                               "--sample-every, --sample-prompt, --logger, "
-                              "--attn-backend and --compile may change")
+                              "--attn-backend, --compile and --micro-batches-per-pass may change")
         if out is None:
             raise ConfigError("--resume needs --out RUN_DIR")
         cfg = apply_overrides(load_checkpoint(out).config, overrides)
