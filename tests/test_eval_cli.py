@@ -98,7 +98,7 @@ def test_ptz_scores_as_its_dequantized_weights(eval_run_dir, eval_data_dir, eval
 
 def test_eval_ttt_reports_parameters_chunks_and_results(eval_run_dir, eval_data_dir, eval_model, eval_val_tokens,
                                                         eval_luts):
-    args = ("eval-ttt", eval_run_dir, "--data", eval_data_dir, "--ttt-chunk-tokens", 256, "--ttt-epochs", 1,
+    args = ("eval-ttt", eval_run_dir, "--data", eval_data_dir, "--ttt-chunk-tokens", 256, "--ttt-epochs", 2,
             "--ttt-batch-seqs", 2, "--ttt-lr", 0.01, "--batch-seqs", 8)
     result = run_cli(*args, "--json")
     assert result.exit_code == 0, result.output
@@ -116,6 +116,12 @@ def test_eval_ttt_reports_parameters_chunks_and_results(eval_run_dir, eval_data_
     want = evaluate_ttt(m, truncated(eval_val_tokens), eval_luts, ttt, seq_len=128, stride=32, batch_seqs=8,
                         device=CPU)
     assert out["val_bpb"] == pytest.approx(want.val_bpb, rel=1e-9)
+    # One chunk trained on, one step per epoch: eager, then captured and replayed.
+    assert out["ttt"]["ttt_cuda_graphs"] is True
+    assert out["ttt_steps"] == {"eager": 1, "captured": 1, "replayed": 1}
+    eager = json.loads(run_cli(*args, "--no-ttt-cuda-graphs", "--json").stdout)
+    assert eager["ttt"]["ttt_cuda_graphs"] is False and eager["ttt_steps"] == {"eager": 2, "captured": 0, "replayed": 0}
+    assert eager["val_bpb"] == out["val_bpb"]
 
     reference_freezing = run_cli(*args, "--no-ttt-freeze-bank-slices")
     assert reference_freezing.exit_code == 0, reference_freezing.output

@@ -328,6 +328,36 @@ def test_frozen_blocks_stay_bit_identical(eval_model, ttt_tokens, eval_luts, fre
     assert not torch.equal(after["tok_emb.weight"], before["tok_emb.weight"])
 
 
+def ttt_with_and_without_recorded_steps(model, val, luts, device, **changes):
+    """(result, weights) of TTT with ttt_cuda_graphs off, then on, from the same weights."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    runs = []
+    for graphs in (False, True):
+        model.load_state_dict(state)
+        result = evaluate_ttt(model, val, luts, ttt_config(ttt_cuda_graphs=graphs, **changes), seq_len=TTT_SEQ,
+                              stride=TTT_STRIDE, batch_seqs=8, device=device)
+        runs.append((result, {k: v.clone() for k, v in model.state_dict().items()}))
+    assert any(not torch.equal(runs[0][1][k], state[k]) for k in state)  # it trained
+    return runs
+
+
+# Chunks of 3 training sequences in steps of at most 2: two batch shapes, 2 epochs, 2 chunks.
+TWO_SHAPES = dict(ttt_chunk_tokens=3 * TTT_SEQ, ttt_batch_seqs=2, ttt_epochs=2)
+
+
+def test_recorded_steps_train_exactly_as_eager_steps(eval_model, eval_val_tokens, eval_luts):
+    """The steps replayed through fixed buffers (CUDA graphs on a GPU; here the same
+    bookkeeping, rerun eagerly) give the eager steps' weights and scores bit for bit: each
+    shape's first step is eager, its second is recorded and replayed, later ones replayed."""
+    (eager, eager_weights), (recorded, recorded_weights) = ttt_with_and_without_recorded_steps(
+        eval_model, eval_val_tokens, eval_luts, CPU, **TWO_SHAPES)
+    assert eager.ttt_steps == {"eager": 8, "captured": 0, "replayed": 0}
+    assert recorded.ttt_steps == {"eager": 2, "captured": 2, "replayed": 6}
+    assert recorded.per_chunk == eager.per_chunk and recorded.val_bpb == eager.val_bpb
+    assert all(torch.equal(recorded_weights[k], eager_weights[k]) for k in eager_weights)
+    assert all(p.grad is None for p in eval_model.parameters())
+
+
 def test_parameter_counts_count_frozen_slices_as_frozen(eval_model):
     m = eval_model
     scalars = sum(p.numel() for name, p in m.named_parameters() if name.startswith(("blocks.0.", "blocks.1.")))
@@ -432,6 +462,62 @@ def test_compiled_cuda_scoring_and_ttt_agree_with_eager(eval_model, eval_val_tok
         results.append(evaluate_ttt(model, val[: 3 * TTT_CHUNK + 1], eval_luts, ttt_config(), seq_len=TTT_SEQ,
                                     stride=TTT_STRIDE, batch_seqs=8, device=cuda, compile_model=compile_model))
     assert results[1].val_bpb == pytest.approx(results[0].val_bpb, rel=1e-2)
+
+
+@pytest.fixture
+def deterministic_cuda():
+    """Deterministic CUDA kernels (the attention backward's, above all), so that two runs of
+    the same steps can agree bit for bit."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(previous)
+
+
+def cuda_ttt_model(eval_model):
+    cuda = torch.device("cuda")
+    model = eval_model.to(cuda)
+    model.set_attention_backend("auto", cuda)
+    return model, cuda
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.usefixtures("deterministic_cuda")
+def test_cuda_graph_steps_train_exactly_as_eager_steps(eval_model, eval_val_tokens, eval_luts):
+    model, cuda = cuda_ttt_model(eval_model)
+    val = eval_val_tokens.to(torch.int64)
+    (eager, eager_weights), (graphs, graph_weights) = ttt_with_and_without_recorded_steps(
+        model, val, eval_luts, cuda, **TWO_SHAPES)
+    assert graphs.ttt_steps == {"eager": 2, "captured": 2, "replayed": 6}
+    assert graphs.per_chunk == eager.per_chunk and graphs.val_bpb == eager.val_bpb
+    assert all(torch.equal(graph_weights[k], eager_weights[k]) for k in eager_weights)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.usefixtures("deterministic_cuda")
+def test_a_step_that_cannot_be_captured_trains_eagerly_after_one_warning(eval_model, eval_val_tokens, eval_luts,
+                                                                         monkeypatch, capfd):
+    """A host synchronization in the step (here: reading the gradient norm) breaks the
+    capture; the run warns once and trains eagerly, to the same numbers."""
+    from windowgpt_cli.evaluation import ChunkTrainer
+
+    finish = ChunkTrainer._finish_gradients
+
+    def finish_and_sync(self):
+        finish(self)
+        self.params.trainable[0].grad.norm().item()
+
+    monkeypatch.setattr(ChunkTrainer, "_finish_gradients", finish_and_sync)
+    model, cuda = cuda_ttt_model(eval_model)
+    (eager, eager_weights), (fallback, fallback_weights) = ttt_with_and_without_recorded_steps(
+        model, eval_val_tokens.to(torch.int64), eval_luts, cuda, **TWO_SHAPES)
+    assert fallback.ttt_steps == {"eager": 8, "captured": 0, "replayed": 0}
+    assert fallback.val_bpb == eager.val_bpb
+    assert all(torch.equal(fallback_weights[k], eager_weights[k]) for k in eager_weights)
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "CUDA graph" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: ") and "training eagerly" in warnings[0]
 
 
 # --- Batch size -----------------------------------------------------------------------------

@@ -190,6 +190,8 @@ class TTTConfig:
     ttt_momentum: float = setting(0.9, "SGD momentum.")
     ttt_batch_seqs: int = setting(32, "Sequences per training batch.")
     ttt_grad_clip: float = setting(1.0, "Clip the gradient to this global norm.")
+    ttt_cuda_graphs: bool = setting(True, "On CUDA in one process, replay each training step as a CUDA graph "
+                                          "(the same numbers, fewer kernel launches); off: eager steps.")
 
 
 @dataclass

@@ -26,10 +26,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +88,7 @@ class EvalResult:
     batch_seqs: int  # sequences or windows per forward pass
     per_chunk: list[ChunkScore] = field(default_factory=list)  # ttt only
     timings: dict[str, float] = field(default_factory=dict)  # seconds of the phases inside `seconds`
+    ttt_steps: dict[str, int] = field(default_factory=dict)  # ttt only: how its training steps ran
 
     @property
     def tokens_per_second(self) -> float:
@@ -471,8 +473,62 @@ class ChunkProgress:
         return bits_per_byte(self.loss_sum, self.tokens, self.bytes)[1] if self.tokens and self.bytes else float("nan")
 
 
-class _ChunkTrainer:
-    """SGD with momentum on the chunk's whole sequences, the reference's TTT step."""
+def capture_cuda_graph(step: Callable[[], None], stream: torch.cuda.Stream) -> Callable[[], None]:
+    """step's kernels captured on `stream` as a CUDA graph, and the graph's replay. Capturing
+    launches nothing: the step has not run when this returns."""
+    graph = torch.cuda.CUDAGraph()
+    # The outer context gives the current stream back even when ending a failed capture
+    # raises (torch.cuda.graph's exit then skips restoring it).
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        step()
+    return graph.replay
+
+
+@contextlib.contextmanager
+def _on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """The block's kernels on `stream` (None: the current stream), after the current stream's
+    work so far and before its later work."""
+    if stream is None:
+        yield
+        return
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        yield
+    current.wait_stream(stream)
+
+
+@dataclass
+class _ShapeStep:
+    """One batch shape's recorded step: the tensors it reads its batch from, and what
+    replays it (None until it is captured)."""
+
+    x: Tensor
+    y: Tensor
+    replay: Callable[[], None] | None = None
+
+
+class ChunkTrainer:
+    """SGD with momentum on the chunk's whole sequences, the reference's TTT step.
+
+    A step is: gradients (zeroed, forward under autocast, backward, all-reduced over
+    ranks, frozen bank slices zeroed, clipped to the global norm), then the SGD update.
+    Eagerly that is thousands of small kernel launches, so with `ttt_cuda_graphs` in one
+    process (and an uncompiled forward) the gradient part is recorded once per batch shape
+    and replayed: on CUDA as a CUDA graph, elsewhere (no graphs) by calling it again, which
+    keeps the same bookkeeping testable on the CPU. A replay reads fixed addresses, so the
+    batch is copied into the shape's x, y and the gradients are zeroed in place, never
+    freed. The SGD update runs eagerly after each replay, as in the eager step: SGD reads a
+    float learning rate as a kernel argument, and with a tensor one it still calls .item()
+    (not capturable); outside the graph it is today's three foreach launches, the same
+    numbers by construction.
+
+    No step is lost to warming up: a shape's first step runs eagerly (on a side stream,
+    as capturing wants) and is a real step; it creates the gradients, compiles the
+    attention kernel for the shape and the like. The shape's second step is captured,
+    which runs nothing, then replayed once: that replay is the second step. Should a
+    capture fail, a one-line warning says so and every later step runs eagerly.
+    """
 
     def __init__(self, model: GPT, params: TTTParameters, ttt: TTTConfig, tokens: Tensor, *, seq_len: int,
                  device: torch.device, rank: int, world_size: int, compile_model: bool):
@@ -480,6 +536,13 @@ class _ChunkTrainer:
         self.seq_len, self.device, self.rank, self.world_size = seq_len, device, rank, world_size
         self.loss_fn = compiled(model, compile_model)
         self.optimizer = torch.optim.SGD(params.trainable, lr=ttt.ttt_lr, momentum=ttt.ttt_momentum)
+        # Several ranks all-reduce their gradients between backward and clipping (NCCL
+        # inside a graph is left alone), and a compiled forward is one launch already.
+        self.recording = ttt.ttt_cuda_graphs and world_size == 1 and not compile_model
+        self.capturing = self.recording
+        self.stream = torch.cuda.Stream(device) if self.recording and device.type == "cuda" else None
+        self.shapes: dict[int, _ShapeStep] = {}  # by sequences per step
+        self.counts = {"eager": 0, "captured": 0, "replayed": 0}  # steps run eagerly; records; replays
 
     def train_chunk(self, chunk_start: int, chunk_end: int, lr: float) -> None:
         chunk_seqs = (chunk_end - chunk_start) // self.seq_len
@@ -498,23 +561,83 @@ class _ChunkTrainer:
                 self._step(chunk_start + begin * self.seq_len, end - begin)
 
     def _step(self, token_start: int, num_seqs: int) -> None:
+        if self.recording:
+            self._recorded_gradients(token_start, num_seqs)
+        else:
+            self._eager_gradients(token_start, num_seqs)
+        self.optimizer.step()
+
+    def _batch(self, token_start: int, num_seqs: int) -> tuple[Tensor, Tensor]:
+        local = self.tokens[token_start: token_start + num_seqs * self.seq_len + 1]
+        return local[:-1].view(num_seqs, self.seq_len), local[1:].view(num_seqs, self.seq_len)
+
+    def _backward(self, x: Tensor, y: Tensor) -> None:
+        with autocast(self.device):
+            loss = self.loss_fn(x, y)
+        loss.backward()
+
+    def _finish_gradients(self) -> None:
+        for bank, slots in self.params.frozen_slices:
+            if bank.grad is not None:
+                bank.grad.index_fill_(0, slots, 0.0)
+        torch.nn.utils.clip_grad_norm_(self.params.trainable, self.ttt.ttt_grad_clip)
+
+    def _eager_gradients(self, token_start: int, num_seqs: int) -> None:
         self.model.zero_grad(set_to_none=True)  # frozen parameters get gradients too: drop them
         if num_seqs > 0:
-            local = self.tokens[token_start: token_start + num_seqs * self.seq_len + 1]
-            x, y = local[:-1].view(num_seqs, self.seq_len), local[1:].view(num_seqs, self.seq_len)
-            with autocast(self.device):
-                loss = self.loss_fn(x, y)
-            loss.backward()
+            self._backward(*self._batch(token_start, num_seqs))
         else:
             for p in self.params.trainable:
                 p.grad = torch.zeros_like(p)
         if self.world_size > 1 and is_initialized():
             average_gradients(self.params.trainable)
-        for bank, slots in self.params.frozen_slices:
-            if bank.grad is not None:
-                bank.grad.index_fill_(0, slots, 0.0)
-        torch.nn.utils.clip_grad_norm_(self.params.trainable, self.ttt.ttt_grad_clip)
-        self.optimizer.step()
+        self._finish_gradients()
+        self.counts["eager"] += 1
+
+    def _gradients_in_place(self, shape: _ShapeStep) -> None:
+        """The recorded part of a step: the gradients of the batch in shape.x, shape.y, into
+        the gradient tensors the first step created (zeroed in place: 0 + g is g). Frozen
+        parameters' gradients are zeroed too, so they hold one step's, as eagerly."""
+        self.model.zero_grad(set_to_none=False)
+        self._backward(shape.x, shape.y)
+        self._finish_gradients()
+
+    def _recorded_gradients(self, token_start: int, num_seqs: int) -> None:
+        x, y = self._batch(token_start, num_seqs)
+        shape = self.shapes.get(num_seqs)
+        if shape is None:  # the shape's first step: eager and real, it warms the capture up
+            shape = self.shapes[num_seqs] = _ShapeStep(x.clone(), y.clone())
+            with _on_stream(self.stream):
+                self._gradients_in_place(shape)
+            self.counts["eager"] += 1
+            return
+        shape.x.copy_(x)
+        shape.y.copy_(y)
+        if shape.replay is None and self.capturing:
+            shape.replay = self._capture(functools.partial(self._gradients_in_place, shape))
+        if shape.replay is None:
+            self._gradients_in_place(shape)
+            self.counts["eager"] += 1
+        else:
+            shape.replay()  # for a shape captured just now, this is the step's only run
+            self.counts["replayed"] += 1
+
+    def _capture(self, step: Callable[[], None]) -> Callable[[], None] | None:
+        """What replays step: its CUDA graph; without CUDA, step itself. None (and no more
+        captures) when the capture fails."""
+        if self.stream is None:
+            self.counts["captured"] += 1
+            return step
+        try:
+            replay = capture_cuda_graph(step, self.stream)
+        except Exception as exc:  # whatever the step cannot capture: eager steps from here on
+            self.capturing = False
+            reason = (str(exc).strip().splitlines() or [""])[0][:200]
+            print(f"warning: TTT's training step could not be captured as a CUDA graph "
+                  f"({type(exc).__name__}: {reason}); training eagerly", file=sys.stderr)
+            return None
+        self.counts["captured"] += 1
+        return replay
 
 
 def ttt_learning_rate(base_lr: float, chunk: int, num_chunks: int) -> float:
@@ -544,7 +667,9 @@ def evaluate_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTConfig,
     where they can run) or else compiles its forward with compile_model (default: on CUDA);
     compile_training (default: off) compiles the training step's: TTT trains a few
     small batches per chunk in one pass over the data, too little to repay compiling a
-    backward graph.
+    backward graph. Uncompiled, in one process, ttt.ttt_cuda_graphs replays the steps as
+    CUDA graphs (see `ChunkTrainer`); `result.ttt_steps` counts the steps run eagerly, the
+    steps captured and the replays.
     `result.per_chunk` holds each chunk's sums; on_chunk sees running sums after each chunk.
     """
     start = _sync_clock(device)
@@ -563,7 +688,7 @@ def evaluate_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTConfig,
     scorer = WindowScorer(model, tokens, luts.to(device), seq_len=seq_len, width=stride,
                           batch_rows=batch_windows(batch_seqs, model.cfg, seq_len, device), device=device,
                           compile_model=compile_model, fused=should_fuse(fused, device))
-    trainer = _ChunkTrainer(model, params, ttt, tokens, seq_len=seq_len, device=device, rank=rank,
+    trainer = ChunkTrainer(model, params, ttt, tokens, seq_len=seq_len, device=device, rank=rank,
                             world_size=world_size, compile_model=compile_training)
     chunk_sums = torch.zeros(num_chunks, 3, dtype=torch.float64, device=device)
     training_seconds = 0.0
@@ -584,5 +709,7 @@ def evaluate_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTConfig,
         model.zero_grad(set_to_none=True)
     all_reduce_(chunk_sums)
     per_chunk = [ChunkScore(nats, int(n), int(b)) for nats, n, b in chunk_sums.tolist()]
-    return _result("ttt", chunk_sums.sum(0), _sync_clock(device) - start, seq_len, stride, scorer.batch_rows,
-                   per_chunk, {**scorer.timings, "ttt_training": training_seconds})
+    result = _result("ttt", chunk_sums.sum(0), _sync_clock(device) - start, seq_len, stride, scorer.batch_rows,
+                     per_chunk, {**scorer.timings, "ttt_training": training_seconds})
+    result.ttt_steps = dict(trainer.counts)
+    return result

@@ -78,6 +78,7 @@ def ttt_evaluate_artifact(artifact: Path, data_dir: Path, *, ttt_overrides: dict
         record["score_once"] = score_once
         record["ttt"] = dataclasses.asdict(ttt)
         record["ttt_order"] = TTT_ORDER
+        record["ttt_steps"] = result.ttt_steps
         record["per_chunk"] = [{"loss_sum": c.loss_sum, "tokens": c.tokens, "bytes": c.bytes, "val_bpb": c.val_bpb}
                                for c in result.per_chunk]
         add_timings(record, phases, result)
