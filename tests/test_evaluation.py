@@ -328,11 +328,12 @@ def test_frozen_blocks_stay_bit_identical(eval_model, ttt_tokens, eval_luts, fre
     assert not torch.equal(after["tok_emb.weight"], before["tok_emb.weight"])
 
 
-def ttt_with_and_without_recorded_steps(model, val, luts, device, **changes):
-    """(result, weights) of TTT with ttt_cuda_graphs off, then on, from the same weights."""
+def ttt_with_and_without_recorded_steps(model, val, luts, device, graphs_settings=(False, True), **changes):
+    """(result, weights) of TTT with each ttt_cuda_graphs setting in turn (default: off, then
+    on), from the same weights."""
     state = {k: v.clone() for k, v in model.state_dict().items()}
     runs = []
-    for graphs in (False, True):
+    for graphs in graphs_settings:
         model.load_state_dict(state)
         result = evaluate_ttt(model, val, luts, ttt_config(ttt_cuda_graphs=graphs, **changes), seq_len=TTT_SEQ,
                               stride=TTT_STRIDE, batch_seqs=8, device=device)
@@ -486,9 +487,10 @@ def cuda_ttt_model(eval_model):
 @pytest.mark.usefixtures("deterministic_cuda")
 def test_cuda_graph_steps_train_exactly_as_eager_steps(eval_model, eval_val_tokens, eval_luts):
     model, cuda = cuda_ttt_model(eval_model)
-    val = eval_val_tokens.to(torch.int64)
-    (eager, eager_weights), (graphs, graph_weights) = ttt_with_and_without_recorded_steps(
-        model, val, eval_luts, cuda, **TWO_SHAPES)
+    (eager, eager_weights), (again, again_weights), (graphs, graph_weights) = ttt_with_and_without_recorded_steps(
+        model, eval_val_tokens, eval_luts, cuda, (False, False, True), **TWO_SHAPES)
+    assert again.val_bpb == eager.val_bpb and all(torch.equal(again_weights[k], eager_weights[k])
+                                                  for k in eager_weights), "eager steps differ run to run here"
     assert graphs.ttt_steps == {"eager": 2, "captured": 2, "replayed": 6}
     assert graphs.per_chunk == eager.per_chunk and graphs.val_bpb == eager.val_bpb
     assert all(torch.equal(graph_weights[k], eager_weights[k]) for k in eager_weights)
@@ -512,7 +514,7 @@ def test_a_step_that_cannot_be_captured_trains_eagerly_after_one_warning(eval_mo
     monkeypatch.setattr(ChunkTrainer, "_finish_gradients", finish_and_sync)
     model, cuda = cuda_ttt_model(eval_model)
     (eager, eager_weights), (fallback, fallback_weights) = ttt_with_and_without_recorded_steps(
-        model, eval_val_tokens.to(torch.int64), eval_luts, cuda, **TWO_SHAPES)
+        model, eval_val_tokens, eval_luts, cuda, **TWO_SHAPES)
     assert fallback.ttt_steps == {"eager": 8, "captured": 0, "replayed": 0}
     assert fallback.val_bpb == eager.val_bpb
     assert all(torch.equal(fallback_weights[k], eager_weights[k]) for k in eager_weights)
