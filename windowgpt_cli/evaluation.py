@@ -527,7 +527,8 @@ class ChunkTrainer:
     as capturing wants) and is a real step; it creates the gradients, compiles the
     attention kernel for the shape and the like. The shape's second step is captured,
     which runs nothing, then replayed once: that replay is the second step. Should a
-    capture fail, a one-line warning says so and every later step runs eagerly.
+    capture fail, a one-line warning says so and that step and every later one run as
+    eager steps.
     """
 
     def __init__(self, model: GPT, params: TTTParameters, ttt: TTTConfig, tokens: Tensor, *, seq_len: int,
@@ -539,7 +540,6 @@ class ChunkTrainer:
         # Several ranks all-reduce their gradients between backward and clipping (NCCL
         # inside a graph is left alone), and a compiled forward is one launch already.
         self.recording = ttt.ttt_cuda_graphs and world_size == 1 and not compile_model
-        self.capturing = self.recording
         self.stream = torch.cuda.Stream(device) if self.recording and device.type == "cuda" else None
         self.shapes: dict[int, _ShapeStep] = {}  # by sequences per step
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}  # steps run eagerly; records; replays
@@ -613,25 +613,24 @@ class ChunkTrainer:
             return
         shape.x.copy_(x)
         shape.y.copy_(y)
-        if shape.replay is None and self.capturing:
-            shape.replay = self._capture(functools.partial(self._gradients_in_place, shape))
         if shape.replay is None:
-            self._gradients_in_place(shape)
-            self.counts["eager"] += 1
-        else:
-            shape.replay()  # for a shape captured just now, this is the step's only run
-            self.counts["replayed"] += 1
+            shape.replay = self._capture(functools.partial(self._gradients_in_place, shape))
+            if shape.replay is None:  # the capture failed: eager steps from here on, on this stream
+                self.recording = False
+                self._eager_gradients(token_start, num_seqs)
+                return
+        shape.replay()  # for a shape captured just now, this is the step's only run
+        self.counts["replayed"] += 1
 
     def _capture(self, step: Callable[[], None]) -> Callable[[], None] | None:
-        """What replays step: its CUDA graph; without CUDA, step itself. None (and no more
-        captures) when the capture fails."""
+        """What replays step: its CUDA graph; without CUDA, step itself. None, after a
+        one-line warning, when the capture fails."""
         if self.stream is None:
             self.counts["captured"] += 1
             return step
         try:
             replay = capture_cuda_graph(step, self.stream)
-        except Exception as exc:  # whatever the step cannot capture: eager steps from here on
-            self.capturing = False
+        except Exception as exc:  # whatever the step cannot capture
             reason = (str(exc).strip().splitlines() or [""])[0][:200]
             print(f"warning: TTT's training step could not be captured as a CUDA graph "
                   f"({type(exc).__name__}: {reason}); training eagerly", file=sys.stderr)
