@@ -518,10 +518,10 @@ class ChunkTrainer:
     and replayed: on CUDA as a CUDA graph, elsewhere (no graphs) by calling it again, which
     keeps the same bookkeeping testable on the CPU. A replay reads fixed addresses, so the
     batch is copied into the shape's x, y and the gradients are zeroed in place, never
-    freed. The SGD update runs eagerly after each replay, as in the eager step: SGD reads a
-    float learning rate as a kernel argument, and with a tensor one it still calls .item()
-    (not capturable); outside the graph it is today's three foreach launches, the same
-    numbers by construction.
+    freed. The SGD update runs eagerly after each replay, as in the eager step: a graph
+    would keep the learning rate it was captured with, and torch's SGD reads a tensor
+    learning rate back with .item() (foreach or not), which a capture forbids; outside the
+    graph the update is a few foreach launches, the eager step's numbers by construction.
 
     No step is lost to warming up: a shape's first step runs eagerly (on a side stream,
     as capturing wants) and is a real step; it creates the gradients, compiles the
@@ -538,7 +538,7 @@ class ChunkTrainer:
         self.loss_fn = compiled(model, compile_model)
         self.optimizer = torch.optim.SGD(params.trainable, lr=ttt.ttt_lr, momentum=ttt.ttt_momentum)
         # Several ranks all-reduce their gradients between backward and clipping (NCCL
-        # inside a graph is left alone), and a compiled forward is one launch already.
+        # inside a graph is left alone); a compiled forward keeps its eager steps too.
         self.recording = ttt.ttt_cuda_graphs and world_size == 1 and not compile_model
         self.stream = torch.cuda.Stream(device) if self.recording and device.type == "cuda" else None
         self.shapes: dict[int, _ShapeStep] = {}  # by sequences per step
