@@ -6,6 +6,10 @@ i - j <= window or j < sinks (window 0 means the whole causal prefix).
 
 - fa3:  FlashAttention-3 (`flash_attn_interface`), when installed.
 - flex: FlexAttention for windowed layers, SDPA (flash kernel) for full causal layers.
+  Called eagerly on CUDA (sliding evaluation, test-time training), windowed layers run the
+  Triton kernels instead, which start at once where FlexAttention compiles for seconds.
+- triton: the Triton kernels of `window_attention` for windowed layers, SDPA for full
+  causal layers.
 - sdpa: SDPA everywhere, with an explicit boolean mask for windowed layers.
 
 `attention_at` serves a few queries per sequence at given positions (SDPA with a mask,
@@ -22,8 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import ConfigError
+from .runtime import triton_available
 
-BACKENDS = ("auto", "fa3", "flex", "sdpa")
+BACKENDS = ("auto", "fa3", "flex", "triton", "sdpa")
 
 
 def fa3_available() -> bool:
@@ -40,6 +45,8 @@ def resolve_backend(name: str, device: torch.device) -> str:
         return "fa3" if fa3_available() else "flex"
     if name == "fa3" and (device.type != "cuda" or not fa3_available()):
         raise ConfigError("attention backend fa3 needs CUDA and the flash_attn_interface package (FlashAttention-3)")
+    if name == "triton" and not triton_available(device):
+        raise ConfigError("attention backend triton needs CUDA and the triton package")
     return name
 
 
@@ -54,6 +61,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, backend:
         return _fa3(q, k, v) if backend == "fa3" else _sdpa(q, k, v, mask=None)
     if backend == "fa3":
         return _fa3_window_with_sinks(q, k, v, window, sinks)
+    if backend == "triton" or (backend == "flex" and _eager_on_cuda(q)):
+        return _triton_window(q, k, v, window, sinks)
     if backend == "flex":
         return _flex(q, k, v, _flex_block_mask(seq_len, window, sinks, q.device))
     return _sdpa(q, k, v, mask=window_mask(seq_len, window, sinks, q.device))
@@ -80,6 +89,20 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     else:
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=gqa)
     return out.transpose(1, 2)
+
+
+# --- Triton ------------------------------------------------------------------------------
+
+def _eager_on_cuda(q: Tensor) -> bool:
+    """An eager call on CUDA, where FlexAttention would compile its kernel at the first call:
+    the Triton kernels serve it (inside a compiled model FlexAttention is traced instead)."""
+    return q.is_cuda and not torch.compiler.is_compiling() and triton_available(q.device)
+
+
+def _triton_window(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int) -> Tensor:
+    from .window_attention import window_attention  # imports Triton: only when used
+
+    return window_attention(q, k, v, window, sinks)
 
 
 # --- FlexAttention -----------------------------------------------------------------------
@@ -117,7 +140,7 @@ def _flex_block_mask(seq_len: int, window: int, sinks: int, device: torch.device
 def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask) -> Tensor:
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     # Inside a compiled model flex_attention is traced into the graph; called eagerly on
-    # CUDA it needs its own compiled kernel to be fast.
+    # CUDA (without Triton's kernels, see `attention`) it needs its own compiled kernel.
     flex = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else _eager_flex()
     out = flex(qt, kt, vt, block_mask=block_mask, enable_gqa=kt.shape[1] != qt.shape[1])
     return out.transpose(1, 2)

@@ -141,7 +141,7 @@ class TrainConfig:
     swa_every: int = setting(50, "Steps between SWA snapshots.")
     checkpoint_every: int = setting(0, "Write a checkpoint every N steps; 0 = only at the end.")
     device: str = setting("auto", "auto (CUDA when available), cpu or cuda.")
-    attn_backend: str = setting("auto", "Attention kernels: auto, fa3, flex or sdpa.")
+    attn_backend: str = setting("auto", "Attention kernels: auto, fa3, flex, triton or sdpa.")
     compile: bool = setting(True, "torch.compile the model (on CUDA only).")
     sample_every: int = setting(0, "Log a short greedy sample every N steps; 0 = never.")
     sample_prompt: str = setting("The", "The prompt of those samples.")
@@ -499,7 +499,8 @@ def validate(cfg: RunConfig) -> None:
         (t.iterations >= 0 and t.warmup_steps >= 0 and t.warmdown_iters >= 0, "iterations, warmup_steps and warmdown_iters must not be negative"),
         (t.train_seq_len_long == 0 or t.num_gpus_long > 0, "train_seq_len_long needs num_gpus_long > 0"),
         (t.device in {"auto", "cpu", "cuda"}, f"device={t.device!r} must be auto, cpu or cuda"),
-        (t.attn_backend in {"auto", "fa3", "flex", "sdpa"}, f"attn_backend={t.attn_backend!r} must be auto, fa3, flex or sdpa"),
+        (t.attn_backend in {"auto", "fa3", "flex", "triton", "sdpa"},
+         f"attn_backend={t.attn_backend!r} must be auto, fa3, flex, triton or sdpa"),
         (0.0 <= t.ema_decay < 1.0, f"ema_decay={t.ema_decay} must be in [0, 1)"),
         (t.swa_every > 0, "swa_every must be positive"),
         (t.sample_every >= 0, f"sample_every={t.sample_every} must not be negative (0: no samples)"),

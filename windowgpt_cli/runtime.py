@@ -80,9 +80,14 @@ def compiled(fn, enabled: bool = True, *, autotune: bool = True):
     return _Compiled(fn, None if autotune else ONE_PASS_OPTIONS)
 
 
-def fused_kernels_available(device: torch.device) -> bool:
-    """Whether `kernels.FusedOps` can run here: CUDA with Triton."""
+def triton_available(device: torch.device) -> bool:
+    """Whether Triton kernels can run here: CUDA with Triton."""
     return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def fused_kernels_available(device: torch.device) -> bool:
+    """Whether `kernels.FusedOps` can run here."""
+    return triton_available(device)
 
 
 def device_name(device: torch.device) -> str:

@@ -245,7 +245,7 @@ TokenizerOption = Annotated[Optional[Path], typer.Option(
     "--tokenizer", help=option_help("SentencePiece model for byte counts.", "DATA/tokenizer.model"),
     show_default=False)]
 DeviceOption = Annotated[str, typer.Option("--device", help="auto (CUDA when available), cpu or cuda.")]
-AttnOption = Annotated[str, typer.Option("--attn-backend", help="Attention kernels: auto, fa3, flex or sdpa.")]
+AttnOption = Annotated[str, typer.Option("--attn-backend", help="Attention kernels: auto, fa3, flex, triton or sdpa.")]
 ScoreOnceOption = Annotated[bool, typer.Option(
     "--score-once", help="Score every token exactly once. The reference scores the last STRIDE tokens again "
     "in each of its final, shorter windows; by default so does this, to give its numbers.")]

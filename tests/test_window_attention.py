@@ -1,0 +1,180 @@
+"""The Triton sliding-window kernels compute `attention.may_attend`'s attention and its
+gradients exactly.
+
+On the CPU they run in Triton's interpreter with 16-wide blocks and are compared in float32
+with SDPA under the explicit boolean mask. On CUDA (tests marked gpu) they are compared in
+bfloat16 at the record model's shape with FlexAttention, both measured against a float32
+reference.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from windowgpt_cli import attention
+from windowgpt_cli.errors import ConfigError
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("Triton is not installed", allow_module_level=True)
+INTERPRETED = not torch.cuda.is_available()
+if INTERPRETED:
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
+
+from windowgpt_cli.window_attention import Tuning, window_attention  # noqa: E402
+
+TINY = Tuning(fwd_block_m=16, fwd_block_n=16, fwd_warps=1, fwd_stages=1,
+              bwd_block_m=16, bwd_block_n=16, bwd_warps=1, bwd_stages=1)
+
+
+@pytest.fixture(autouse=True)
+def interpreter_loops_over_run_time_bounds(monkeypatch):
+    """Triton's interpreter holds a scalar as a one-element array, which numpy >= 2.4 no
+    longer turns into an int: `range` over bounds computed in the kernel fails there (the
+    compiled kernels are unaffected). Index through .item() instead."""
+    if not INTERPRETED:
+        return
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+
+
+def reference(q, k, v, window, sinks):
+    """SDPA in float32 with the explicit mask, kv heads repeated over their groups."""
+    group = q.shape[2] // k.shape[2]
+    k, v = (x.float().repeat_interleave(group, dim=2).transpose(1, 2) for x in (k, v))
+    mask = attention.window_mask(q.shape[1], window, sinks, q.device)
+    return F.scaled_dot_product_attention(q.float().transpose(1, 2), k, v, attn_mask=mask).transpose(1, 2)
+
+
+def inputs(seed, batch, seq_len, heads, kv_heads, head_dim=16, dtype=torch.float32, device="cpu"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    shapes = ((batch, seq_len, heads, head_dim), (batch, seq_len, kv_heads, head_dim),
+              (batch, seq_len, kv_heads, head_dim))
+    return [torch.randn(s, generator=g, device=device).to(dtype).requires_grad_() for s in shapes]
+
+
+def outputs_and_grads(fn, q, k, v, grad):
+    out = fn(q, k, v)
+    return (out, *torch.autograd.grad(out, (q, k, v), grad))
+
+
+# (batch, T, H, Hkv, window, sinks): full causal; sinks 0; sinks outside and inside the
+# window with T not a multiple of the block; sinks over two key blocks; a window longer than
+# the sequence; a window wide enough for blocks that need no mask. GQA groups of 2 and 1.
+CASES = [
+    (2, 40, 2, 1, 0, 0),
+    (1, 40, 2, 2, 5, 0),
+    (1, 37, 2, 1, 9, 3),
+    (1, 37, 2, 1, 12, 20),
+    (1, 40, 2, 1, 100, 2),
+    (1, 80, 2, 1, 40, 4),
+]
+
+
+@pytest.mark.parametrize("batch,seq_len,heads,kv_heads,window,sinks", CASES)
+def test_forward_and_gradients_match_masked_sdpa(batch, seq_len, heads, kv_heads, window, sinks):
+    q, k, v = inputs(seq_len + window + sinks, batch, seq_len, heads, kv_heads)
+    grad = torch.randn_like(q)
+    got = outputs_and_grads(lambda *x: window_attention(*x, window, sinks, TINY), q, k, v, grad)
+    want = outputs_and_grads(lambda *x: reference(*x, window, sinks), q, k, v, grad)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert torch.allclose(a, b, atol=2e-5, rtol=0), (name, (a - b).abs().max().item())
+
+
+def test_no_graph_kept_without_grad():
+    q, k, v = inputs(0, 1, 20, 2, 1)
+    with torch.no_grad():
+        out = window_attention(q, k, v, 5, 2, TINY)
+    assert out.grad_fn is None and not out.requires_grad
+
+
+def test_compiles_into_one_graph_with_its_backward():
+    """fullgraph=True fails on a graph break; the op's fake shapes and backward are traced."""
+    q, k, v = inputs(1, 1, 37, 2, 1)
+    grad = torch.randn_like(q)
+
+    def loss(q, k, v):
+        return (attention.attention(q, k, v, 9, 3, "triton") * grad).sum()
+
+    # The kernels are the interpreter's here: no Inductor code to build around them.
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    want = torch.autograd.grad((reference(q, k, v, 9, 3) * grad).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=2e-5, rtol=0)
+
+
+def test_backend_needs_cuda():
+    assert "triton" in attention.BACKENDS
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="triton"):
+            attention.resolve_backend("triton", torch.device("cpu"))
+
+
+# --- CUDA --------------------------------------------------------------------------------
+
+def _errors_against_float32(fn, q, k, v, grad, window, sinks):
+    got = outputs_and_grads(fn, q, k, v, grad)
+    want = outputs_and_grads(lambda *x: reference(*x, window, sinks), q, k, v, grad)
+    return [(a.float() - b.float()).abs().max().item() for a, b in zip(got, want)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("window,sinks", [(512, 4), (0, 0), (100, 0)])
+def test_record_shape_matches_flex_within_bf16_rounding(window, sinks):
+    """bf16 at the record model's shape: the kernels' error against a float32 reference is
+    about FlexAttention's (or SDPA's, for full causal attention)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, k, v = inputs(3, 2, 2048, 8, 4, head_dim=64, dtype=torch.bfloat16, device="cuda")
+    grad = torch.randn_like(q)
+    if window:
+        mask_mod = attention._window_mask_mod(window, sinks)
+        block_mask = create_block_mask(mask_mod, None, None, 2048, 2048, device="cuda")
+        flex = torch.compile(flex_attention, dynamic=False)
+
+        def baseline(q, k, v):
+            out = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask, enable_gqa=True)
+            return out.transpose(1, 2)
+    else:
+        def baseline(q, k, v):
+            return attention._sdpa(q, k, v, mask=None)
+    ours = _errors_against_float32(lambda *x: window_attention(*x, window, sinks), q, k, v, grad, window, sinks)
+    theirs = _errors_against_float32(baseline, q, k, v, grad, window, sinks)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, theirs):
+        assert a <= 2 * b + 1e-3, (name, a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_inductor_compiles_the_op_into_the_models_graph():
+    q, k, v = inputs(4, 2, 1024, 8, 4, head_dim=64, dtype=torch.bfloat16, device="cuda")
+    grad = torch.randn_like(q)
+
+    def loss(q, k, v):
+        return (attention.attention(q, k, v, 256, 4, "triton").float() * grad.float()).sum()
+
+    got = torch.autograd.grad(torch.compile(loss, fullgraph=True)(q, k, v), (q, k, v))
+    want = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_eager_flex_calls_run_the_triton_kernels():
+    q, k, v = inputs(5, 1, 512, 8, 4, head_dim=64, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        assert torch.equal(attention.attention(q, k, v, 128, 4, "flex"), window_attention(q, k, v, 128, 4))

@@ -1,0 +1,419 @@
+"""Sliding-window attention with sink tokens as Triton flash-attention kernels (forward and
+backward), one custom op that runs eagerly and inside `torch.compile(fullgraph=True)`.
+
+The rule is `attention.may_attend`'s: query i sees key j when j <= i and either
+i - j <= window or j < sinks (window 0: the whole causal prefix). A program for a block of
+queries visits only the key blocks it can see: the block(s) holding the sinks, then those
+of [q_start - window, q_end]; the element mask is applied only on blocks that cut through
+the rule's boundary. q is [B, T, H, D], k and v [B, T, Hkv, D] (GQA: query head h reads
+kv head h // (H // Hkv)), read through their strides. Softmax in float32, through exp2.
+
+Compared with FlexAttention this needs no compilation at the first call (each kernel is
+built once per machine and dtype, a second or so), so eager callers (sliding evaluation,
+test-time training) start at once.
+
+The backward is the usual split: delta = rowsum(dO * O), then one program per key block
+for dK and dV (summing over the kv head's query heads inside the program: deterministic,
+no atomics) and one per query block for dQ.
+
+Triton is imported here alone; `runtime.triton_available` says whether these kernels can run.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+LOG2E = math.log2(math.e)
+_LOG2E: tl.constexpr = tl.constexpr(LOG2E)
+_LN2: tl.constexpr = tl.constexpr(math.log(2.0))
+# Running row maxima start finite, so that a block with no visible key for a row gives
+# exp2(-inf - m) = 0 and never exp2(-inf - (-inf)) = NaN.
+_MAX_START: tl.constexpr = tl.constexpr(-1.0e30)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Block sizes (queries M, keys N), warps and pipeline stages of the forward and of the
+    backward's two main kernels. The defaults suit Hopper (see bench/attention_speed.py
+    --sweep); tests on the interpreter use tiny blocks."""
+
+    fwd_block_m: int = 128
+    fwd_block_n: int = 64
+    fwd_warps: int = 8
+    fwd_stages: int = 3
+    bwd_block_m: int = 64
+    bwd_block_n: int = 64
+    bwd_warps: int = 4
+    bwd_stages: int = 3
+
+    def as_list(self) -> list[int]:
+        return [self.fwd_block_m, self.fwd_block_n, self.fwd_warps, self.fwd_stages,
+                self.bwd_block_m, self.bwd_block_n, self.bwd_warps, self.bwd_stages]
+
+
+DEFAULT_TUNING = Tuning()
+
+
+# --- Kernels -----------------------------------------------------------------------------
+
+@triton.jit
+def _visible(rows, cols, seq_len, window, sinks):
+    """may_attend for a block of rows (queries) against a block of cols (keys), and cols
+    inside the sequence."""
+    mask = (cols <= rows) & (cols < seq_len)
+    if window > 0:
+        mask = mask & (((rows - cols) <= window) | (cols < sinks))
+    return mask
+
+
+@triton.jit
+def _key_ranges(q_start, seq_len, window, sinks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key blocks a block of queries [q_start, q_start + BLOCK_M) visits, as block-aligned
+    starts: sink blocks [0, sink_end) that lie before the window's, then the window's blocks
+    [lo, hi), of which [full_lo, full_hi) are visible to every row (no mask needed)."""
+    q_end = tl.minimum(q_start + BLOCK_M, seq_len)
+    lo = 0
+    if window > 0:
+        lo = (tl.maximum(q_start - window, 0) // BLOCK_N) * BLOCK_N
+    sink_end = tl.minimum(tl.cdiv(sinks, BLOCK_N) * BLOCK_N, lo)
+    # Every row sees a key block whole when its last key is at or before the first row
+    # (causal), its first key is within the window of the last row, and it ends in the sequence.
+    full_lo = lo
+    if window > 0:
+        full_lo = tl.cdiv(tl.maximum(q_start + BLOCK_M - 1 - window, 0), BLOCK_N) * BLOCK_N
+    full_hi = tl.minimum((q_start + 1) // BLOCK_N, seq_len // BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), q_end)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), q_end)
+    return sink_end, lo, full_lo, full_hi, q_end
+
+
+@triton.jit
+def _query_ranges(k_start, seq_len, window, sinks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The query blocks that see keys [k_start, k_start + BLOCK_N), as block-aligned starts
+    [lo, hi), of which [full_lo, full_hi) see every key of the block. A block holding a sink
+    is seen by every later query."""
+    lo = (k_start // BLOCK_M) * BLOCK_M
+    hi = seq_len
+    full_hi = (seq_len // BLOCK_M) * BLOCK_M
+    if window > 0:
+        if k_start >= sinks:
+            hi = tl.minimum(k_start + BLOCK_N + window, seq_len)
+        full_hi = tl.minimum(((k_start + window + 1) // BLOCK_M) * BLOCK_M, full_hi)
+    full_lo = tl.cdiv(k_start + BLOCK_N - 1, BLOCK_M) * BLOCK_M
+    if k_start + BLOCK_N > seq_len:  # the sequence's last keys: always masked
+        full_lo = hi
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _forward_blocks(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd, rows, start,
+                    end, seq_len, window, sinks, qk_scale, MASKED: tl.constexpr,
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Online softmax of a block of queries over key blocks [start, end)."""
+    dims = tl.arange(0, HEAD_DIM)
+    for k_start in range(start, end, BLOCK_N):
+        cols = k_start + tl.arange(0, BLOCK_N)
+        in_seq = (cols < seq_len)[:, None]
+        k = tl.load(k_base + cols[:, None] * stride_kt + dims[None, :] * stride_kd, mask=in_seq, other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vt + dims[None, :] * stride_vd, mask=in_seq, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASKED:
+            s = tl.where(_visible(rows[:, None], cols[None, :], seq_len, window, sinks), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+                    stride_qb, stride_qt, stride_qh, stride_qd,
+                    stride_kb, stride_kt, stride_kh, stride_kd,
+                    stride_vb, stride_vt, stride_vh, stride_vd,
+                    stride_ob, stride_ot, stride_oh, stride_od,
+                    seq_len, num_heads, group, window, sinks, qk_scale,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """out and the natural log-sum-exp [B, H, T] of one block of queries of one head."""
+    q_start = tl.program_id(0) * BLOCK_M
+    batch = (tl.program_id(1) // num_heads).to(tl.int64)
+    head = tl.program_id(1) % num_heads
+    kv_head = head // group
+    rows = q_start + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    row_live = (rows < seq_len)[:, None]
+    q_base = q_ptr + batch * stride_qb + head * stride_qh
+    q = tl.load(q_base + rows[:, None] * stride_qt + dims[None, :] * stride_qd, mask=row_live, other=0.0)
+    k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), _MAX_START, dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    sink_end, lo, full_lo, full_hi, hi = _key_ranges(q_start, seq_len, window, sinks, BLOCK_M, BLOCK_N)
+    acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                                    rows, 0, sink_end, seq_len, window, sinks, qk_scale, True, BLOCK_N, HEAD_DIM)
+    acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                                    rows, lo, full_lo, seq_len, window, sinks, qk_scale, True, BLOCK_N, HEAD_DIM)
+    acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                                    rows, full_lo, full_hi, seq_len, window, sinks, qk_scale, False, BLOCK_N, HEAD_DIM)
+    acc, m_i, l_i = _forward_blocks(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                                    rows, full_hi, hi, seq_len, window, sinks, qk_scale, True, BLOCK_N, HEAD_DIM)
+    l_i = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_i[:, None]
+    out_base = out_ptr + batch * stride_ob + head * stride_oh
+    tl.store(out_base + rows[:, None] * stride_ot + dims[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
+             mask=row_live)
+    lse = (m_i + tl.math.log2(l_i)) * _LN2  # back from base 2
+    tl.store(lse_ptr + (batch * num_heads + head) * seq_len + rows, lse, mask=rows < seq_len)
+
+
+@triton.jit
+def _delta_kernel(out_ptr, grad_ptr, delta_ptr,
+                  stride_ob, stride_ot, stride_oh, stride_od,
+                  stride_gb, stride_gt, stride_gh, stride_gd,
+                  seq_len, num_heads, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """delta [B, H, T] = rowsum(dO * O) in float32, the softmax backward's correction."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    batch = (tl.program_id(1) // num_heads).to(tl.int64)
+    head = tl.program_id(1) % num_heads
+    dims = tl.arange(0, HEAD_DIM)
+    live = rows < seq_len
+    out = tl.load(out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_ot
+                  + dims[None, :] * stride_od, mask=live[:, None], other=0.0)
+    grad = tl.load(grad_ptr + batch * stride_gb + head * stride_gh + rows[:, None] * stride_gt
+                   + dims[None, :] * stride_gd, mask=live[:, None], other=0.0)
+    delta = tl.sum(out.to(tl.float32) * grad.to(tl.float32), 1)
+    tl.store(delta_ptr + (batch * num_heads + head) * seq_len + rows, delta, mask=live)
+
+
+@triton.jit
+def _dkdv_blocks(dk, dv, k, v, q_base, do_base, stats_offset, lse_ptr, delta_ptr,
+                 stride_qt, stride_qd, stride_dot, stride_dod, cols, start, end,
+                 seq_len, window, sinks, qk_scale, MASKED: tl.constexpr,
+                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """dK and dV of a block of keys from the query blocks [start, end) of one query head,
+    in transposed form (keys along rows)."""
+    dims = tl.arange(0, HEAD_DIM)
+    for q_start in range(start, end, BLOCK_M):
+        rows = q_start + tl.arange(0, BLOCK_M)
+        live = rows < seq_len
+        q = tl.load(q_base + rows[:, None] * stride_qt + dims[None, :] * stride_qd, mask=live[:, None], other=0.0)
+        do = tl.load(do_base + rows[:, None] * stride_dot + dims[None, :] * stride_dod, mask=live[:, None],
+                     other=0.0)
+        lse = tl.load(lse_ptr + stats_offset + rows, mask=live, other=0.0) * _LOG2E
+        delta = tl.load(delta_ptr + stats_offset + rows, mask=live, other=0.0)
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
+        if MASKED:
+            visible = _visible(rows[None, :], cols[:, None], seq_len, window, sinks) & live[None, :]
+            p_t = tl.where(visible, p_t, 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do)
+        ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                 stride_qb, stride_qt, stride_qh, stride_qd,
+                 stride_kb, stride_kt, stride_kh, stride_kd,
+                 stride_vb, stride_vt, stride_vh, stride_vd,
+                 stride_dob, stride_dot, stride_doh, stride_dod,
+                 seq_len, num_heads, num_kv_heads, group, window, sinks, qk_scale, sm_scale,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """dK and dV of one block of keys of one kv head: the sum over the kv head's query
+    heads and over every query block that sees the keys. dk and dv are k's layout, contiguous."""
+    k_start = tl.program_id(0) * BLOCK_N
+    batch = (tl.program_id(1) // num_kv_heads).to(tl.int64)
+    kv_head = tl.program_id(1) % num_kv_heads
+    cols = k_start + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    col_live = (cols < seq_len)[:, None]
+    k = tl.load(k_ptr + batch * stride_kb + kv_head * stride_kh + cols[:, None] * stride_kt
+                + dims[None, :] * stride_kd, mask=col_live, other=0.0)
+    v = tl.load(v_ptr + batch * stride_vb + kv_head * stride_vh + cols[:, None] * stride_vt
+                + dims[None, :] * stride_vd, mask=col_live, other=0.0)
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _query_ranges(k_start, seq_len, window, sinks, BLOCK_M, BLOCK_N)
+    for member in range(0, group):
+        head = kv_head * group + member
+        q_base = q_ptr + batch * stride_qb + head * stride_qh
+        do_base = do_ptr + batch * stride_dob + head * stride_doh
+        stats = (batch * num_heads + head) * seq_len
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, stats, lse_ptr, delta_ptr, stride_qt, stride_qd,
+                              stride_dot, stride_dod, cols, lo, full_lo, seq_len, window, sinks, qk_scale,
+                              True, BLOCK_M, HEAD_DIM)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, stats, lse_ptr, delta_ptr, stride_qt, stride_qd,
+                              stride_dot, stride_dod, cols, full_lo, full_hi, seq_len, window, sinks, qk_scale,
+                              False, BLOCK_M, HEAD_DIM)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, stats, lse_ptr, delta_ptr, stride_qt, stride_qd,
+                              stride_dot, stride_dod, cols, full_hi, hi, seq_len, window, sinks, qk_scale,
+                              True, BLOCK_M, HEAD_DIM)
+    offsets = (batch * seq_len * num_kv_heads + cols[:, None] * num_kv_heads + kv_head) * HEAD_DIM + dims[None, :]
+    tl.store(dk_ptr + offsets, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=col_live)
+    tl.store(dv_ptr + offsets, dv.to(dv_ptr.dtype.element_ty), mask=col_live)
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd, rows,
+               start, end, seq_len, window, sinks, qk_scale, MASKED: tl.constexpr,
+               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """dQ of a block of queries from the key blocks [start, end)."""
+    dims = tl.arange(0, HEAD_DIM)
+    for k_start in range(start, end, BLOCK_N):
+        cols = k_start + tl.arange(0, BLOCK_N)
+        in_seq = (cols < seq_len)[:, None]
+        k = tl.load(k_base + cols[:, None] * stride_kt + dims[None, :] * stride_kd, mask=in_seq, other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vt + dims[None, :] * stride_vd, mask=in_seq, other=0.0)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+        if MASKED:
+            p = tl.where(_visible(rows[:, None], cols[None, :], seq_len, window, sinks), p, 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
+@triton.jit
+def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+               stride_qb, stride_qt, stride_qh, stride_qd,
+               stride_kb, stride_kt, stride_kh, stride_kd,
+               stride_vb, stride_vt, stride_vh, stride_vd,
+               stride_dob, stride_dot, stride_doh, stride_dod,
+               seq_len, num_heads, group, window, sinks, qk_scale, sm_scale,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """dQ of one block of queries of one head, over the key blocks it sees (as the forward).
+    dq is q's layout, contiguous."""
+    q_start = tl.program_id(0) * BLOCK_M
+    batch = (tl.program_id(1) // num_heads).to(tl.int64)
+    head = tl.program_id(1) % num_heads
+    kv_head = head // group
+    rows = q_start + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    live = rows < seq_len
+    q = tl.load(q_ptr + batch * stride_qb + head * stride_qh + rows[:, None] * stride_qt
+                + dims[None, :] * stride_qd, mask=live[:, None], other=0.0)
+    do = tl.load(do_ptr + batch * stride_dob + head * stride_doh + rows[:, None] * stride_dot
+                 + dims[None, :] * stride_dod, mask=live[:, None], other=0.0)
+    stats = (batch * num_heads + head) * seq_len + rows
+    lse = tl.load(lse_ptr + stats, mask=live, other=0.0) * _LOG2E
+    delta = tl.load(delta_ptr + stats, mask=live, other=0.0)
+    k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    sink_end, lo, full_lo, full_hi, hi = _key_ranges(q_start, seq_len, window, sinks, BLOCK_M, BLOCK_N)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd, rows,
+                    0, sink_end, seq_len, window, sinks, qk_scale, True, BLOCK_N, HEAD_DIM)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd, rows,
+                    lo, full_lo, seq_len, window, sinks, qk_scale, True, BLOCK_N, HEAD_DIM)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd, rows,
+                    full_lo, full_hi, seq_len, window, sinks, qk_scale, False, BLOCK_N, HEAD_DIM)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd, rows,
+                    full_hi, hi, seq_len, window, sinks, qk_scale, True, BLOCK_N, HEAD_DIM)
+    offsets = (batch * seq_len * num_heads + rows[:, None] * num_heads + head) * HEAD_DIM + dims[None, :]
+    tl.store(dq_ptr + offsets, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=live[:, None])
+
+
+# --- Launchers ---------------------------------------------------------------------------
+
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
+    b, t, h, d = q.shape
+    if k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != d or h % k.shape[2] != 0:
+        raise ValueError(f"window attention needs q [B, T, H, D] and k, v [B, T, Hkv, D] with Hkv dividing H; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"window attention needs a head dimension that is a power of two >= 16, not {d}")
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, tuning: Tuning) -> tuple[Tensor, Tensor]:
+    b, t, h, d = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, t), dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(t, tuning.fwd_block_m), b * h)
+    _forward_kernel[grid](q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                          t, h, h // k.shape[2], window, sinks, d ** -0.5 * LOG2E,
+                          BLOCK_M=tuning.fwd_block_m, BLOCK_N=tuning.fwd_block_n, HEAD_DIM=d,
+                          num_warps=tuning.fwd_warps, num_stages=tuning.fwd_stages)
+    return out, lse
+
+
+def _backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, window: int, sinks: int,
+              tuning: Tuning) -> tuple[Tensor, Tensor, Tensor]:
+    b, t, h, d = q.shape
+    kv_heads = k.shape[2]
+    block_m, block_n = tuning.bwd_block_m, tuning.bwd_block_n
+    delta = torch.empty((b, h, t), dtype=torch.float32, device=q.device)
+    _delta_kernel[(triton.cdiv(t, block_m), b * h)](out, grad, delta, *out.stride(), *grad.stride(), t, h,
+                                                     BLOCK_M=block_m, HEAD_DIM=d)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *grad.stride())
+    scale = d ** -0.5
+    launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, num_warps=tuning.bwd_warps,
+                  num_stages=tuning.bwd_stages)
+    _dkdv_kernel[(triton.cdiv(t, block_n), b * kv_heads)](q, k, v, grad, lse, delta, dk, dv, *strides, t, h, kv_heads,
+                                                          h // kv_heads, window, sinks, scale * LOG2E, scale, **launch)
+    _dq_kernel[(triton.cdiv(t, block_m), b * h)](q, k, v, grad, lse, delta, dq, *strides, t, h, h // kv_heads,
+                                                 window, sinks, scale * LOG2E, scale, **launch)
+    return dq, dk, dv
+
+
+# --- The custom op -----------------------------------------------------------------------
+# An opaque op to torch.compile (its fake implementation gives the shapes), with its own
+# backward op, so the compiled model keeps one graph. The tuning travels as a list of ints.
+
+@torch.library.custom_op("windowgpt::window_attention", mutates_args=())
+def _attention_op(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int,
+                  tuning: list[int]) -> tuple[Tensor, Tensor]:
+    return _forward(q, k, v, window, sinks, Tuning(*tuning))
+
+
+@_attention_op.register_fake
+def _attention_shapes(q, k, v, window, sinks, tuning):
+    b, t, h, d = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, t), dtype=torch.float32)
+
+
+@torch.library.custom_op("windowgpt::window_attention_backward", mutates_args=())
+def _attention_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, window: int,
+                           sinks: int, tuning: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    return _backward(grad, q, k, v, out, lse, window, sinks, Tuning(*tuning))
+
+
+@_attention_backward_op.register_fake
+def _attention_backward_shapes(grad, q, k, v, out, lse, window, sinks, tuning):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _save_for_backward(ctx, inputs, output) -> None:
+    q, k, v, window, sinks, tuning = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.window, ctx.sinks, ctx.tuning = window, sinks, tuning
+
+
+def _attention_grads(ctx, grad, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(grad, q, k, v, out, lse, ctx.window, ctx.sinks, ctx.tuning)
+    return dq, dk, dv, None, None, None
+
+
+_attention_op.register_autograd(_attention_grads, setup_context=_save_for_backward)
+
+
+def window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int,
+                     tuning: Tuning = DEFAULT_TUNING) -> Tensor:
+    """Causal attention with a sliding window and sink tokens (`attention.may_attend`'s rule),
+    out [B, T, H, D] in q's dtype, differentiable in q, k and v."""
+    _check_shapes(q, k, v)
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    return _attention_op(q, k, v, window, sinks, tuning.as_list())[0]
