@@ -27,7 +27,12 @@ if INTERPRETED:
 from windowgpt_cli.window_attention import Tuning, window_attention  # noqa: E402
 
 TINY = Tuning(fwd_block_m=16, fwd_block_n=16, fwd_warps=1, fwd_stages=1,
-              bwd_block_m=16, bwd_block_n=16, bwd_warps=1, bwd_stages=1)
+              bwd_block_own=16, bwd_block_loop=16, bwd_warps=1, bwd_stages=1)
+# Blocks of queries and keys of different sizes, either way round.
+WIDE = Tuning(fwd_block_m=32, fwd_block_n=16, fwd_warps=1, fwd_stages=1,
+              bwd_block_own=32, bwd_block_loop=16, bwd_warps=1, bwd_stages=1)
+NARROW = Tuning(fwd_block_m=16, fwd_block_n=32, fwd_warps=1, fwd_stages=1,
+                bwd_block_own=16, bwd_block_loop=32, bwd_warps=1, bwd_stages=1)
 
 
 @pytest.fixture(autouse=True)
@@ -68,24 +73,25 @@ def outputs_and_grads(fn, q, k, v, grad):
     return (out, *torch.autograd.grad(out, (q, k, v), grad))
 
 
-# (batch, T, H, Hkv, window, sinks): full causal; sinks 0; sinks outside and inside the
-# window with T not a multiple of the block; sinks over two key blocks; a window longer than
-# the sequence; a window wide enough for blocks that need no mask. GQA groups of 2 and 1.
+# (batch, T, H, Hkv, window, sinks, tuning): full causal; sinks 0; sinks outside and inside
+# the window with T not a multiple of the blocks; sinks over two key blocks; a window longer
+# than the sequence; windows wide enough for blocks that need no mask. GQA groups of 2 and 1.
 CASES = [
-    (2, 40, 2, 1, 0, 0),
-    (1, 40, 2, 2, 5, 0),
-    (1, 37, 2, 1, 9, 3),
-    (1, 37, 2, 1, 12, 20),
-    (1, 40, 2, 1, 100, 2),
-    (1, 80, 2, 1, 40, 4),
+    (2, 40, 2, 1, 0, 0, TINY),
+    (1, 40, 2, 2, 5, 0, TINY),
+    (1, 37, 2, 1, 9, 3, TINY),
+    (1, 37, 2, 1, 12, 20, TINY),
+    (1, 40, 2, 1, 100, 2, TINY),
+    (1, 80, 2, 1, 40, 4, WIDE),
+    (1, 61, 2, 1, 33, 20, NARROW),
 ]
 
 
-@pytest.mark.parametrize("batch,seq_len,heads,kv_heads,window,sinks", CASES)
-def test_forward_and_gradients_match_masked_sdpa(batch, seq_len, heads, kv_heads, window, sinks):
+@pytest.mark.parametrize("batch,seq_len,heads,kv_heads,window,sinks,tuning", CASES)
+def test_forward_and_gradients_match_masked_sdpa(batch, seq_len, heads, kv_heads, window, sinks, tuning):
     q, k, v = inputs(seq_len + window + sinks, batch, seq_len, heads, kv_heads)
     grad = torch.randn_like(q)
-    got = outputs_and_grads(lambda *x: window_attention(*x, window, sinks, TINY), q, k, v, grad)
+    got = outputs_and_grads(lambda *x: window_attention(*x, window, sinks, tuning), q, k, v, grad)
     want = outputs_and_grads(lambda *x: reference(*x, window, sinks), q, k, v, grad)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name

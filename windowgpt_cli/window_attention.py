@@ -38,22 +38,24 @@ _MAX_START: tl.constexpr = tl.constexpr(-1.0e30)
 
 @dataclass(frozen=True)
 class Tuning:
-    """Block sizes (queries M, keys N), warps and pipeline stages of the forward and of the
-    backward's two main kernels. The defaults suit Hopper (see bench/attention_speed.py
-    --sweep); tests on the interpreter use tiny blocks."""
+    """Block sizes, warps and pipeline stages. The forward's programs own fwd_block_m queries
+    and loop over keys fwd_block_n at a time. Each backward program owns bwd_block_own keys
+    (dK, dV) or queries (dQ) and loops over the other side bwd_block_loop at a time. The
+    defaults suit Hopper at head size 64 (bench/attention_speed.py --sweep); tests in the
+    interpreter use tiny blocks."""
 
     fwd_block_m: int = 128
     fwd_block_n: int = 64
     fwd_warps: int = 8
     fwd_stages: int = 3
-    bwd_block_m: int = 64
-    bwd_block_n: int = 64
+    bwd_block_own: int = 128
+    bwd_block_loop: int = 32
     bwd_warps: int = 4
     bwd_stages: int = 3
 
     def as_list(self) -> list[int]:
         return [self.fwd_block_m, self.fwd_block_n, self.fwd_warps, self.fwd_stages,
-                self.bwd_block_m, self.bwd_block_n, self.bwd_warps, self.bwd_stages]
+                self.bwd_block_own, self.bwd_block_loop, self.bwd_warps, self.bwd_stages]
 
 
 DEFAULT_TUNING = Tuning()
@@ -64,11 +66,8 @@ DEFAULT_TUNING = Tuning()
 @triton.jit
 def _visible(rows, cols, seq_len, window, sinks):
     """may_attend for a block of rows (queries) against a block of cols (keys), and cols
-    inside the sequence."""
-    mask = (cols <= rows) & (cols < seq_len)
-    if window > 0:
-        mask = mask & (((rows - cols) <= window) | (cols < sinks))
-    return mask
+    inside the sequence. Here window > 0: full causal attention comes as window = T."""
+    return (cols <= rows) & (cols < seq_len) & (((rows - cols) <= window) | (cols < sinks))
 
 
 @triton.jit
@@ -76,20 +75,17 @@ def _key_ranges(q_start, seq_len, window, sinks, BLOCK_M: tl.constexpr, BLOCK_N:
     """The key blocks a block of queries [q_start, q_start + BLOCK_M) visits, as block-aligned
     starts: sink blocks [0, sink_end) that lie before the window's, then the window's blocks
     [lo, hi), of which [full_lo, full_hi) are visible to every row (no mask needed)."""
-    q_end = tl.minimum(q_start + BLOCK_M, seq_len)
-    lo = 0
-    if window > 0:
-        lo = (tl.maximum(q_start - window, 0) // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(q_start + BLOCK_M, seq_len)
+    lo = (tl.maximum(q_start - window, 0) // BLOCK_N) * BLOCK_N
     sink_end = tl.minimum(tl.cdiv(sinks, BLOCK_N) * BLOCK_N, lo)
-    # Every row sees a key block whole when its last key is at or before the first row
-    # (causal), its first key is within the window of the last row, and it ends in the sequence.
-    full_lo = lo
-    if window > 0:
-        full_lo = tl.cdiv(tl.maximum(q_start + BLOCK_M - 1 - window, 0), BLOCK_N) * BLOCK_N
+    # Every row sees a key block whole when the block's first key is within the window of
+    # the last row, its last key is at or before the first row (causal), and it ends inside
+    # the sequence.
+    full_lo = tl.cdiv(tl.maximum(q_start + BLOCK_M - 1 - window, 0), BLOCK_N) * BLOCK_N
     full_hi = tl.minimum((q_start + 1) // BLOCK_N, seq_len // BLOCK_N) * BLOCK_N
-    full_lo = tl.minimum(tl.maximum(full_lo, lo), q_end)
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), q_end)
-    return sink_end, lo, full_lo, full_hi, q_end
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return sink_end, lo, full_lo, full_hi, hi
 
 
 @triton.jit
@@ -98,15 +94,13 @@ def _query_ranges(k_start, seq_len, window, sinks, BLOCK_M: tl.constexpr, BLOCK_
     [lo, hi), of which [full_lo, full_hi) see every key of the block. A block holding a sink
     is seen by every later query."""
     lo = (k_start // BLOCK_M) * BLOCK_M
-    hi = seq_len
-    full_hi = (seq_len // BLOCK_M) * BLOCK_M
-    if window > 0:
-        if k_start >= sinks:
-            hi = tl.minimum(k_start + BLOCK_N + window, seq_len)
-        full_hi = tl.minimum(((k_start + window + 1) // BLOCK_M) * BLOCK_M, full_hi)
+    hi = tl.where(k_start < sinks, seq_len, tl.minimum(k_start + BLOCK_N + window, seq_len))
+    # Every query of a block sees every key when its first query is at or after the last key
+    # (causal), its last query is within the window of the first key, and it ends inside
+    # the sequence, as do the keys.
     full_lo = tl.cdiv(k_start + BLOCK_N - 1, BLOCK_M) * BLOCK_M
-    if k_start + BLOCK_N > seq_len:  # the sequence's last keys: always masked
-        full_lo = hi
+    full_lo = tl.where(k_start + BLOCK_N > seq_len, hi, full_lo)
+    full_hi = tl.minimum((k_start + window + 1) // BLOCK_M, seq_len // BLOCK_M) * BLOCK_M
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
     return lo, full_lo, full_hi, hi
@@ -333,13 +327,18 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"window attention needs a head dimension that is a power of two >= 16, not {d}")
 
 
+def _kernel_window(window: int, seq_len: int) -> int:
+    """The kernels' window: full causal attention (window 0) is a window of the whole sequence."""
+    return window if window > 0 else seq_len
+
+
 def _forward(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, tuning: Tuning) -> tuple[Tensor, Tensor]:
     b, t, h, d = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, t), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(t, tuning.fwd_block_m), b * h)
     _forward_kernel[grid](q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-                          t, h, h // k.shape[2], window, sinks, d ** -0.5 * LOG2E,
+                          t, h, h // k.shape[2], _kernel_window(window, t), sinks, d ** -0.5 * LOG2E,
                           BLOCK_M=tuning.fwd_block_m, BLOCK_N=tuning.fwd_block_n, HEAD_DIM=d,
                           num_warps=tuning.fwd_warps, num_stages=tuning.fwd_stages)
     return out, lse
@@ -349,21 +348,21 @@ def _backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
               tuning: Tuning) -> tuple[Tensor, Tensor, Tensor]:
     b, t, h, d = q.shape
     kv_heads = k.shape[2]
-    block_m, block_n = tuning.bwd_block_m, tuning.bwd_block_n
+    own, loop = tuning.bwd_block_own, tuning.bwd_block_loop
     delta = torch.empty((b, h, t), dtype=torch.float32, device=q.device)
-    _delta_kernel[(triton.cdiv(t, block_m), b * h)](out, grad, delta, *out.stride(), *grad.stride(), t, h,
-                                                     BLOCK_M=block_m, HEAD_DIM=d)
+    _delta_kernel[(triton.cdiv(t, own), b * h)](out, grad, delta, *out.stride(), *grad.stride(), t, h,
+                                                 BLOCK_M=own, HEAD_DIM=d)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad.stride())
     scale = d ** -0.5
-    launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, num_warps=tuning.bwd_warps,
-                  num_stages=tuning.bwd_stages)
-    _dkdv_kernel[(triton.cdiv(t, block_n), b * kv_heads)](q, k, v, grad, lse, delta, dk, dv, *strides, t, h, kv_heads,
-                                                          h // kv_heads, window, sinks, scale * LOG2E, scale, **launch)
-    _dq_kernel[(triton.cdiv(t, block_m), b * h)](q, k, v, grad, lse, delta, dq, *strides, t, h, h // kv_heads,
-                                                 window, sinks, scale * LOG2E, scale, **launch)
+    rule = (_kernel_window(window, t), sinks, scale * LOG2E, scale)
+    launch = dict(HEAD_DIM=d, num_warps=tuning.bwd_warps, num_stages=tuning.bwd_stages)
+    _dkdv_kernel[(triton.cdiv(t, own), b * kv_heads)](q, k, v, grad, lse, delta, dk, dv, *strides, t, h, kv_heads,
+                                                      h // kv_heads, *rule, BLOCK_M=loop, BLOCK_N=own, **launch)
+    _dq_kernel[(triton.cdiv(t, own), b * h)](q, k, v, grad, lse, delta, dq, *strides, t, h, h // kv_heads, *rule,
+                                             BLOCK_M=own, BLOCK_N=loop, **launch)
     return dq, dk, dv
 
 
