@@ -165,7 +165,7 @@ def test_record_shape_matches_flex_within_bf16_rounding(window, sinks):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_inductor_compiles_the_op_into_the_models_graph():
+def test_inductor_compiles_around_the_op_in_one_graph():
     q, k, v = inputs(4, 2, 1024, 8, 4, head_dim=64, dtype=torch.bfloat16, device="cuda")
     grad = torch.randn_like(q)
 
