@@ -42,7 +42,8 @@ class Tuning:
     and loop over keys fwd_block_n at a time. Each backward program owns bwd_block_own keys
     (dK, dV) or queries (dQ) and loops over the other side bwd_block_loop at a time. The
     defaults suit Hopper at head size 64 (bench/attention_speed.py --sweep); tests in the
-    interpreter use tiny blocks."""
+    interpreter use tiny blocks. Compiled for sm_90 at head size 64, none of the default
+    kernels spills registers."""
 
     fwd_block_m: int = 128
     fwd_block_n: int = 64
@@ -50,7 +51,7 @@ class Tuning:
     fwd_stages: int = 3
     bwd_block_own: int = 128
     bwd_block_loop: int = 32
-    bwd_warps: int = 4
+    bwd_warps: int = 8
     bwd_stages: int = 3
 
     def as_list(self) -> list[int]:
@@ -190,21 +191,25 @@ def _delta_kernel(out_ptr, grad_ptr, delta_ptr,
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, q_base, do_base, stats_offset, lse_ptr, delta_ptr,
-                 stride_qt, stride_qd, stride_dot, stride_dod, cols, start, end,
-                 seq_len, window, sinks, qk_scale, MASKED: tl.constexpr,
-                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """dK and dV of a block of keys from the query blocks [start, end) of one query head,
-    in transposed form (keys along rows)."""
+def _dkdv_blocks(dk, dv, k, v, q_base, do_base, stats_base, lse_ptr, delta_ptr, stride_qt, stride_qh, stride_qd,
+                 stride_dot, stride_doh, stride_dod, seq_len, cols, start, end, group, window, sinks, qk_scale,
+                 MASKED: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """dK and dV of a block of keys from the query blocks [start, end) of each of the
+    group's query heads, in transposed form (keys along rows). One flat loop over (head,
+    block) pairs, so that the compiler pipelines its loads across heads too."""
     dims = tl.arange(0, HEAD_DIM)
-    for q_start in range(start, end, BLOCK_M):
-        rows = q_start + tl.arange(0, BLOCK_M)
+    blocks = tl.cdiv(end - start, BLOCK_M)
+    for step in range(0, group * blocks):
+        member = step // blocks
+        rows = start + (step - member * blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
         live = rows < seq_len
-        q = tl.load(q_base + rows[:, None] * stride_qt + dims[None, :] * stride_qd, mask=live[:, None], other=0.0)
-        do = tl.load(do_base + rows[:, None] * stride_dot + dims[None, :] * stride_dod, mask=live[:, None],
-                     other=0.0)
-        lse = tl.load(lse_ptr + stats_offset + rows, mask=live, other=0.0) * _LOG2E
-        delta = tl.load(delta_ptr + stats_offset + rows, mask=live, other=0.0)
+        q = tl.load(q_base + member * stride_qh + rows[:, None] * stride_qt + dims[None, :] * stride_qd,
+                    mask=live[:, None], other=0.0)
+        do = tl.load(do_base + member * stride_doh + rows[:, None] * stride_dot + dims[None, :] * stride_dod,
+                     mask=live[:, None], other=0.0)
+        stats = stats_base + member * seq_len + rows
+        lse = tl.load(lse_ptr + stats, mask=live, other=0.0) * _LOG2E
+        delta = tl.load(delta_ptr + stats, mask=live, other=0.0)
         p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
         if MASKED:
             visible = _visible(rows[None, :], cols[:, None], seq_len, window, sinks) & live[None, :]
@@ -238,20 +243,19 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
     dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     lo, full_lo, full_hi, hi = _query_ranges(k_start, seq_len, window, sinks, BLOCK_M, BLOCK_N)
-    for member in range(0, group):
-        head = kv_head * group + member
-        q_base = q_ptr + batch * stride_qb + head * stride_qh
-        do_base = do_ptr + batch * stride_dob + head * stride_doh
-        stats = (batch * num_heads + head) * seq_len
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, stats, lse_ptr, delta_ptr, stride_qt, stride_qd,
-                              stride_dot, stride_dod, cols, lo, full_lo, seq_len, window, sinks, qk_scale,
-                              True, BLOCK_M, HEAD_DIM)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, stats, lse_ptr, delta_ptr, stride_qt, stride_qd,
-                              stride_dot, stride_dod, cols, full_lo, full_hi, seq_len, window, sinks, qk_scale,
-                              False, BLOCK_M, HEAD_DIM)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, stats, lse_ptr, delta_ptr, stride_qt, stride_qd,
-                              stride_dot, stride_dod, cols, full_hi, hi, seq_len, window, sinks, qk_scale,
-                              True, BLOCK_M, HEAD_DIM)
+    first_head = kv_head * group
+    q_base = q_ptr + batch * stride_qb + first_head * stride_qh
+    do_base = do_ptr + batch * stride_dob + first_head * stride_doh
+    stats = (batch * num_heads + first_head) * seq_len
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, stats, lse_ptr, delta_ptr, stride_qt, stride_qh, stride_qd,
+                          stride_dot, stride_doh, stride_dod, seq_len, cols, lo, full_lo, group, window, sinks,
+                          qk_scale, True, BLOCK_M, HEAD_DIM)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, stats, lse_ptr, delta_ptr, stride_qt, stride_qh, stride_qd,
+                          stride_dot, stride_doh, stride_dod, seq_len, cols, full_lo, full_hi, group, window, sinks,
+                          qk_scale, False, BLOCK_M, HEAD_DIM)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, stats, lse_ptr, delta_ptr, stride_qt, stride_qh, stride_qd,
+                          stride_dot, stride_doh, stride_dod, seq_len, cols, full_hi, hi, group, window, sinks,
+                          qk_scale, True, BLOCK_M, HEAD_DIM)
     offsets = (batch * seq_len * num_kv_heads + cols[:, None] * num_kv_heads + kv_head) * HEAD_DIM + dims[None, :]
     tl.store(dk_ptr + offsets, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=col_live)
     tl.store(dv_ptr + offsets, dv.to(dv_ptr.dtype.element_ty), mask=col_live)
