@@ -1,8 +1,8 @@
 """Fused GPU kernels for the element-wise steps of an inference forward (Triton).
 
 `FusedOps` runs `model.TorchOps`'s steps with one kernel each: every step reads its inputs
-once and writes its outputs once. The matrix products and the attention stay cuBLAS's and
-cuDNN's. These few small kernels, built in parallel (`FusedOps.warm_up`), take a second or
+once and writes its outputs once. The matrix products stay cuBLAS's, the attention SDPA's
+(and `window_attention`'s Triton kernels for windowed layers). These few small kernels, built in parallel (`FusedOps.warm_up`), take a second or
 two where compiling the whole forward takes tens of seconds, so sliding evaluation scores
 with them on CUDA.
 
