@@ -154,17 +154,18 @@ def errors(impls: dict[str, Attention]) -> dict[str, dict]:
     q, k, v = inputs(TRAIN_BATCH, requires_grad=True)  # the shape flex is compiled for already
     grad = torch.randn_like(q)
 
-    def outputs(fn):
+    def outputs(fn, q, k, v, grad):
         out = fn(q, k, v)
         return (out, *torch.autograd.grad(out, (q, k, v), grad))
 
     def reference(q, k, v):
         group = HEADS // KV_HEADS
-        kf, vf = (x.float().repeat_interleave(group, dim=2) for x in (k, v))
-        return attention._sdpa(q.float(), kf, vf, mask=attention.window_mask(SEQ_LEN, WINDOW, SINKS, q.device))
+        k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
+        return attention._sdpa(q, k, v, mask=attention.window_mask(SEQ_LEN, WINDOW, SINKS, q.device))
 
-    got = {name: outputs(impls[name]) for name in ("triton", "flex")}
-    want = outputs(reference)
+    got = {name: outputs(impls[name], q, k, v, grad) for name in ("triton", "flex")}
+    exact = [x.detach().float().requires_grad_() for x in (q, k, v)]  # float32 gradients too
+    want = outputs(reference, *exact, grad.float())
     names = ("out", "dq", "dk", "dv")
 
     def diff(a, b):

@@ -2,7 +2,7 @@
 gradients exactly.
 
 On the CPU they run in Triton's interpreter with 16-wide blocks and are compared in float32
-with SDPA under the explicit boolean mask. On CUDA (tests marked gpu) they are compared in
+(and once in bfloat16) with SDPA under the explicit boolean mask. On CUDA (tests marked gpu) they are compared in
 bfloat16 at the record model's shape with FlexAttention, both measured against a float32
 reference.
 """
@@ -36,12 +36,15 @@ NARROW = Tuning(fwd_block_m=16, fwd_block_n=32, fwd_warps=1, fwd_stages=1,
 
 
 @pytest.fixture(autouse=True)
-def interpreter_loops_over_run_time_bounds(monkeypatch):
-    """Triton's interpreter holds a scalar as a one-element array, which numpy >= 2.4 no
-    longer turns into an int: `range` over bounds computed in the kernel fails there (the
-    compiled kernels are unaffected). Index through .item() instead."""
+def interpreter_fixes(monkeypatch):
+    """Two gaps of Triton's interpreter that the compiled kernels do not have. It holds a
+    scalar as a one-element array, which numpy >= 2.4 no longer turns into an int, so `range`
+    over bounds computed in the kernel fails: index through .item(). And its tl.dot
+    multiplies bfloat16 operands as their raw 16-bit integers: widen them to float32 first."""
     if not INTERPRETED:
         return
+    import numpy as np
+    import triton.language as tl
     from triton.runtime import interpreter
 
     patch_tensor = interpreter._patch_lang_tensor
@@ -50,7 +53,15 @@ def interpreter_loops_over_run_time_bounds(monkeypatch):
         patch_tensor(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        return interpreter.TensorHandle((handle.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    dot = interpreter.InterpreterBuilder.create_dot
     monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
+                        lambda self, a, b, *rest: dot(self, widened(a), widened(b), *rest))
 
 
 def reference(q, k, v, window, sinks):
@@ -98,6 +109,19 @@ def test_forward_and_gradients_match_masked_sdpa(batch, seq_len, heads, kv_heads
         assert torch.allclose(a, b, atol=2e-5, rtol=0), (name, (a - b).abs().max().item())
 
 
+def test_bfloat16_within_two_rounding_steps():
+    """bf16 in and out (probabilities rounded to bf16 before the product with v, as in
+    FlashAttention), against float32 from the same bf16 inputs."""
+    q, k, v = (x.detach().bfloat16().requires_grad_() for x in inputs(7, 2, 40, 4, 2))
+    grad = torch.randn_like(q)
+    got = outputs_and_grads(lambda *x: window_attention(*x, 9, 3, TINY), q, k, v, grad)
+    exact = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    want = outputs_and_grads(lambda *x: reference(*x, 9, 3), *exact, grad.float())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert a.dtype == torch.bfloat16, name
+        assert (a.float() - b).abs().max() <= 2 ** -6 * b.abs().max(), name
+
+
 def test_no_graph_kept_without_grad():
     q, k, v = inputs(0, 1, 20, 2, 1)
     with torch.no_grad():
@@ -132,7 +156,8 @@ def test_backend_needs_cuda():
 
 def _errors_against_float32(fn, q, k, v, grad, window, sinks):
     got = outputs_and_grads(fn, q, k, v, grad)
-    want = outputs_and_grads(lambda *x: reference(*x, window, sinks), q, k, v, grad)
+    exact = [x.detach().float().requires_grad_() for x in (q, k, v)]  # float32 gradients too
+    want = outputs_and_grads(lambda *x: reference(*x, window, sinks), *exact, grad.float())
     return [(a.float() - b.float()).abs().max().item() for a, b in zip(got, want)]
 
 
