@@ -42,8 +42,7 @@ class Tuning:
     and loop over keys fwd_block_n at a time. Each backward program owns bwd_block_own keys
     (dK, dV) or queries (dQ) and loops over the other side bwd_block_loop at a time. The
     defaults suit Hopper at head size 64 (bench/attention_speed.py --sweep); tests in the
-    interpreter use tiny blocks. Compiled for sm_90 at head size 64, none of the default
-    kernels spills registers."""
+    interpreter use tiny blocks."""
 
     fwd_block_m: int = 128
     fwd_block_n: int = 64
