@@ -122,11 +122,17 @@ def test_bfloat16_within_two_rounding_steps():
         assert (a.float() - b).abs().max() <= 2 ** -6 * b.abs().max(), name
 
 
-def test_no_graph_kept_without_grad():
+def test_saves_for_backward_only_where_grad_is_recorded():
     q, k, v = inputs(0, 1, 20, 2, 1)
-    with torch.no_grad():
-        out = window_attention(q, k, v, 5, 2, TINY)
-    assert out.grad_fn is None and not out.requires_grad
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.no_grad():
+            assert window_attention(q, k, v, 5, 2, TINY).grad_fn is None
+        with torch.inference_mode():
+            window_attention(q, k, v, 5, 2, TINY)
+        assert saved == []
+        window_attention(q, k, v, 5, 2, TINY)
+    assert len(saved) == 5  # q, k, v, out and the log-sum-exp
 
 
 def test_compiles_into_one_graph_with_its_backward():
