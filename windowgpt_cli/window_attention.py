@@ -16,7 +16,8 @@ The backward is the usual split: delta = rowsum(dO * O), then one program per ke
 for dK and dV (summing over the kv head's query heads inside the program: deterministic,
 no atomics) and one per query block for dQ.
 
-Triton is imported here alone; `runtime.triton_available` says whether these kernels can run.
+The kernels' names hold "attention", so that profiles (bench/train_profile.py) count them as
+such. Triton is imported here alone; `runtime.triton_available` says whether they can run.
 """
 from __future__ import annotations
 
@@ -130,13 +131,13 @@ def _forward_blocks(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_kd, stri
 
 
 @triton.jit
-def _forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
-                    stride_qb, stride_qt, stride_qh, stride_qd,
-                    stride_kb, stride_kt, stride_kh, stride_kd,
-                    stride_vb, stride_vt, stride_vh, stride_vd,
-                    stride_ob, stride_ot, stride_oh, stride_od,
-                    seq_len, num_heads, group, window, sinks, qk_scale,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _attention_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+                              stride_qb, stride_qt, stride_qh, stride_qd,
+                              stride_kb, stride_kt, stride_kh, stride_kd,
+                              stride_vb, stride_vt, stride_vh, stride_vd,
+                              stride_ob, stride_ot, stride_oh, stride_od,
+                              seq_len, num_heads, group, window, sinks, qk_scale,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """out and the natural log-sum-exp [B, H, T] of one block of queries of one head."""
     q_start = tl.program_id(0) * BLOCK_M
     batch = (tl.program_id(1) // num_heads).to(tl.int64)
@@ -171,10 +172,10 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
 
 
 @triton.jit
-def _delta_kernel(out_ptr, grad_ptr, delta_ptr,
-                  stride_ob, stride_ot, stride_oh, stride_od,
-                  stride_gb, stride_gt, stride_gh, stride_gd,
-                  seq_len, num_heads, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _attention_delta_kernel(out_ptr, grad_ptr, delta_ptr,
+                            stride_ob, stride_ot, stride_oh, stride_od,
+                            stride_gb, stride_gt, stride_gh, stride_gd,
+                            seq_len, num_heads, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
     """delta [B, H, T] = rowsum(dO * O) in float32, the softmax backward's correction."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     batch = (tl.program_id(1) // num_heads).to(tl.int64)
@@ -220,13 +221,13 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, stats_base, lse_ptr, delta_ptr, 
 
 
 @triton.jit
-def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-                 stride_qb, stride_qt, stride_qh, stride_qd,
-                 stride_kb, stride_kt, stride_kh, stride_kd,
-                 stride_vb, stride_vt, stride_vh, stride_vd,
-                 stride_dob, stride_dot, stride_doh, stride_dod,
-                 seq_len, num_heads, num_kv_heads, group, window, sinks, qk_scale, sm_scale,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _attention_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                           stride_qb, stride_qt, stride_qh, stride_qd,
+                           stride_kb, stride_kt, stride_kh, stride_kd,
+                           stride_vb, stride_vt, stride_vh, stride_vd,
+                           stride_dob, stride_dot, stride_doh, stride_dod,
+                           seq_len, num_heads, num_kv_heads, group, window, sinks, qk_scale, sm_scale,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """dK and dV of one block of keys of one kv head: the sum over the kv head's query
     heads and over every query block that sees the keys. dk and dv are k's layout, contiguous."""
     k_start = tl.program_id(0) * BLOCK_N
@@ -280,13 +281,13 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_kd, stri
 
 
 @triton.jit
-def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
-               stride_qb, stride_qt, stride_qh, stride_qd,
-               stride_kb, stride_kt, stride_kh, stride_kd,
-               stride_vb, stride_vt, stride_vh, stride_vd,
-               stride_dob, stride_dot, stride_doh, stride_dod,
-               seq_len, num_heads, group, window, sinks, qk_scale, sm_scale,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _attention_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+                         stride_qb, stride_qt, stride_qh, stride_qd,
+                         stride_kb, stride_kt, stride_kh, stride_kd,
+                         stride_vb, stride_vt, stride_vh, stride_vd,
+                         stride_dob, stride_dot, stride_doh, stride_dod,
+                         seq_len, num_heads, group, window, sinks, qk_scale, sm_scale,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """dQ of one block of queries of one head, over the key blocks it sees (as the forward).
     dq is q's layout, contiguous."""
     q_start = tl.program_id(0) * BLOCK_M
@@ -340,10 +341,10 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, tuning: T
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, t), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(t, tuning.fwd_block_m), b * h)
-    _forward_kernel[grid](q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-                          t, h, h // k.shape[2], _kernel_window(window, t), sinks, d ** -0.5 * LOG2E,
-                          BLOCK_M=tuning.fwd_block_m, BLOCK_N=tuning.fwd_block_n, HEAD_DIM=d,
-                          num_warps=tuning.fwd_warps, num_stages=tuning.fwd_stages)
+    _attention_forward_kernel[grid](q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                                    t, h, h // k.shape[2], _kernel_window(window, t), sinks, d ** -0.5 * LOG2E,
+                                    BLOCK_M=tuning.fwd_block_m, BLOCK_N=tuning.fwd_block_n, HEAD_DIM=d,
+                                    num_warps=tuning.fwd_warps, num_stages=tuning.fwd_stages)
     return out, lse
 
 
@@ -353,8 +354,8 @@ def _backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     kv_heads = k.shape[2]
     own, loop = tuning.bwd_block_own, tuning.bwd_block_loop
     delta = torch.empty((b, h, t), dtype=torch.float32, device=q.device)
-    _delta_kernel[(triton.cdiv(t, own), b * h)](out, grad, delta, *out.stride(), *grad.stride(), t, h,
-                                                 BLOCK_M=own, HEAD_DIM=d)
+    _attention_delta_kernel[(triton.cdiv(t, own), b * h)](out, grad, delta, *out.stride(), *grad.stride(), t, h,
+                                                          BLOCK_M=own, HEAD_DIM=d)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -362,10 +363,11 @@ def _backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     scale = d ** -0.5
     rule = (_kernel_window(window, t), sinks, scale * LOG2E, scale)
     launch = dict(HEAD_DIM=d, num_warps=tuning.bwd_warps, num_stages=tuning.bwd_stages)
-    _dkdv_kernel[(triton.cdiv(t, own), b * kv_heads)](q, k, v, grad, lse, delta, dk, dv, *strides, t, h, kv_heads,
-                                                      h // kv_heads, *rule, BLOCK_M=loop, BLOCK_N=own, **launch)
-    _dq_kernel[(triton.cdiv(t, own), b * h)](q, k, v, grad, lse, delta, dq, *strides, t, h, h // kv_heads, *rule,
-                                             BLOCK_M=own, BLOCK_N=loop, **launch)
+    key_grid, query_grid = (triton.cdiv(t, own), b * kv_heads), (triton.cdiv(t, own), b * h)
+    _attention_dkdv_kernel[key_grid](q, k, v, grad, lse, delta, dk, dv, *strides, t, h, kv_heads, h // kv_heads,
+                                     *rule, BLOCK_M=loop, BLOCK_N=own, **launch)
+    _attention_dq_kernel[query_grid](q, k, v, grad, lse, delta, dq, *strides, t, h, h // kv_heads, *rule,
+                                     BLOCK_M=own, BLOCK_N=loop, **launch)
     return dq, dk, dv
 
 
