@@ -46,9 +46,10 @@ TRAIN_BATCH, EVAL_BATCH = 48, 512
 FWD_MATMULS, BWD_MATMULS = 2, 5
 
 # (fwd_block_m, fwd_block_n, warps, stages) and (bwd_block_own, bwd_block_loop, warps, stages)
-FWD_SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 4, 4)]
-BWD_SWEEP = [(128, 32, 8, 3), (128, 32, 8, 2), (64, 32, 4, 3), (64, 32, 4, 4), (128, 64, 8, 2), (128, 16, 8, 3),
-             (64, 64, 4, 2)]
+FWD_SWEEP = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 4), (64, 32, 4, 3), (64, 16, 4, 4),
+             (32, 32, 4, 4), (64, 32, 2, 4)]
+BWD_SWEEP = [(128, 32, 8, 3), (64, 32, 4, 3), (64, 32, 4, 4), (64, 32, 4, 2), (64, 16, 4, 3), (32, 32, 4, 3),
+             (64, 32, 2, 3), (64, 64, 4, 2)]
 
 console = Console(width=140)
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

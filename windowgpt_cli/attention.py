@@ -42,7 +42,9 @@ def resolve_backend(name: str, device: torch.device) -> str:
     if name == "auto":
         if device.type != "cuda":
             return "sdpa"
-        return "fa3" if fa3_available() else "flex"
+        if fa3_available():
+            return "fa3"
+        return "triton" if triton_available(device) else "flex"
     if name == "fa3" and (device.type != "cuda" or not fa3_available()):
         raise ConfigError("attention backend fa3 needs CUDA and the flash_attn_interface package (FlashAttention-3)")
     if name == "triton" and not triton_available(device):

@@ -45,13 +45,13 @@ class Tuning:
     defaults suit Hopper at head size 64 (bench/attention_speed.py --sweep); tests in the
     interpreter use tiny blocks."""
 
-    fwd_block_m: int = 128
-    fwd_block_n: int = 64
-    fwd_warps: int = 8
-    fwd_stages: int = 3
-    bwd_block_own: int = 128
+    fwd_block_m: int = 64
+    fwd_block_n: int = 32
+    fwd_warps: int = 4
+    fwd_stages: int = 4
+    bwd_block_own: int = 64
     bwd_block_loop: int = 32
-    bwd_warps: int = 8
+    bwd_warps: int = 4
     bwd_stages: int = 3
 
     def as_list(self) -> list[int]:
