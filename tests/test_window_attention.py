@@ -215,3 +215,19 @@ def test_eager_flex_calls_run_the_triton_kernels():
     q, k, v = inputs(5, 1, 512, 8, 4, head_dim=64, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
         assert torch.equal(attention.attention(q, k, v, 128, 4, "flex"), window_attention(q, k, v, 128, 4))
+
+
+def test_inference_launches_the_kernel_without_the_op_dispatch(monkeypatch):
+    """The op's dispatch imports TorchDynamo at its first call; eager scoring needs neither."""
+    from windowgpt_cli import window_attention as module
+
+    def dispatched(*args):
+        raise AssertionError("went through the custom op")
+
+    q, k, v = (torch.randn(1, 24, heads, 16) for heads in (2, 1, 1))
+    expected = window_attention(q, k, v, 5, 2, TINY)
+    monkeypatch.setattr(module, "_attention_op", dispatched)
+    with torch.inference_mode():
+        assert torch.equal(window_attention(q, k, v, 5, 2, TINY), expected)
+    with pytest.raises(AssertionError, match="custom op"):
+        window_attention(q.requires_grad_(), k, v, 5, 2, TINY)

@@ -420,4 +420,9 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int,
     out [B, T, H, D] in q's dtype, differentiable in q, k and v."""
     _check_shapes(q, k, v)
     k, v = k.to(q.dtype), v.to(q.dtype)
+    if not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and
+                                                  (q.requires_grad or k.requires_grad or v.requires_grad)):
+        # Nothing to trace or differentiate: launch the kernel directly. The op's dispatch
+        # would import TorchDynamo at its first call, seconds of an evaluation's start.
+        return _forward(q, k, v, window, sinks, tuning)[0]
     return _attention_op(q, k, v, window, sinks, tuning.as_list())[0]
