@@ -513,8 +513,8 @@ class ChunkTrainer:
 
     A step is: gradients (zeroed, forward under autocast, backward, all-reduced over
     ranks, frozen bank slices zeroed, clipped to the global norm), then the SGD update.
-    Eagerly that is thousands of small kernel launches, so with `ttt_cuda_graphs` in one
-    process (and an uncompiled forward) the gradient part is recorded once per batch shape
+    Eagerly that is thousands of kernel launches, so with `ttt_cuda_graphs` in one process
+    (and an uncompiled forward) the gradient part is recorded once per batch shape
     and replayed: on CUDA as a CUDA graph, elsewhere (no graphs) by calling it again, which
     keeps the same bookkeeping testable on the CPU. A replay reads fixed addresses, so the
     batch is copied into the shape's x, y and the gradients are zeroed in place, never
@@ -524,8 +524,8 @@ class ChunkTrainer:
     graph the update is a few foreach launches, the eager step's numbers by construction.
 
     No step is lost to warming up: a shape's first step runs eagerly (on a side stream,
-    as capturing wants) and is a real step; it creates the gradients, compiles the
-    attention kernel for the shape and the like. The shape's second step is captured,
+    as capturing wants) and is a real step; it creates the gradients, builds the
+    attention kernels and the like. The shape's second step is captured,
     which runs nothing, then replayed once: that replay is the second step. Should a
     capture fail, a one-line warning says so and that step and every later one run as
     eager steps.
