@@ -15,8 +15,8 @@
 # bench/pipeline_report.py writes LOG_DIR/pipeline.json and RESULT (default
 # bench/results/pipeline_h200.json) and prints the table.
 #
-# On one H200: the two passes without smoke_gpu take about 8 minutes, smoke_gpu's two
-# passes about 8 more; run them as two commands and merge their logs with
+# On one H200: the two passes without smoke_gpu take about 6 minutes, smoke_gpu's two
+# passes about 5 more; run them as two commands and merge their logs with
 # `python3 bench/pipeline_report.py LOGS_A LOGS_B --out bench/results/pipeline_h200.json`.
 #
 # usage: [PASSES="cold warm"] [COMMANDS="prepare train export quantize eval eval_ttt smoke_gpu"]
