@@ -108,16 +108,25 @@ def _query_ranges(k_start, seq_len, window, sinks, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _key_block(k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd, k_start, seq_len,
+               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """(positions, keys, values) of the BLOCK_N keys from k_start (zeros past the sequence)."""
+    dims = tl.arange(0, HEAD_DIM)
+    cols = k_start + tl.arange(0, BLOCK_N)
+    in_seq = (cols < seq_len)[:, None]
+    k = tl.load(k_base + cols[:, None] * stride_kt + dims[None, :] * stride_kd, mask=in_seq, other=0.0)
+    v = tl.load(v_base + cols[:, None] * stride_vt + dims[None, :] * stride_vd, mask=in_seq, other=0.0)
+    return cols, k, v
+
+
+@triton.jit
 def _forward_blocks(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd, rows, start,
                     end, seq_len, window, sinks, qk_scale, MASKED: tl.constexpr,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Online softmax of a block of queries over key blocks [start, end)."""
-    dims = tl.arange(0, HEAD_DIM)
     for k_start in range(start, end, BLOCK_N):
-        cols = k_start + tl.arange(0, BLOCK_N)
-        in_seq = (cols < seq_len)[:, None]
-        k = tl.load(k_base + cols[:, None] * stride_kt + dims[None, :] * stride_kd, mask=in_seq, other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vt + dims[None, :] * stride_vd, mask=in_seq, other=0.0)
+        cols, k, v = _key_block(k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd, k_start, seq_len,
+                                BLOCK_N, HEAD_DIM)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:
             s = tl.where(_visible(rows[:, None], cols[None, :], seq_len, window, sinks), s, float("-inf"))
@@ -131,6 +140,15 @@ def _forward_blocks(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_kd, stri
 
 
 @triton.jit
+def _query_program(num_heads, group, BLOCK_M: tl.constexpr):
+    """This program's block of queries: (first query, batch, head, kv head, query positions)."""
+    q_start = tl.program_id(0) * BLOCK_M
+    batch = (tl.program_id(1) // num_heads).to(tl.int64)
+    head = tl.program_id(1) % num_heads
+    return q_start, batch, head, head // group, q_start + tl.arange(0, BLOCK_M)
+
+
+@triton.jit
 def _attention_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
                               stride_qb, stride_qt, stride_qh, stride_qd,
                               stride_kb, stride_kt, stride_kh, stride_kd,
@@ -139,11 +157,7 @@ def _attention_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
                               seq_len, num_heads, group, window, sinks, qk_scale,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """out and the natural log-sum-exp [B, H, T] of one block of queries of one head."""
-    q_start = tl.program_id(0) * BLOCK_M
-    batch = (tl.program_id(1) // num_heads).to(tl.int64)
-    head = tl.program_id(1) % num_heads
-    kv_head = head // group
-    rows = q_start + tl.arange(0, BLOCK_M)
+    q_start, batch, head, kv_head, rows = _query_program(num_heads, group, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     row_live = (rows < seq_len)[:, None]
     q_base = q_ptr + batch * stride_qb + head * stride_qh
@@ -266,12 +280,9 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_kd, stri
                start, end, seq_len, window, sinks, qk_scale, MASKED: tl.constexpr,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """dQ of a block of queries from the key blocks [start, end)."""
-    dims = tl.arange(0, HEAD_DIM)
     for k_start in range(start, end, BLOCK_N):
-        cols = k_start + tl.arange(0, BLOCK_N)
-        in_seq = (cols < seq_len)[:, None]
-        k = tl.load(k_base + cols[:, None] * stride_kt + dims[None, :] * stride_kd, mask=in_seq, other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vt + dims[None, :] * stride_vd, mask=in_seq, other=0.0)
+        cols, k, v = _key_block(k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd, k_start, seq_len,
+                                BLOCK_N, HEAD_DIM)
         p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
         if MASKED:
             p = tl.where(_visible(rows[:, None], cols[None, :], seq_len, window, sinks), p, 0.0)
@@ -290,11 +301,7 @@ def _attention_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """dQ of one block of queries of one head, over the key blocks it sees (as the forward).
     dq is q's layout, contiguous."""
-    q_start = tl.program_id(0) * BLOCK_M
-    batch = (tl.program_id(1) // num_heads).to(tl.int64)
-    head = tl.program_id(1) % num_heads
-    kv_head = head // group
-    rows = q_start + tl.arange(0, BLOCK_M)
+    q_start, batch, head, kv_head, rows = _query_program(num_heads, group, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     live = rows < seq_len
     q = tl.load(q_ptr + batch * stride_qb + head * stride_qh + rows[:, None] * stride_qt
