@@ -80,3 +80,14 @@ def test_backend_resolution():
         attention.resolve_backend("fa3", cpu)
     with pytest.raises(ConfigError):
         attention.resolve_backend("nope", cpu)
+
+
+def test_auto_prefers_fa3_then_the_triton_window_kernels_on_cuda(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(attention, "fa3_available", lambda: False)
+    monkeypatch.setattr(attention, "triton_available", lambda device: True)
+    assert attention.resolve_backend("auto", cuda) == "triton"
+    monkeypatch.setattr(attention, "triton_available", lambda device: False)
+    assert attention.resolve_backend("auto", cuda) == "flex"
+    monkeypatch.setattr(attention, "fa3_available", lambda: True)
+    assert attention.resolve_backend("auto", cuda) == "fa3"
