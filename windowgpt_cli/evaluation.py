@@ -40,7 +40,7 @@ from .config import ModelConfig, TTTConfig
 from .distributed import all_reduce_, average_gradients, is_initialized
 from .errors import ConfigError, DataError
 from .model import GPT, bank_slots
-from .runtime import autocast, compiled, fused_kernels_available, synchronize
+from .runtime import autocast, compiled, triton_available, synchronize
 from .shards import check_vocab, list_shards, load_tokens
 from .tokenizer import ByteLuts
 
@@ -385,9 +385,9 @@ def should_compile(compile_model: bool | None, device: torch.device) -> bool:
 
 def should_fuse(fused: bool | None, device: torch.device) -> bool:
     """Whether sliding scoring runs the fused kernels: an explicit choice, by default where they can."""
-    if fused and not fused_kernels_available(device):
+    if fused and not triton_available(device):
         raise ConfigError("the fused kernels need a CUDA device and Triton; pass --no-fused")
-    return fused_kernels_available(device) if fused is None else fused
+    return triton_available(device) if fused is None else fused
 
 
 def evaluate_sliding(model: GPT, val_tokens: Tensor, luts: ByteLuts, *, seq_len: int, stride: int,

@@ -2,9 +2,9 @@
 
 `FusedOps` runs `model.TorchOps`'s steps with one kernel each: every step reads its inputs
 once and writes its outputs once. The matrix products stay cuBLAS's, the attention SDPA's
-(and `window_attention`'s Triton kernels for windowed layers). These few small kernels, built in parallel (`FusedOps.warm_up`), take a second or
-two where compiling the whole forward takes tens of seconds, so sliding evaluation scores
-with them on CUDA.
+(and `window_attention`'s Triton kernels for windowed layers). These few small kernels,
+built in parallel (`FusedOps.warm_up`), take a second or two where compiling the whole
+forward takes tens of seconds, so sliding evaluation scores with them on CUDA.
 
 They round as the compiled forward does (Inductor, which the reference's own evaluation
 runs): arithmetic in float32 from the stored values, rounded only where the compiled forward
@@ -14,8 +14,8 @@ products are each rounded before their sums. On the reference's weights, sliding
 then gives the reference's val_bpb to within 1e-8; eager torch, which rounds after every
 operation, is 3e-5 away.
 
-Inference only (no autograd). Triton is imported here alone; `runtime.fused_kernels_available`
-says whether they can run.
+Inference only (no autograd). Importing this module imports Triton;
+`runtime.triton_available` says whether its kernels can run.
 """
 from __future__ import annotations
 

@@ -85,11 +85,6 @@ def triton_available(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
-def fused_kernels_available(device: torch.device) -> bool:
-    """Whether `kernels.FusedOps` can run here."""
-    return triton_available(device)
-
-
 def device_name(device: torch.device) -> str:
     """The GPU's name ("NVIDIA H100 80GB HBM3"), or "cpu"."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
