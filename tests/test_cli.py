@@ -137,12 +137,13 @@ HEAVY_MODULES = ("torch", "numpy", "sentencepiece")
 # Runs `python -m windowgpt_cli --help`, then every command's --help and -h, and --help of the
 # packed record's command line, and prints the heavy modules imported by then.
 HELP_PROBE = """
-import runpy, sys
+import sys
 from typer.testing import CliRunner
 heavy = set(sys.argv[1:])
 sys.argv = ["windowgpt", "--help"]
+from windowgpt_cli.cli import main
 try:
-    runpy.run_module("windowgpt_cli", run_name="__main__")
+    main()
 except SystemExit as exc:
     assert not exc.code, exc.code
 import typer
@@ -173,3 +174,50 @@ def test_quantize_help_names_every_compressor():
     text = " ".join(run_cli("quantize", "--help").output.replace("│", " ").split())
     assert all(name in text for name in ptz.COMPRESSOR_CHOICES)
     assert f"[default: {ptz.DEFAULT_COMPRESSOR}]" in text
+
+
+EXIT_PROBE = """
+import sys
+from windowgpt_cli.cli_support import exit_process
+
+def main():
+    case = sys.argv[1]
+    sys.stdout.write("written, no newline")  # buffered: stdout is a pipe here
+    sys.stderr.write("note")
+    if case == "code":
+        sys.exit(3)
+    if case == "message":
+        sys.exit("a message")
+    if case == "error":
+        raise ValueError("a bug")
+
+exit_process(main)
+print("never reached")
+"""
+
+
+@pytest.mark.parametrize("case,code", [("done", 0), ("code", 3), ("message", 1), ("error", 1)])
+def test_the_process_ends_with_the_command_status_and_its_output_written(case, code):
+    """The entry point ends the process without the interpreter's teardown: nothing after
+    it runs, and what the command printed is all there."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", EXIT_PROBE, case], capture_output=True, text=True, timeout=120)
+    assert done.returncode == code
+    assert done.stdout == "written, no newline"
+    assert done.stderr.startswith("note")
+    if case == "message":
+        assert done.stderr == "notea message\n"
+    if case == "error":
+        assert "ValueError: a bug" in done.stderr
+
+
+@pytest.mark.parametrize("args,code,stream", [(["--version"], 0, "stdout"), (["no-such-command"], 2, "stderr")])
+def test_python_m_windowgpt_cli_ends_through_the_entry_point(args, code, stream):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "windowgpt_cli", *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == code
+    assert ("windowgpt " if code == 0 else "no-such-command") in getattr(done, stream)

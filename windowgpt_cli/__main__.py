@@ -1,4 +1,4 @@
-from .cli import main
+from .cli import entry_point
 
 if __name__ == "__main__":
-    main()
+    entry_point()

@@ -14,7 +14,7 @@ from pathlib import Path
 from . import codesize
 
 MAIN_MEMBER = "__main__.py"
-MAIN_SOURCE = f"from {codesize.RECORD_ENTRY} import main\nmain()\n"
+MAIN_SOURCE = f"from {codesize.RECORD_ENTRY} import entry_point\nentry_point()\n"
 FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest a zip entry can carry
 
 
