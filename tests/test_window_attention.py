@@ -8,6 +8,7 @@ reference.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -231,3 +232,89 @@ def test_inference_launches_the_kernel_without_the_op_dispatch(monkeypatch):
         assert torch.equal(window_attention(q, k, v, 5, 2, TINY), expected)
     with pytest.raises(AssertionError, match="custom op"):
         window_attention(q.requires_grad_(), k, v, 5, 2, TINY)
+
+
+# --- Building the kernels ahead of the first call ----------------------------------------
+
+KERNEL_NAMES = ("_attention_forward_kernel", "_attention_delta_kernel", "_attention_dkdv_kernel",
+                "_attention_dq_kernel")
+
+
+class LaunchRecorder:
+    """Stands in for a kernel: notes its name at each launch, then launches it."""
+
+    def __init__(self, kernel, name: str, launched: list[str]):
+        self.kernel, self.name, self.launched = kernel, name, launched
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launched.append(self.name)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_each_build_launches_one_of_the_kernels_a_call_runs(monkeypatch, backward):
+    """So that run_in_threads builds them side by side: one kernel per build, together
+    those of a forward (and its backward)."""
+    from windowgpt_cli import window_attention as module
+
+    launched: list[str] = []
+    for name in KERNEL_NAMES:
+        monkeypatch.setattr(module, name, LaunchRecorder(getattr(module, name), name, launched))
+    builds = module.kernel_builds(torch.device("cpu"), heads=2, kv_heads=1, head_dim=16, seq_len=40, window=9,
+                                  sinks=3, backward=backward, dtype=torch.float32, tuning=TINY)
+    per_build = []
+    for build in builds:
+        launched.clear()
+        build()
+        per_build.append(list(launched))
+    assert all(len(names) == 1 for names in per_build)
+    launched.clear()
+    q, k, v = inputs(8, 3, 40, 2, 1)
+    with contextlib.nullcontext() if backward else torch.no_grad():
+        out = window_attention(q, k, v, 9, 3, TINY)
+    if backward:
+        out.sum().backward()
+    assert sorted(names[0] for names in per_build) == sorted(launched) == sorted(KERNEL_NAMES[:4 if backward else 1])
+
+
+def test_no_window_kernels_to_build_where_none_run():
+    from windowgpt_cli.config import ModelConfig
+
+    record = ModelConfig(window_attn_size=512, num_sink_tokens=4, window_attn_layers=(2, 4))
+    cpu = torch.device("cpu")
+    assert attention.window_kernel_builds(record, "sdpa", 2048, cpu, eager=True, backward=True) == []
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda")
+        assert len(attention.window_kernel_builds(record, "triton", 2048, cuda, eager=False, backward=True)) == 4
+        assert len(attention.window_kernel_builds(record, "flex", 2048, cuda, eager=True, backward=False)) == 1
+        assert attention.window_kernel_builds(record, "flex", 2048, cuda, eager=False, backward=True) == []
+        assert attention.window_kernel_builds(record, "triton", 512, cuda, eager=True, backward=True) == []
+    full = ModelConfig()
+    assert attention.window_kernel_builds(full, "triton", 2048, cpu, eager=True, backward=True) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_call_after_the_builds_builds_nothing():
+    """The builds' zeros specialize the kernels as a real batch does (Triton keys a kernel
+    on its arguments' dtypes and divisibility): a forward and backward of three sequences
+    afterwards finds every kernel it runs already built."""
+    from windowgpt_cli import window_attention as module
+    from windowgpt_cli.runtime import run_in_threads
+
+    device = torch.device("cuda")
+    run_in_threads(module.kernel_builds(device, heads=8, kv_heads=4, head_dim=64, seq_len=1024, window=256,
+                                        sinks=4, backward=True), device)
+    kernels = [getattr(module, name) for name in KERNEL_NAMES]
+
+    def built() -> list[int]:
+        return [len(kernel.device_caches[torch.cuda.current_device()][0]) for kernel in kernels]
+
+    before = built()
+    q, k, v = inputs(9, 3, 1024, 8, 4, head_dim=64, dtype=torch.bfloat16, device="cuda")
+    out = window_attention(q, k, v, 256, 4)
+    out.backward(torch.randn_like(out))
+    torch.cuda.synchronize()
+    assert min(before) >= 1 and built() == before

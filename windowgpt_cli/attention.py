@@ -20,11 +20,13 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .config import ModelConfig
 from .errors import ConfigError
 from .runtime import triton_available
 
@@ -105,6 +107,21 @@ def _triton_window(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int) -> 
     from .window_attention import window_attention  # imports Triton: only when used
 
     return window_attention(q, k, v, window, sinks)
+
+
+def window_kernel_builds(cfg: ModelConfig, backend: str, seq_len: int, device: torch.device, *, eager: bool,
+                         backward: bool) -> list[Callable[[], object]]:
+    """The builds (`window_attention.kernel_builds`) of the Triton kernels that cfg's windowed
+    layers run over sequences of seq_len on this backend, called eagerly or compiled; none
+    where they run no Triton kernel."""
+    runs_triton = backend == "triton" or (backend == "flex" and eager)
+    if (not runs_triton or not triton_available(device) or not cfg.window_attn_layers
+            or covers_everything(seq_len, cfg.window_attn_size)):
+        return []
+    from .window_attention import kernel_builds
+
+    return kernel_builds(device, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                         seq_len=seq_len, window=cfg.window_attn_size, sinks=cfg.num_sink_tokens, backward=backward)
 
 
 # --- FlexAttention -----------------------------------------------------------------------

@@ -36,11 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .attention import window_kernel_builds
 from .config import ModelConfig, TTTConfig
 from .distributed import all_reduce_, average_gradients, is_initialized
 from .errors import ConfigError, DataError
 from .model import GPT, bank_slots
-from .runtime import autocast, compiled, triton_available, synchronize
+from .runtime import autocast, compiled, run_in_threads, triton_available, synchronize
 from .shards import check_vocab, list_shards, load_tokens
 from .tokenizer import ByteLuts
 
@@ -536,6 +537,8 @@ class ChunkTrainer:
         self.model, self.params, self.ttt, self.tokens = model, params, ttt, tokens
         self.seq_len, self.device, self.rank, self.world_size = seq_len, device, rank, world_size
         self.loss_fn = compiled(model, compile_model)
+        run_in_threads(window_kernel_builds(model.cfg, model.attention_backend, seq_len, device,
+                                            eager=not compile_model, backward=True), device)
         self.optimizer = torch.optim.SGD(params.trainable, lr=ttt.ttt_lr, momentum=ttt.ttt_momentum)
         # Several ranks all-reduce their gradients between backward and clipping (NCCL
         # inside a graph is left alone); a compiled forward keeps its eager steps too.

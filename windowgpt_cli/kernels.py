@@ -19,9 +19,7 @@ Inference only (no autograd). Importing this module imports Triton;
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +27,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .attention import window_kernel_builds
 from .model import GPT, Residual, TorchOps, ValueInjection, rotary_inv_freq, rotary_tables
+from .runtime import run_in_threads
 
 FLOAT32_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's default epsilon for float32
 NORMALIZE_EPS = 1e-12  # F.normalize's
@@ -227,10 +227,11 @@ class FusedOps(TorchOps):
 
     def warm_up(self, model: GPT, seq_len: int, queries: int) -> None:
         """Build every kernel that scoring windows of seq_len with `queries` predictions per
-        row runs, each on one window of zeros, in parallel threads: a build mostly waits on
-        Triton's ptxas and C compiler processes, so the builds overlap, where a first forward
-        would run them one after another. Arguments keep the real ones' dtypes and shapes'
-        divisibility, so the real calls find the kernels built."""
+        row runs (the window attention's too), each on one window of zeros, in parallel
+        threads: a build mostly waits on Triton's ptxas and C compiler processes, so the
+        builds overlap, where a first forward would run them one after another. Arguments
+        keep the real ones' dtypes and shapes' divisibility, so the real calls find the
+        kernels built."""
         cfg, table = model.cfg, model.tok_emb.weight.detach()
         device, width = table.device, table.size(1)
         activations = functools.partial(torch.zeros, device=device, dtype=torch.bfloat16)
@@ -258,15 +259,8 @@ class FusedOps(TorchOps):
             shared = self.shared_values(activations(1, seq_len, cfg.kv_dim), model.ve_shared.scale)
             tasks.append(lambda: self.values(activations(1, seq_len, cfg.kv_dim),
                                              ValueInjection(shared, model.ve_layer_scales[0])))
-
-        def run(task):
-            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), \
-                    torch.inference_mode():
-                task()
-
-        with ThreadPoolExecutor(max_workers=len(tasks)) as pool:
-            for future in [pool.submit(run, task) for task in tasks]:
-                future.result()
+        tasks += window_kernel_builds(cfg, model.attention_backend, seq_len, device, eager=True, backward=False)
+        run_in_threads(tasks, device)
 
     def embed(self, ids: Tensor, table: Tensor, bigram: Tensor | None, bigram_scale: Tensor | None,
               gate: Tensor) -> SmearedEmbedding:

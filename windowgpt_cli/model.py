@@ -438,6 +438,10 @@ class GPT(nn.Module):
             block.attn.backend = backend
         return backend
 
+    @property
+    def attention_backend(self) -> str:
+        return self.blocks[0].attn.backend
+
     @contextlib.contextmanager
     def observe_linear_inputs(self, callback: LinearObserver) -> Iterator[None]:
         """Call callback(weight_names, x) with the input of every block matrix (for GPTQ)."""

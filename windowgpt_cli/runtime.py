@@ -5,6 +5,8 @@ import contextlib
 import importlib.util
 import random
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -83,6 +85,23 @@ def compiled(fn, enabled: bool = True, *, autotune: bool = True):
 def triton_available(device: torch.device) -> bool:
     """Whether Triton kernels can run here: CUDA with Triton."""
     return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def run_in_threads(tasks: Iterable[Callable[[], object]], device: torch.device) -> None:
+    """Run tasks in parallel threads on `device`, without autograd; for kernel builds, which
+    mostly wait on compiler processes, so that their waits overlap. Re-raises a task's error."""
+    tasks = list(tasks)
+    if not tasks:
+        return
+
+    def run(task: Callable[[], object]) -> None:
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), \
+                torch.inference_mode():
+            task()
+
+    with ThreadPoolExecutor(max_workers=len(tasks)) as pool:
+        for future in [pool.submit(run, task) for task in tasks]:
+            future.result()
 
 
 def device_name(device: torch.device) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import triton
@@ -357,25 +358,73 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, tuning: T
 
 def _backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, window: int, sinks: int,
               tuning: Tuning) -> tuple[Tensor, Tensor, Tensor]:
-    b, t, h, d = q.shape
-    kv_heads = k.shape[2]
-    own, loop = tuning.bwd_block_own, tuning.bwd_block_loop
-    delta = torch.empty((b, h, t), dtype=torch.float32, device=q.device)
-    _attention_delta_kernel[(triton.cdiv(t, own), b * h)](out, grad, delta, *out.stride(), *grad.stride(), t, h,
-                                                          BLOCK_M=own, HEAD_DIM=d)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    delta = _delta(out, grad, tuning)
+    dk, dv = _key_grads(grad, q, k, v, lse, delta, window, sinks, tuning)
+    return _query_grads(grad, q, k, v, lse, delta, window, sinks, tuning), dk, dv
+
+
+def _delta(out: Tensor, grad: Tensor, tuning: Tuning) -> Tensor:
+    b, t, h, d = out.shape
+    delta = torch.empty((b, h, t), dtype=torch.float32, device=out.device)
+    _attention_delta_kernel[(triton.cdiv(t, tuning.bwd_block_own), b * h)](
+        out, grad, delta, *out.stride(), *grad.stride(), t, h, BLOCK_M=tuning.bwd_block_own, HEAD_DIM=d)
+    return delta
+
+
+def _gradient_arguments(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int) -> tuple:
+    """The gradient kernels' arguments after their tensors, in three parts: the strides of
+    q, k, v and grad; (seq_len, num_heads); (group, window, sinks, and the scores' scale in
+    base 2 and as is). The dK/dV kernel takes num_kv_heads between the last two."""
+    scale = q.shape[3] ** -0.5
+    strides = (*q.stride(), *k.stride(), *v.stride(), *grad.stride())
+    rule = (q.shape[2] // k.shape[2], _kernel_window(window, q.shape[1]), sinks, scale * LOG2E, scale)
+    return strides, (q.shape[1], q.shape[2]), rule
+
+
+def _key_grads(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, window: int, sinks: int,
+               tuning: Tuning) -> tuple[Tensor, Tensor]:
+    b, t, kv_heads, d = k.shape
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    strides = (*q.stride(), *k.stride(), *v.stride(), *grad.stride())
-    scale = d ** -0.5
-    rule = (_kernel_window(window, t), sinks, scale * LOG2E, scale)
-    launch = dict(HEAD_DIM=d, num_warps=tuning.bwd_warps, num_stages=tuning.bwd_stages)
-    key_grid, query_grid = (triton.cdiv(t, own), b * kv_heads), (triton.cdiv(t, own), b * h)
-    _attention_dkdv_kernel[key_grid](q, k, v, grad, lse, delta, dk, dv, *strides, t, h, kv_heads, h // kv_heads,
-                                     *rule, BLOCK_M=loop, BLOCK_N=own, **launch)
-    _attention_dq_kernel[query_grid](q, k, v, grad, lse, delta, dq, *strides, t, h, h // kv_heads, *rule,
-                                     BLOCK_M=own, BLOCK_N=loop, **launch)
-    return dq, dk, dv
+    strides, sizes, rule = _gradient_arguments(grad, q, k, v, window, sinks)
+    _attention_dkdv_kernel[(triton.cdiv(t, tuning.bwd_block_own), b * kv_heads)](
+        q, k, v, grad, lse, delta, dk, dv, *strides, *sizes, kv_heads, *rule, BLOCK_M=tuning.bwd_block_loop,
+        BLOCK_N=tuning.bwd_block_own, HEAD_DIM=d, num_warps=tuning.bwd_warps, num_stages=tuning.bwd_stages)
+    return dk, dv
+
+
+def _query_grads(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, window: int, sinks: int,
+                 tuning: Tuning) -> Tensor:
+    b, t, h, d = q.shape
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    strides, sizes, rule = _gradient_arguments(grad, q, k, v, window, sinks)
+    _attention_dq_kernel[(triton.cdiv(t, tuning.bwd_block_own), b * h)](
+        q, k, v, grad, lse, delta, dq, *strides, *sizes, *rule, BLOCK_M=tuning.bwd_block_own,
+        BLOCK_N=tuning.bwd_block_loop, HEAD_DIM=d, num_warps=tuning.bwd_warps, num_stages=tuning.bwd_stages)
+    return dq
+
+
+def kernel_builds(device: torch.device, *, heads: int, kv_heads: int, head_dim: int, seq_len: int, window: int,
+                  sinks: int, backward: bool, dtype: torch.dtype = torch.bfloat16,
+                  tuning: Tuning = DEFAULT_TUNING) -> list[Callable[[], object]]:
+    """Launches on one sequence of zeros that build the kernels a call with these sizes
+    runs (the forward; with backward, also the three gradient kernels), one per kernel, to
+    run in parallel threads (`runtime.run_in_threads`): a build is seconds, mostly spent
+    waiting on Triton's compiler processes, and a first call would run the builds one after
+    another. The tensors keep the real ones' layouts, so the real calls find the kernels
+    built (Triton specializes on strides' divisibility)."""
+    def zeros(*shape: int, dtype: torch.dtype = dtype) -> Tensor:
+        return torch.zeros(*shape, device=device, dtype=dtype)
+
+    q, grad = zeros(1, seq_len, heads, head_dim), zeros(1, seq_len, heads, head_dim)
+    k, v = zeros(1, seq_len, kv_heads, head_dim), zeros(1, seq_len, kv_heads, head_dim)
+    stats = zeros(1, heads, seq_len, dtype=torch.float32)
+    builds = [lambda: _forward(q, k, v, window, sinks, tuning)]
+    if backward:
+        builds += [lambda: _delta(q, grad, tuning),
+                   lambda: _key_grads(grad, q, k, v, stats, stats, window, sinks, tuning),
+                   lambda: _query_grads(grad, q, k, v, stats, stats, window, sinks, tuning)]
+    return builds
 
 
 # --- The custom op -----------------------------------------------------------------------
