@@ -1,5 +1,7 @@
 """The train stage on the CPU: it learns, it logs, it checkpoints, it resumes exactly."""
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -54,6 +56,42 @@ def test_interrupted_then_resumed_run_matches_an_uninterrupted_one(tiny_data_dir
     a, b = load_checkpoint(tmp_path / "straight"), load_checkpoint(tmp_path / "paused")
     assert all(torch.equal(a.model[k], b.model[k]) for k in a.model)
     assert all(torch.equal(a.ema[k], b.ema[k]) for k in a.ema)
+
+
+def test_the_final_checkpoint_is_written_while_the_ema_weights_are_scored(tiny_data_dir, tmp_path, monkeypatch):
+    """Its file is written by a thread alongside the EMA evaluation: a failed write still
+    fails the run (no summary), and what is written does not depend on when: the last
+    step's weights, not the EMA weights the model holds meanwhile."""
+    from windowgpt_cli import training
+    from windowgpt_cli.errors import ArtifactError
+
+    writers = []
+
+    def failing_save(path, ckpt):
+        writers.append(threading.current_thread())
+        raise ArtifactError(f"{path}: disk full")
+
+    cfg = tiny_cfg(tiny_data_dir, iterations=3, warmup_steps=0)
+    monkeypatch.setattr(training, "save_checkpoint", failing_save)
+    with pytest.raises(ArtifactError, match="disk full"):
+        train(cfg, tmp_path / "failed")
+    assert writers and writers[0] is not threading.main_thread()
+    assert not (tmp_path / "failed" / "summary.json").exists()
+    monkeypatch.undo()
+    train(cfg, tmp_path / "prompt")
+    real_save = training.save_checkpoint
+
+    def slow_save(path, ckpt):  # writes once the model holds the EMA weights
+        time.sleep(0.5)
+        return real_save(path, ckpt)
+
+    monkeypatch.setattr(training, "save_checkpoint", slow_save)
+    train(cfg, tmp_path / "slow")
+    a, b = load_checkpoint(tmp_path / "prompt"), load_checkpoint(tmp_path / "slow")
+    assert a.step == b.step == 3
+    assert all(torch.equal(a.model[k], b.model[k]) for k in a.model)
+    assert all(torch.equal(a.ema[k], b.ema[k]) for k in a.ema)
+    assert not all(torch.equal(b.model[k], b.ema[k].to(b.model[k].dtype)) for k in b.model)
 
 
 def test_refuses_to_overwrite_a_run(tiny_run_dir):

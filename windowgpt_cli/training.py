@@ -12,6 +12,7 @@ import copy
 import math
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -19,6 +20,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .artifacts import json_text, sha256_file, tensors_sha256
+from .attention import window_kernel_builds
 from .calibration import HESSIANS_FILENAME, calibrate, save_hessians
 from .checkpoint import FILENAME as CHECKPOINT_FILENAME
 from .checkpoint import Checkpoint, save_checkpoint
@@ -30,7 +32,8 @@ from .errors import ConfigError, DataError, TrainingDiverged
 from .evaluation import evaluate_standard, load_validation_tokens
 from .model import GPT, build_model
 from .optim import Optimizers, WeightAverages, build_optimizers, lr_scale, muon_momentum_at
-from .runtime import autocast, compiled, device_name, enable_fast_math, phase, seed_everything, synchronize
+from .runtime import (autocast, compiled, device_name, enable_fast_math, phase, run_in_threads, seed_everything,
+                      synchronize)
 from .timing import Phases
 from .tokenizer import ByteLuts, load_byte_luts, tokenizer_vocab_size
 
@@ -258,6 +261,17 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     )
 
 
+def _on_cpu(value: Any) -> Any:
+    """value (dicts, lists and tuples of tensors and the like) with every tensor copied to the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(v) for v in value)
+    return value
+
+
 class Trainer:
     def __init__(self, setup: Setup, out_dir: Path, log: RunLog, progress: Callable[[dict], None] | None = None,
                  phases: Phases | None = None):
@@ -321,11 +335,15 @@ class Trainer:
         return train_loss
 
     def warm_up(self) -> None:
-        """Run warmup_steps real steps (compilation, allocator), then restore the initial
-        weights, optimizer state and data stream: they change nothing but speed. Each takes
-        one forward and backward: every pass has the same shape and runs the same graphs, so
-        a step's other passes would only spend time."""
+        """Build the window attention's Triton kernels (in parallel, where the first step
+        would build them one after another), then run warmup_steps real steps (compilation,
+        allocator) and restore the initial weights, optimizer state and data stream: they
+        change nothing but speed. Each takes one forward and backward: every pass has the
+        same shape and runs the same graphs, so a step's other passes would only spend time."""
         s, t = self.s, self.s.cfg.train
+        with self.phases.timed("warmup"):
+            run_in_threads(window_kernel_builds(s.cfg.model, s.model.attention_backend, s.seq_len, s.ctx.device,
+                                                eager=s.forward is s.model, backward=True), s.ctx.device)
         if t.warmup_steps <= 0:
             return
         model_state = {k: v.detach().clone() for k, v in s.model.state_dict().items()}
@@ -369,29 +387,47 @@ class Trainer:
     def checkpoint(self, prefetcher: Prefetcher | None) -> Path:
         """Rank 0 writes RUN_DIR/checkpoint.pt; every rank takes part (Muon's momentum
         shards and every rank's loader state are gathered) and waits until it is on disk."""
-        with self.phases.timed("checkpoint"):
-            return self._write_checkpoint(prefetcher)
+        with self.checkpoint_written_meanwhile(prefetcher) as path:
+            pass
+        return path
 
-    def _write_checkpoint(self, prefetcher: Prefetcher | None) -> Path:
+    @contextlib.contextmanager
+    def checkpoint_written_meanwhile(self, prefetcher: Prefetcher | None) -> Iterator[Path]:
+        """`checkpoint`, its file written by a thread while the block runs: the state is
+        copied to the CPU first, so the block may change the model; on leaving the block
+        the write is waited for (its error raised) and every rank waits for it too."""
+        with self.phases.timed("checkpoint"):
+            contents = self._checkpoint_contents(prefetcher)
+        path = self.out_dir / CHECKPOINT_FILENAME
+        with ThreadPoolExecutor(max_workers=1) as writer:
+            written = writer.submit(save_checkpoint, path, contents) if contents is not None else None
+            try:
+                yield path
+            finally:
+                with self.phases.timed("checkpoint"):
+                    if written is not None:
+                        written.result()
+        barrier()  # no rank stops or goes on before the checkpoint exists
+
+    def _checkpoint_contents(self, prefetcher: Prefetcher | None) -> Checkpoint | None:
+        """What rank 0 writes, all on the CPU (None on the other ranks); every rank takes part."""
         s = self.s
         loader_state = prefetcher.state_dict() if prefetcher is not None else self.stream.state_dict()
         # Ranks with a longer sequence length draw differently from their stream: keep each rank's.
         loaders = gather_from_ranks(loader_state)
         optimizer_state = s.optimizers.state_dict()
-        path = self.out_dir / CHECKPOINT_FILENAME
-        if s.ctx.is_main:
-            rng = {"torch": torch.get_rng_state()}
-            if s.ctx.device.type == "cuda":
-                rng["cuda"] = torch.cuda.get_rng_state(s.ctx.device)
-            save_checkpoint(path, Checkpoint(
-                config=s.cfg, model={k: v.detach().cpu().clone() for k, v in s.model.state_dict().items()},
-                ema=s.averages.ema_state(), swa=s.averages.swa_state(), swa_count=s.averages.swa_count,
-                step=self.step, training_time_ms=self.training_time_ms, tokenizer_sha256=s.tokenizer_sha256,
-                state={"optimizers": optimizer_state, "loaders": loaders, "rng": rng,
-                       "stop_after_step": self.stop_after_step, "world_size": s.ctx.world_size},
-            ))
-        barrier()  # no rank stops or goes on before the checkpoint exists
-        return path
+        if not s.ctx.is_main:
+            return None
+        rng = {"torch": torch.get_rng_state()}
+        if s.ctx.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(s.ctx.device)
+        return Checkpoint(
+            config=s.cfg, model={k: v.detach().cpu().clone() for k, v in s.model.state_dict().items()},
+            ema=s.averages.ema_state(), swa=s.averages.swa_state(), swa_count=s.averages.swa_count,
+            step=self.step, training_time_ms=self.training_time_ms, tokenizer_sha256=s.tokenizer_sha256,
+            state={"optimizers": _on_cpu(optimizer_state), "loaders": loaders, "rng": rng,
+                   "stop_after_step": self.stop_after_step, "world_size": s.ctx.world_size},
+        )
 
     def restore(self, ckpt: Checkpoint) -> None:
         s = self.s
@@ -511,20 +547,21 @@ class Trainer:
         if s.ctx.device.type == "cuda":
             self.log.line(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 1024 // 1024} MiB "
                           f"reserved: {torch.cuda.max_memory_reserved() // 1024 // 1024} MiB")
-        path = self.checkpoint(prefetcher)
-        live = {k: v.detach().clone() for k, v in s.model.state_dict().items()}
-        self.log.line("ema:applying EMA weights")
-        ema = {k: v.to(live[k].dtype) for k, v in zip(s.averages.names, s.averages.ema)}
-        s.model.load_state_dict(ema, strict=True)
-        synchronize(s.ctx.device)
-        t_eval = time.perf_counter()
-        ema_loss, ema_bpb = self.validate()
-        synchronize(s.ctx.device)
-        self.log.line(f"DIAGNOSTIC post_ema val_loss:{ema_loss:.4f} val_bpb:{ema_bpb:.4f} "
-                      f"eval_time:{1000.0 * (time.perf_counter() - t_eval):.0f}ms")
-        self.log.metrics(step=self.step, post_ema_val_loss=ema_loss, post_ema_val_bpb=ema_bpb)
-        calibration = self.calibrate_gptq(ema) if s.cfg.quant.use_gptq else None
-        s.model.load_state_dict(live, strict=True)
+        # The checkpoint's file is written while the EMA weights are scored and calibrated.
+        with self.checkpoint_written_meanwhile(prefetcher) as path:
+            live = {k: v.detach().clone() for k, v in s.model.state_dict().items()}
+            self.log.line("ema:applying EMA weights")
+            ema = {k: v.to(live[k].dtype) for k, v in zip(s.averages.names, s.averages.ema)}
+            s.model.load_state_dict(ema, strict=True)
+            synchronize(s.ctx.device)
+            t_eval = time.perf_counter()
+            ema_loss, ema_bpb = self.validate()
+            synchronize(s.ctx.device)
+            self.log.line(f"DIAGNOSTIC post_ema val_loss:{ema_loss:.4f} val_bpb:{ema_bpb:.4f} "
+                          f"eval_time:{1000.0 * (time.perf_counter() - t_eval):.0f}ms")
+            self.log.metrics(step=self.step, post_ema_val_loss=ema_loss, post_ema_val_bpb=ema_bpb)
+            calibration = self.calibrate_gptq(ema) if s.cfg.quant.use_gptq else None
+            s.model.load_state_dict(live, strict=True)
         val_loss, val_bpb = last_val if last_val is not None else (None, None)
         return TrainResult(self.step, self.training_time_ms, finished=True, val_loss=val_loss, val_bpb=val_bpb,
                            post_ema_val_loss=ema_loss, post_ema_val_bpb=ema_bpb, checkpoint=path,
