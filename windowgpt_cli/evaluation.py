@@ -525,11 +525,11 @@ class ChunkTrainer:
     graph the update is a few foreach launches, the eager step's numbers by construction.
 
     No step is lost to warming up: a shape's first step runs eagerly (on a side stream,
-    as capturing wants) and is a real step; it creates the gradients, builds the
-    attention kernels and the like. The shape's second step is captured,
-    which runs nothing, then replayed once: that replay is the second step. Should a
-    capture fail, a one-line warning says so and that step and every later one run as
-    eager steps.
+    as capturing wants) and is a real step; it creates the gradients, cuDNN's plans and
+    the like (the window attention's kernels are built with the trainer, side by side).
+    The shape's second step is captured, which runs nothing, then replayed once: that
+    replay is the second step. Should a capture fail, a one-line warning says so and that
+    step and every later one run as eager steps.
     """
 
     def __init__(self, model: GPT, params: TTTParameters, ttt: TTTConfig, tokens: Tensor, *, seq_len: int,
@@ -537,6 +537,8 @@ class ChunkTrainer:
         self.model, self.params, self.ttt, self.tokens = model, params, ttt, tokens
         self.seq_len, self.device, self.rank, self.world_size = seq_len, device, rank, world_size
         self.loss_fn = compiled(model, compile_model)
+        # The window attention's forward and gradient kernels, built side by side now rather
+        # than one after another in the first step.
         run_in_threads(window_kernel_builds(model.cfg, model.attention_backend, seq_len, device,
                                             eager=not compile_model, backward=True), device)
         self.optimizer = torch.optim.SGD(params.trainable, lr=ttt.ttt_lr, momentum=ttt.ttt_momentum)
