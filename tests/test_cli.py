@@ -213,11 +213,20 @@ def test_the_process_ends_with_the_command_status_and_its_output_written(case, c
         assert "ValueError: a bug" in done.stderr
 
 
+ENTRY_PROBE = """
+import atexit, runpy, sys
+atexit.register(lambda: print("teardown ran"))
+sys.argv = ["windowgpt", *sys.argv[1:]]
+runpy.run_module("windowgpt_cli", run_name="__main__")
+"""
+
+
 @pytest.mark.parametrize("args,code,stream", [(["--version"], 0, "stdout"), (["no-such-command"], 2, "stderr")])
-def test_python_m_windowgpt_cli_ends_through_the_entry_point(args, code, stream):
+def test_python_m_windowgpt_cli_ends_without_the_interpreters_teardown(args, code, stream):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "windowgpt_cli", *args], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", ENTRY_PROBE, *args], capture_output=True, text=True, timeout=120)
     assert done.returncode == code
     assert ("windowgpt " if code == 0 else "no-such-command") in getattr(done, stream)
+    assert "teardown ran" not in done.stdout
