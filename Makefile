@@ -74,7 +74,9 @@ OUT ?= record-out
 # The last two flags undo windowgpt's two departures from the reference's schedule (EMA
 # warm-up, warm-down capped at half the wallclock budget).
 # Mixed sequence lengths, if wanted: --train-seq-len-long 6144 --num-gpus-long N.
-RECORD_FLAGS ?= --window-attn-size 512 --num-sink-tokens 4 --window-attn-layers 2,4,6,8,10 \
+# The record's model: windows of 512 with 4 sink tokens on five layers (empty: full attention).
+RECORD_MODEL_FLAGS ?= --window-attn-size 512 --num-sink-tokens 4 --window-attn-layers 2,4,6,8,10
+RECORD_FLAGS ?= $(RECORD_MODEL_FLAGS) \
 	--max-wallclock-seconds 600 --use-gptq --no-ema-warmup --warmdown-max-fraction 1.0
 EVAL_TTT_FLAGS ?=
 # smoke-gpu: the same chain on one GPU in a few minutes (later flags win). A warm-down of

@@ -20,8 +20,10 @@
 # `python3 bench/pipeline_report.py LOGS_A LOGS_B --out bench/results/pipeline_h200.json`.
 #
 # usage: [PASSES="cold warm"] [COMMANDS="prepare train export quantize eval eval_ttt smoke_gpu"]
-#        [SKIP_SMOKE=1] [TRAIN_SECONDS=30] [DEADLINE_S=570] [RESULT=FILE] [PYTHON=python3]
-#        [TINY=1] bench/pipeline.sh SHARED_DIR WORK_DIR LOG_DIR
+#        [SKIP_SMOKE=1] [TRAIN_SECONDS=30] [DEADLINE_S=570] [MODEL=record|full] [RESULT=FILE]
+#        [PYTHON=python3] [TINY=1] bench/pipeline.sh SHARED_DIR WORK_DIR LOG_DIR
+#   MODEL=full runs the chain (smoke_gpu too) with full attention on every layer instead of
+#   the record's windows; RESULT then defaults to bench/results/pipeline_full_h200.json.
 #   SHARED_DIR holds data/ (blogs, tokenizers). DEADLINE_S: no command starts, or runs on,
 #   past this many seconds (0: no limit). TINY=1: a check of this script on the CPU, with
 #   --preset tiny on data/demo/gutenberg_1mb.jsonl (SHARED_DIR unused; no RESULT by default).
@@ -40,11 +42,17 @@ if [ "${TINY:-0}" = 1 ]; then
   train_args=(--preset tiny --iterations 10 --use-gptq)
   smoke_args=("RECORD_FLAGS=--preset tiny --use-gptq" "SMOKE_FLAGS=--iterations 5")
 else
-  result=${RESULT-$repo/bench/results/pipeline_h200.json}
+  case ${MODEL:-record} in
+    record) model_args=(--window-attn-size 512 --num-sink-tokens 4 --window-attn-layers 2,4,6,8,10)
+            result=${RESULT-$repo/bench/results/pipeline_h200.json}
+            smoke_args=() ;;
+    full) model_args=()
+          result=${RESULT-$repo/bench/results/pipeline_full_h200.json}
+          smoke_args=("RECORD_MODEL_FLAGS=") ;;
+    *) echo "MODEL: ${MODEL} is neither record nor full"; exit 2 ;;
+  esac
   prepare_args=("$shared"/data/blogs/train_*.jsonl.xz --val "$shared/data/blogs/val.jsonl.xz" --tokenizer "$tok")
-  train_args=(--window-attn-size 512 --num-sink-tokens 4 --window-attn-layers 2,4,6,8,10
-              --max-wallclock-seconds "${TRAIN_SECONDS:-30}" --use-gptq)
-  smoke_args=()
+  train_args=("${model_args[@]}" --max-wallclock-seconds "${TRAIN_SECONDS:-30}" --use-gptq)
 fi
 
 wanted() { [[ " $commands " == *" $1 "* ]]; }

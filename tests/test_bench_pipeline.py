@@ -1,8 +1,11 @@
-"""bench/pipeline_report.py: the JSON and table it assembles from bench/pipeline.sh's logs."""
+"""bench/pipeline_report.py: the JSON and table it assembles from bench/pipeline.sh's logs; and the
+model bench/pipeline.sh trains."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -157,3 +160,33 @@ def test_a_command_no_log_folder_ran_is_listed_as_not_run(report_module, logs):
     assert report["warm"]["smoke_gpu"] == {"wall_s": None, "work_s": None, "exit_status": "not run"}
     assert list(report["cold"]) == list(report_module.COMMANDS)
     assert "| smoke_gpu | not run | not run | not run | not run |" in report_module.markdown_table(report)
+
+
+# --- bench/pipeline.sh's model choice ----------------------------------------------------
+
+WINDOW_FLAGS = "--window-attn-size 512 --num-sink-tokens 4 --window-attn-layers 2,4,6,8,10"
+
+
+def pipeline_train_command(tmp_path: Path, model: str) -> subprocess.CompletedProcess:
+    """bench/pipeline.sh's train command for MODEL, with `echo` standing in for python."""
+    env = dict(os.environ, MODEL=model, PYTHON="echo", COMMANDS="train", PASSES="cold", DEADLINE_S="0",
+               RESULT=str(tmp_path / "result.json"))
+    return subprocess.run(["bash", str(REPO / "bench" / "pipeline.sh"), str(tmp_path / "shared"), str(tmp_path / "w"),
+                           str(tmp_path / "logs")], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("model,windows", [("record", True), ("full", False)])
+def test_the_pipeline_trains_the_model_asked_for(tmp_path: Path, model: str, windows: bool):
+    pipeline_train_command(tmp_path, model)
+    command = (tmp_path / "logs" / "cold" / "train.out").read_text()
+    assert command.startswith("-m windowgpt_cli train ") and "--use-gptq" in command
+    assert (WINDOW_FLAGS in command) == windows
+    smoke = subprocess.run(["make", "-n", "-C", str(REPO), "smoke-gpu", "DATA=data",
+                            *([] if windows else ["RECORD_MODEL_FLAGS="])], capture_output=True, text=True)
+    assert smoke.returncode == 0 and "train --data data" in smoke.stdout
+    assert (WINDOW_FLAGS in smoke.stdout) == windows
+
+
+def test_the_pipeline_refuses_an_unknown_model(tmp_path: Path):
+    done = pipeline_train_command(tmp_path, "huge")
+    assert done.returncode == 2 and "MODEL: huge is neither record nor full" in done.stdout
