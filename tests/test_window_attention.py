@@ -279,20 +279,29 @@ def test_each_build_launches_one_of_the_kernels_a_call_runs(monkeypatch, backwar
     assert sorted(names[0] for names in per_build) == sorted(launched) == sorted(KERNEL_NAMES[:4 if backward else 1])
 
 
-def test_no_window_kernels_to_build_where_none_run():
+def test_window_kernels_are_built_only_where_windowed_layers_run_them(monkeypatch):
+    """The same rule as `attention.attention`'s: the triton backend always, flex only
+    eagerly, nothing without Triton's GPU or windowed layers that differ from causal ones."""
+    from windowgpt_cli import window_attention as module
     from windowgpt_cli.config import ModelConfig
 
+    monkeypatch.setattr(module, "kernel_builds", lambda device, **sizes: [sizes])
     record = ModelConfig(window_attn_size=512, num_sink_tokens=4, window_attn_layers=(2, 4))
     cpu = torch.device("cpu")
-    assert attention.window_kernel_builds(record, "sdpa", 2048, cpu, eager=True, backward=True) == []
-    if torch.cuda.is_available():
-        cuda = torch.device("cuda")
-        assert len(attention.window_kernel_builds(record, "triton", 2048, cuda, eager=False, backward=True)) == 4
-        assert len(attention.window_kernel_builds(record, "flex", 2048, cuda, eager=True, backward=False)) == 1
-        assert attention.window_kernel_builds(record, "flex", 2048, cuda, eager=False, backward=True) == []
-        assert attention.window_kernel_builds(record, "triton", 512, cuda, eager=True, backward=True) == []
-    full = ModelConfig()
-    assert attention.window_kernel_builds(full, "triton", 2048, cpu, eager=True, backward=True) == []
+
+    def builds(cfg, backend, seq_len=2048, eager=True, backward=True):
+        return attention.window_kernel_builds(cfg, backend, seq_len, cpu, eager=eager, backward=backward)
+
+    assert builds(record, "triton") == []  # no Triton GPU here
+    monkeypatch.setattr(attention, "triton_available", lambda device: True)
+    assert builds(record, "triton", eager=False) == [dict(heads=record.num_heads, kv_heads=record.num_kv_heads,
+                                                         head_dim=record.head_dim, seq_len=2048, window=512,
+                                                         sinks=4, backward=True)]
+    assert builds(record, "flex", backward=False)[0]["backward"] is False
+    assert builds(record, "flex", eager=False) == []  # FlexAttention traced into the compiled graph
+    assert builds(record, "sdpa") == [] and builds(record, "fa3") == []
+    assert builds(record, "triton", seq_len=512) == []  # the window covers every sequence
+    assert builds(ModelConfig(), "triton") == []  # full attention everywhere
 
 
 @pytest.mark.gpu

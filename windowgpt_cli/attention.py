@@ -65,7 +65,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, backend:
         return _fa3(q, k, v) if backend == "fa3" else _sdpa(q, k, v, mask=None)
     if backend == "fa3":
         return _fa3_window_with_sinks(q, k, v, window, sinks)
-    if backend == "triton" or (backend == "flex" and _eager_on_cuda(q)):
+    if runs_window_kernels(backend, eager_on_cuda=_eager_on_cuda(q)):
         return _triton_window(q, k, v, window, sinks)
     if backend == "flex":
         return _flex(q, k, v, _flex_block_mask(seq_len, window, sinks, q.device))
@@ -97,6 +97,12 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
 
 # --- Triton ------------------------------------------------------------------------------
 
+def runs_window_kernels(backend: str, eager_on_cuda: bool) -> bool:
+    """Whether windowed layers on this backend run `window_attention`'s Triton kernels:
+    always on `triton`; on `flex` where it is called eagerly on CUDA."""
+    return backend == "triton" or (backend == "flex" and eager_on_cuda)
+
+
 def _eager_on_cuda(q: Tensor) -> bool:
     """An eager call on CUDA, where FlexAttention would compile its kernel at the first call:
     the Triton kernels serve it (inside a compiled model FlexAttention is traced instead)."""
@@ -114,9 +120,8 @@ def window_kernel_builds(cfg: ModelConfig, backend: str, seq_len: int, device: t
     """The builds (`window_attention.kernel_builds`) of the Triton kernels that cfg's windowed
     layers run over sequences of seq_len on this backend, called eagerly or compiled; none
     where they run no Triton kernel."""
-    runs_triton = backend == "triton" or (backend == "flex" and eager)
-    if (not runs_triton or not triton_available(device) or not cfg.window_attn_layers
-            or covers_everything(seq_len, cfg.window_attn_size)):
+    if (not triton_available(device) or not runs_window_kernels(backend, eager_on_cuda=eager)
+            or not cfg.window_attn_layers or covers_everything(seq_len, cfg.window_attn_size)):
         return []
     from .window_attention import kernel_builds
 
