@@ -537,10 +537,9 @@ class ChunkTrainer:
         self.model, self.params, self.ttt, self.tokens = model, params, ttt, tokens
         self.seq_len, self.device, self.rank, self.world_size = seq_len, device, rank, world_size
         self.loss_fn = compiled(model, compile_model)
-        # The window attention's forward and gradient kernels, built side by side now rather
-        # than one after another in the first step.
-        run_in_threads(window_kernel_builds(model.cfg, model.attention_backend, seq_len, device,
-                                            eager=not compile_model, backward=True), device)
+        if ttt.ttt_epochs > 0:  # the window attention's gradient kernels, built side by side now
+            run_in_threads(window_kernel_builds(model.cfg, model.attention_backend, seq_len, device,
+                                                eager=not compile_model, backward=True), device)
         self.optimizer = torch.optim.SGD(params.trainable, lr=ttt.ttt_lr, momentum=ttt.ttt_momentum)
         # Several ranks all-reduce their gradients between backward and clipping (NCCL
         # inside a graph is left alone); a compiled forward keeps its eager steps too.
