@@ -8,7 +8,9 @@
 #   smoke_gpu   `make smoke-gpu` on the same data: the whole record chain
 # twice: pass "cold" gives every command its own fresh, empty Inductor and Triton cache
 # folders (WORK_DIR/cache/COMMAND); pass "warm" runs each command again on its folders, now
-# filled. Each pass prepares its own data folder: prepare compiles nothing, so its two runs
+# filled. Python's bytecode, where windowgpt keeps it itself (an installation that writes
+# none, see windowgpt_cli/process.py), goes to WORK_DIR/cache/python, emptied when the cold
+# pass starts: its first command compiles the modules it imports, later ones read them. Each pass prepares its own data folder: prepare compiles nothing, so its two runs
 # differ only by what the OS has cached. A command that fails ends its pass's chain (not
 # smoke_gpu, which needs only the data).
 # Writes LOG_DIR/PASS/COMMAND.{wall_s,rc,cache_files,log} and the stages' own reports, then
@@ -35,6 +37,7 @@ deadline=${DEADLINE_S:-570}
 py=${PYTHON:-python3}
 wgcmd=("$py" -m windowgpt_cli)
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+export XDG_CACHE_HOME=$work/cache/python
 
 if [ "${TINY:-0}" = 1 ]; then
   result=${RESULT:-}
@@ -136,6 +139,7 @@ echo "device: $(cat "$logs/gpu.txt"); passes: $passes; commands: $commands"
 for pass in $passes; do
   case $pass in cold | warm) ;; *) echo "PASSES: $pass is neither cold nor warm"; exit 2 ;; esac
   mkdir -p "$work/$pass" "$logs/$pass"
+  [ "$pass" = cold ] && rm -rf "$work/cache/python"
   # prepare, timed when asked for, else only when the pass has no data yet
   if wanted prepare || [ ! -f "$work/$pass/data/manifest.json" ]; then
     rm -rf "$work/$pass/data"

@@ -212,7 +212,6 @@ def peak_memory_gib(device) -> float:
 def profile_training(cfg, steps: int, timed_steps: int, trace: Path) -> tuple[float, dict[str, Any]]:
     """Warm up, time `timed_steps` steps, profile `steps` more into `trace`; the wall time
     per step and a description of the run."""
-    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from windowgpt_cli.data import Prefetcher

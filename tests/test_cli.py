@@ -178,7 +178,7 @@ def test_quantize_help_names_every_compressor():
 
 EXIT_PROBE = """
 import sys
-from windowgpt_cli.cli_support import exit_process
+from windowgpt_cli.process import exit_process
 
 def main():
     case = sys.argv[1]

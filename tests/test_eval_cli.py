@@ -16,7 +16,6 @@ from windowgpt_cli.cli import app
 from windowgpt_cli.config import tiny_preset
 from windowgpt_cli.evaluation import CPU_BATCH_WINDOWS, evaluate_sliding, evaluate_standard, evaluate_ttt
 from windowgpt_cli.model import build_model, rebank_state_dict
-from windowgpt_cli.shards import shard_name, write_shard
 from windowgpt_cli.stages import evaluate as evaluate_stage
 from windowgpt_cli.stages.quantize import quantize
 

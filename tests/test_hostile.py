@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from windowgpt_cli import cli, ptz, tensorfile
-from windowgpt_cli.shards import shard_name, write_shard
+from windowgpt_cli.shards import shard_name
 
 pytestmark = pytest.mark.usefixtures("eval_single_thread")
 

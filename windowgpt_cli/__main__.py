@@ -1,4 +1,4 @@
-from .cli import entry_point
+from .process import windowgpt
 
 if __name__ == "__main__":
-    entry_point()
+    windowgpt()

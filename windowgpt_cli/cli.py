@@ -4,7 +4,7 @@ from __future__ import annotations
 import typer
 
 from . import __version__
-from .cli_support import exit_process, run_app
+from .cli_support import run_app
 from .record_app import add_record_stages
 from .stages import compare, generate, inspect, pack, plot, prepare, report, tokenizer_meta
 
@@ -45,7 +45,3 @@ app.command("pack")(pack.command)
 def main() -> None:
     run_app(app)
 
-
-def entry_point() -> None:
-    """`windowgpt` as a process (its console script, `python -m windowgpt_cli`)."""
-    exit_process(main)

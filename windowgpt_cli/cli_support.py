@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import sys
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Callable, NoReturn, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 from rich.console import Console
@@ -75,30 +74,6 @@ def run_app(app: typer.Typer) -> None:
         print_error(exc.format_message())
         code = EXIT_USAGE
     sys.exit(code if isinstance(code, int) else 0)
-
-
-def exit_process(main: Callable[[], None]) -> NoReturn:
-    """The process's end after main(): at once, with main's exit status.
-
-    A command has closed, fsynced and renamed everything it writes by the time it returns,
-    so the interpreter's teardown has nothing left to do; yet after a command that used CUDA
-    and torch.compile it took 2-4 s of the command's wall time on an H200 (finalizing every
-    module, unloading the CUDA libraries). os._exit skips it, once stdout and stderr are
-    flushed. An exception other than SystemExit is left to Python (traceback, exit 1)."""
-    try:
-        main()
-        code: object = 0
-    except SystemExit as exc:
-        code = exc.code
-    if code is not None and not isinstance(code, int):  # SystemExit("message"), as Python prints it
-        print(code, file=sys.stderr)
-        code = 1
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe (`windowgpt ... | head`) or stream
-            pass
-    os._exit(code or 0)
 
 
 FROM_ARTIFACT = "from the artifact"

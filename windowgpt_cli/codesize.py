@@ -22,7 +22,8 @@ PACKAGE = "windowgpt_cli"
 PACKAGE_DIR = Path(__file__).resolve().parent
 RECORD_STAGES = tuple(f"{PACKAGE}.stages.{name}" for name in ("train", "export", "quantize", "evaluate", "eval_ttt"))
 RECORD_ENTRY = f"{PACKAGE}.record_app"
-RECORD_ROOTS = (*RECORD_STAGES, RECORD_ENTRY)
+PROCESS = f"{PACKAGE}.process"  # the packed code's __main__ starts there
+RECORD_ROOTS = (*RECORD_STAGES, RECORD_ENTRY, PROCESS)
 SOURCE_FORM = "Python source as on disk (uncompressed), not packed"
 
 

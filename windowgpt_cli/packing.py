@@ -14,7 +14,7 @@ from pathlib import Path
 from . import codesize
 
 MAIN_MEMBER = "__main__.py"
-MAIN_SOURCE = f"from {codesize.RECORD_ENTRY} import entry_point\nentry_point()\n"
+MAIN_SOURCE = f"from {codesize.PROCESS} import run\nrun({codesize.RECORD_ENTRY!r})\n"
 FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest a zip entry can carry
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import typer
 
-from .cli_support import exit_process, run_app
+from .cli_support import run_app
 from .stages import eval_ttt, evaluate, export, quantize, train
 
 
@@ -28,7 +28,3 @@ add_record_stages(app)
 def main() -> None:
     run_app(app)
 
-
-def entry_point() -> None:
-    """The packed code as a process (its archive's __main__)."""
-    exit_process(main)
