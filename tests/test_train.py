@@ -202,6 +202,7 @@ def test_validation_runs_through_the_compiled_training_graph(tiny_data_dir, tmp_
     counter = CompileCounter()
     torch._dynamo.reset()
     setup.forward = torch.compile(setup.model, backend=counter, dynamic=False, fullgraph=True)
+    setup.compiled = True
     tmp_path.mkdir(exist_ok=True)
     trainer = Trainer(setup, tmp_path, RunLog(tmp_path, enabled=False))
     trainer.warm_up()

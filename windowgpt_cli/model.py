@@ -183,6 +183,10 @@ class TorchOps:
     def exclude_self_value(self, y: Tensor, v: Tensor) -> Tensor:
         return exclude_self_value(y, v)
 
+    def linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        """The MLP's and the output layer's matrix products (`fp8.Float8Ops` runs them in FP8)."""
+        return F.linear(x, weight)
+
     def leaky_square(self, h: Tensor, negative_slope: float) -> Tensor:
         return F.leaky_relu(h, negative_slope=negative_slope).square()
 
@@ -277,9 +281,9 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor, up_w: Tensor, down_w: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
         self._observe("fc", x)
-        hidden = ops.leaky_square(F.linear(x, up_w), self.negative_slope)
+        hidden = ops.leaky_square(ops.linear(x, up_w), self.negative_slope)
         self._observe("proj", hidden)
-        return F.linear(hidden, down_w)
+        return ops.linear(hidden, down_w)
 
     def _observe(self, weight: str, x: Tensor) -> None:
         if self.observer is not None:
@@ -519,7 +523,7 @@ class GPT(nn.Module):
     def logits(self, hidden: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
         """Soft-capped logits for hidden states of any leading shape."""
         weight = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
-        return ops.softcap(F.linear(hidden, weight.to(hidden.dtype)), self.cfg.logit_softcap)
+        return ops.softcap(ops.linear(hidden, weight.to(hidden.dtype)), self.cfg.logit_softcap)
 
     def forward_logits(self, input_ids: Tensor) -> Tensor:
         return self.logits(self.hidden_states(input_ids))
@@ -535,9 +539,9 @@ class GPT(nn.Module):
         prediction is scored."""
         return self.logits(self.hidden_states(input_ids, positions, ops), ops)
 
-    def forward(self, input_ids: Tensor, target_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, target_ids: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
         """Mean cross-entropy, as the reference's training forward."""
-        logits = self.logits(self.hidden_states(input_ids).flatten(0, 1))
+        logits = self.logits(self.hidden_states(input_ids, ops=ops).flatten(0, 1), ops)
         return F.cross_entropy(logits.float(), target_ids.reshape(-1), reduction="mean")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import signal
 import time
@@ -30,6 +31,7 @@ from .data import Prefetcher, TokenStream
 from .distributed import DistContext, all_reduce_, average_gradients, barrier, gather_from_ranks
 from .errors import ConfigError, DataError, TrainingDiverged
 from .evaluation import evaluate_standard, load_validation_tokens
+from .fp8 import FLOAT8_OPS, check_fp8_device
 from .model import GPT, build_model
 from .optim import Optimizers, WeightAverages, build_optimizers, lr_scale, muon_momentum_at
 from .runtime import (autocast, compiled, device_name, enable_fast_math, phase, run_in_threads, seed_everything,
@@ -129,7 +131,7 @@ class Setup:
     cfg: RunConfig
     ctx: DistContext
     model: GPT
-    forward: Callable  # the (possibly compiled) model
+    forward: Callable  # the training loss (x, y) -> mean cross-entropy: the model, its ops, compiled or not
     optimizers: Optimizers
     averages: WeightAverages
     luts: ByteLuts
@@ -140,6 +142,7 @@ class Setup:
     seq_len: int  # this rank's training sequence length
     tokenizer: Path | None = None
     micro_batches_per_pass: int = 1  # micro-batches concatenated into one forward and backward
+    compiled: bool = False  # whether forward is torch.compile'd
 
     @property
     def passes_per_step(self) -> int:
@@ -252,9 +255,14 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     enable_fast_math(ctx.device)
     model = build_model(cfg.model, ctx.device)
     model.set_attention_backend(cfg.train.attn_backend, ctx.device)
-    forward = compiled(model, cfg.train.compile and ctx.device.type == "cuda")
+    loss: Callable = model
+    if cfg.train.fp8:
+        check_fp8_device(ctx.device)
+        loss = functools.partial(model, ops=FLOAT8_OPS)
+    compile_model = cfg.train.compile and ctx.device.type == "cuda"
     return Setup(
-        cfg=cfg, ctx=ctx, model=model, forward=forward, optimizers=build_optimizers(model, cfg.optim),
+        cfg=cfg, ctx=ctx, model=model, forward=compiled(loss, compile_model), compiled=compile_model,
+        optimizers=build_optimizers(model, cfg.optim),
         averages=WeightAverages(model, cfg.train.ema_decay, cfg.train.ema_warmup), luts=luts, val_tokens=val_tokens,
         train_files=train_files, tokenizer_sha256=inputs.tokenizer_sha256,
         grad_accum_steps=accum, seq_len=rank_seq_len(cfg, ctx), tokenizer=tokenizer, micro_batches_per_pass=per_pass,
@@ -343,7 +351,7 @@ class Trainer:
         s, t = self.s, self.s.cfg.train
         with self.phases.timed("warmup"):
             run_in_threads(window_kernel_builds(s.cfg.model, s.model.attention_backend, s.seq_len, s.ctx.device,
-                                                eager=s.forward is s.model, backward=True), s.ctx.device)
+                                                eager=not s.compiled, backward=True), s.ctx.device)
         if t.warmup_steps <= 0:
             return
         model_state = {k: v.detach().clone() for k, v in s.model.state_dict().items()}
@@ -370,7 +378,7 @@ class Trainer:
         """val_loss and val_bpb; a compiled model validates through its training graph, in
         batches of a training micro-batch's shape, so that no second graph is compiled."""
         s, t = self.s, self.s.cfg.train
-        training_graph = s.forward is not s.model and s.seq_len == t.train_seq_len
+        training_graph = s.compiled and s.seq_len == t.train_seq_len
         if training_graph:
             local_batch_tokens = t.train_batch_tokens // (s.ctx.world_size * s.passes_per_step)
         else:
@@ -628,7 +636,7 @@ def describe(setup: Setup, log: RunLog) -> None:
         log.line(f"window_attn:size={cfg.model.window_attn_size} layers:{windows}{sinks}")
     log.line(f"world_size:{ctx.world_size} grad_accum_steps:{setup.grad_accum_steps} "
              f"micro_batches_per_pass:{setup.micro_batches_per_pass} device:{ctx.device} "
-             f"attn_backend:{model.blocks[0].attn.backend}")
+             f"attn_backend:{model.blocks[0].attn.backend}" + (" matmuls:fp8 (MLP, output layer)" if cfg.train.fp8 else ""))
     log.line(f"rank_seq_lens:{gather_from_ranks(setup.seq_len)}")
     log.line(f"train_batch_tokens:{cfg.train.train_batch_tokens} train_seq_len:{cfg.train.train_seq_len} "
              f"iterations:{cfg.train.iterations} warmup_steps:{cfg.train.warmup_steps} "
