@@ -128,14 +128,16 @@ def test_a_compiled_cuda_training_step_runs_its_fp8_products():
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
-def test_the_fp8_bench_compares_both_trainings(tmp_path):
-    """bench/fp8_check.sh end to end on the CPU (TINY=1): two runs, one JSON."""
+def test_the_fp8_bench_compares_both_trainings(tiny_data_dir, tmp_path):
+    """bench/fp8_check.sh end to end on the CPU (TINY=1, on data it finds prepared): two runs, one JSON."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "data").symlink_to(tiny_data_dir)
     env = {**os.environ, "TINY": "1", "RESULT": str(tmp_path / "fp8.json"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(["bash", str(repo / "bench" / "fp8_check.sh"), str(tmp_path), str(tmp_path / "work"),
