@@ -10,9 +10,7 @@ from windowgpt_cli.config import ModelConfig
 from windowgpt_cli.errors import ConfigError
 from windowgpt_cli.fp8 import FLOAT8_OPS, FORWARD_DTYPE, GRADIENT_DTYPE, check_fp8_device, fp8_linear, quantize
 from windowgpt_cli.model import build_model
-from windowgpt_cli.stages.train import train
 from test_model import perturbed_tiny
-from test_train import tiny_cfg
 
 
 def dequantized(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -83,17 +81,6 @@ def test_the_model_with_fp8_products_stays_close_and_trains_the_same_parameters(
         assert cosine > 0.95, (name, cosine)
 
 
-def test_train_with_fp8_learns_and_records_it(tiny_data_dir, tmp_path):
-    run = tmp_path / "run"
-    train(tiny_cfg(tiny_data_dir, iterations=12, fp8=True, train_log_every=1), run)
-    saved = json.loads((run / "config.json").read_text())
-    assert saved["train"]["fp8"] is True
-    assert "matmuls:fp8" in (run / "train.log").read_text()
-    losses = [json.loads(line)["train_loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
-              if "train_loss" in line]
-    assert len(losses) == 12 and losses[-1] < losses[0] - 0.5, losses
-
-
 def test_a_gpu_without_fp8_tensor_cores_is_a_clear_error(monkeypatch):
     check_fp8_device(torch.device("cpu"))  # torch runs the products there
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
@@ -128,8 +115,9 @@ def test_a_compiled_cuda_training_step_runs_its_fp8_products():
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
-def test_the_fp8_bench_compares_both_trainings(tiny_data_dir, tmp_path):
-    """bench/fp8_check.sh end to end on the CPU (TINY=1, on data it finds prepared): two runs, one JSON."""
+def test_train_with_fp8_learns_and_the_bench_compares_it_with_bf16(tiny_data_dir, tmp_path):
+    """bench/fp8_check.sh end to end on the CPU (TINY=1, on data it finds prepared): two
+    `train` runs, one with --fp8, which learns and says so, and one JSON."""
     import os
     import subprocess
     import sys
@@ -138,16 +126,21 @@ def test_the_fp8_bench_compares_both_trainings(tiny_data_dir, tmp_path):
     repo = Path(__file__).resolve().parents[1]
     (tmp_path / "work").mkdir()
     (tmp_path / "work" / "data").symlink_to(tiny_data_dir)
-    env = {**os.environ, "TINY": "1", "RESULT": str(tmp_path / "fp8.json"),
+    env = {**os.environ, "TINY": "1", "STEPS": "8", "RESULT": str(tmp_path / "fp8.json"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(["bash", str(repo / "bench" / "fp8_check.sh"), str(tmp_path), str(tmp_path / "work"),
                            str(tmp_path / "logs")], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "fp8.json").read_text())
-    assert report["gpu"] == "cpu" and report["steps"] == 4
-    configs = {v: json.loads((tmp_path / "work" / v / "config.json").read_text())["train"]["fp8"]
-               for v in ("bf16", "fp8")}
-    assert configs == {"bf16": False, "fp8": True}
+    assert report["gpu"] == "cpu" and report["steps"] == 8
+    runs = {v: tmp_path / "work" / v for v in ("bf16", "fp8")}
+    assert {v: json.loads((run / "config.json").read_text())["train"]["fp8"] for v, run in runs.items()} == \
+        {"bf16": False, "fp8": True}
+    assert "matmuls:fp8" in (runs["fp8"] / "train.log").read_text()
+    assert "matmuls:fp8" not in (runs["bf16"] / "train.log").read_text()
+    losses = [json.loads(line)["train_loss"] for line in (runs["fp8"] / "metrics.jsonl").read_text().splitlines()
+              if "train_loss" in line]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.5, losses
     assert report["val_bpb_difference"] == report["fp8"]["val_bpb"] - report["bf16"]["val_bpb"]
     assert report["step_ratio"] == report["fp8"]["ms_per_step"] / report["bf16"]["ms_per_step"]
     assert "bar 0.005" in done.stdout
