@@ -47,3 +47,10 @@ def test_python_is_left_alone_where_it_writes_bytecode_or_was_told_where(tmp_pat
     assert not (tmp_path / "cache").exists()
     run_version(tmp_path, "-B", PYTHONPYCACHEPREFIX=str(tmp_path / "theirs"))
     assert not (tmp_path / "cache").exists() and not (tmp_path / "theirs").exists()
+
+
+def test_a_cache_folder_that_cannot_be_written_only_costs_the_speed_up(tmp_path):
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the cache folder would be")
+    run_version(tmp_path, "-B")
+    assert blocker.read_text() == "a file where the cache folder would be"
