@@ -141,6 +141,12 @@ def _forward_blocks(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_kd, stri
 
 
 @triton.jit
+def _row_tile(base, rows, dims, live, stride_t, stride_d):
+    """The [rows, head_dim] tile of one head whose first element is at base; zeros where not live."""
+    return tl.load(base + rows[:, None] * stride_t + dims[None, :] * stride_d, mask=live[:, None], other=0.0)
+
+
+@triton.jit
 def _query_program(num_heads, group, BLOCK_M: tl.constexpr):
     """This program's block of queries: (first query, batch, head, kv head, query positions)."""
     q_start = tl.program_id(0) * BLOCK_M
@@ -162,7 +168,7 @@ def _attention_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     dims = tl.arange(0, HEAD_DIM)
     row_live = (rows < seq_len)[:, None]
     q_base = q_ptr + batch * stride_qb + head * stride_qh
-    q = tl.load(q_base + rows[:, None] * stride_qt + dims[None, :] * stride_qd, mask=row_live, other=0.0)
+    q = _row_tile(q_base, rows, dims, rows < seq_len, stride_qt, stride_qd)
     k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
     v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
@@ -197,10 +203,8 @@ def _attention_delta_kernel(out_ptr, grad_ptr, delta_ptr,
     head = tl.program_id(1) % num_heads
     dims = tl.arange(0, HEAD_DIM)
     live = rows < seq_len
-    out = tl.load(out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_ot
-                  + dims[None, :] * stride_od, mask=live[:, None], other=0.0)
-    grad = tl.load(grad_ptr + batch * stride_gb + head * stride_gh + rows[:, None] * stride_gt
-                   + dims[None, :] * stride_gd, mask=live[:, None], other=0.0)
+    out = _row_tile(out_ptr + batch * stride_ob + head * stride_oh, rows, dims, live, stride_ot, stride_od)
+    grad = _row_tile(grad_ptr + batch * stride_gb + head * stride_gh, rows, dims, live, stride_gt, stride_gd)
     delta = tl.sum(out.to(tl.float32) * grad.to(tl.float32), 1)
     tl.store(delta_ptr + (batch * num_heads + head) * seq_len + rows, delta, mask=live)
 
@@ -218,10 +222,8 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, stats_base, lse_ptr, delta_ptr, 
         member = step // blocks
         rows = start + (step - member * blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
         live = rows < seq_len
-        q = tl.load(q_base + member * stride_qh + rows[:, None] * stride_qt + dims[None, :] * stride_qd,
-                    mask=live[:, None], other=0.0)
-        do = tl.load(do_base + member * stride_doh + rows[:, None] * stride_dot + dims[None, :] * stride_dod,
-                     mask=live[:, None], other=0.0)
+        q = _row_tile(q_base + member * stride_qh, rows, dims, live, stride_qt, stride_qd)
+        do = _row_tile(do_base + member * stride_doh, rows, dims, live, stride_dot, stride_dod)
         stats = stats_base + member * seq_len + rows
         lse = tl.load(lse_ptr + stats, mask=live, other=0.0) * _LOG2E
         delta = tl.load(delta_ptr + stats, mask=live, other=0.0)
@@ -305,10 +307,8 @@ def _attention_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr
     q_start, batch, head, kv_head, rows = _query_program(num_heads, group, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     live = rows < seq_len
-    q = tl.load(q_ptr + batch * stride_qb + head * stride_qh + rows[:, None] * stride_qt
-                + dims[None, :] * stride_qd, mask=live[:, None], other=0.0)
-    do = tl.load(do_ptr + batch * stride_dob + head * stride_doh + rows[:, None] * stride_dot
-                 + dims[None, :] * stride_dod, mask=live[:, None], other=0.0)
+    q = _row_tile(q_ptr + batch * stride_qb + head * stride_qh, rows, dims, live, stride_qt, stride_qd)
+    do = _row_tile(do_ptr + batch * stride_dob + head * stride_doh, rows, dims, live, stride_dot, stride_dod)
     stats = (batch * num_heads + head) * seq_len + rows
     lse = tl.load(lse_ptr + stats, mask=live, other=0.0) * _LOG2E
     delta = tl.load(delta_ptr + stats, mask=live, other=0.0)
