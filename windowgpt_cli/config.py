@@ -143,9 +143,6 @@ class TrainConfig:
     device: str = setting("auto", "auto (CUDA when available), cpu or cuda.")
     attn_backend: str = setting("auto", "Attention kernels: auto, fa3, flex, triton or sdpa.")
     compile: bool = setting(True, "torch.compile the model (on CUDA only).")
-    fp8: bool = setting(False, "FP8 matrix products (scaled per tensor) for the MLP and the output layer in "
-                               "training's forward and backward, validations during training included; needs "
-                               "FP8 tensor cores (compute capability 8.9+) on CUDA. Evaluation stays in bf16.")
     sample_every: int = setting(0, "Log a short greedy sample every N steps; 0 = never.")
     sample_prompt: str = setting("The", "The prompt of those samples.")
     logger: str = setting("none", "Also send the metrics to: none, tensorboard or wandb.")

@@ -184,7 +184,7 @@ class TorchOps:
         return exclude_self_value(y, v)
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
-        """The MLP's and the output layer's matrix products (`fp8.Float8Ops` runs them in FP8)."""
+        """The MLP's and the output layer's matrix products."""
         return F.linear(x, weight)
 
     def leaky_square(self, h: Tensor, negative_slope: float) -> Tensor:
@@ -539,9 +539,9 @@ class GPT(nn.Module):
         prediction is scored."""
         return self.logits(self.hidden_states(input_ids, positions, ops), ops)
 
-    def forward(self, input_ids: Tensor, target_ids: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
+    def forward(self, input_ids: Tensor, target_ids: Tensor) -> Tensor:
         """Mean cross-entropy, as the reference's training forward."""
-        logits = self.logits(self.hidden_states(input_ids, ops=ops).flatten(0, 1), ops)
+        logits = self.logits(self.hidden_states(input_ids).flatten(0, 1))
         return F.cross_entropy(logits.float(), target_ids.reshape(-1), reduction="mean")
 
 

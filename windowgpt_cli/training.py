@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import math
 import signal
 import time
@@ -31,7 +30,6 @@ from .data import Prefetcher, TokenStream
 from .distributed import DistContext, all_reduce_, average_gradients, barrier, gather_from_ranks
 from .errors import ConfigError, DataError, TrainingDiverged
 from .evaluation import evaluate_standard, load_validation_tokens
-from .fp8 import FLOAT8_OPS, check_fp8_device
 from .model import GPT, build_model
 from .optim import Optimizers, WeightAverages, build_optimizers, lr_scale, muon_momentum_at
 from .runtime import (autocast, compiled, device_name, enable_fast_math, phase, run_in_threads, seed_everything,
@@ -131,7 +129,7 @@ class Setup:
     cfg: RunConfig
     ctx: DistContext
     model: GPT
-    forward: Callable  # the training loss (x, y) -> mean cross-entropy: the model, its ops, compiled or not
+    forward: Callable  # the training loss (x, y) -> mean cross-entropy: the model, compiled or not
     optimizers: Optimizers
     averages: WeightAverages
     luts: ByteLuts
@@ -255,13 +253,9 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     enable_fast_math(ctx.device)
     model = build_model(cfg.model, ctx.device)
     model.set_attention_backend(cfg.train.attn_backend, ctx.device)
-    loss: Callable = model
-    if cfg.train.fp8:
-        check_fp8_device(ctx.device)
-        loss = functools.partial(model, ops=FLOAT8_OPS)
     compile_model = cfg.train.compile and ctx.device.type == "cuda"
     return Setup(
-        cfg=cfg, ctx=ctx, model=model, forward=compiled(loss, compile_model), compiled=compile_model,
+        cfg=cfg, ctx=ctx, model=model, forward=compiled(model, compile_model), compiled=compile_model,
         optimizers=build_optimizers(model, cfg.optim),
         averages=WeightAverages(model, cfg.train.ema_decay, cfg.train.ema_warmup), luts=luts, val_tokens=val_tokens,
         train_files=train_files, tokenizer_sha256=inputs.tokenizer_sha256,
@@ -636,7 +630,7 @@ def describe(setup: Setup, log: RunLog) -> None:
         log.line(f"window_attn:size={cfg.model.window_attn_size} layers:{windows}{sinks}")
     log.line(f"world_size:{ctx.world_size} grad_accum_steps:{setup.grad_accum_steps} "
              f"micro_batches_per_pass:{setup.micro_batches_per_pass} device:{ctx.device} "
-             f"attn_backend:{model.blocks[0].attn.backend}" + (" matmuls:fp8 (MLP, output layer)" if cfg.train.fp8 else ""))
+             f"attn_backend:{model.blocks[0].attn.backend}")
     log.line(f"rank_seq_lens:{gather_from_ranks(setup.seq_len)}")
     log.line(f"train_batch_tokens:{cfg.train.train_batch_tokens} train_seq_len:{cfg.train.train_seq_len} "
              f"iterations:{cfg.train.iterations} warmup_steps:{cfg.train.warmup_steps} "
