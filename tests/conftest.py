@@ -2,6 +2,7 @@
 beside the repository, or where `--shared DIR` says."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,38 @@ def shared_dir(pytestconfig: pytest.Config) -> Path:
     if not shared.is_dir():
         pytest.skip(f"no shared reference folder at {shared} (pass --shared DIR)")
     return shared.resolve()
+
+
+# --- Triton's interpreter ---------------------------------------------------------------
+
+@pytest.fixture
+def interpreter_fixes(monkeypatch):
+    """Two gaps of Triton's interpreter that the compiled kernels do not have. It holds a
+    scalar as a one-element array, which numpy >= 2.4 no longer turns into an int, so `range`
+    over bounds computed in the kernel fails: index through .item(). And its tl.dot
+    multiplies bfloat16 operands as their raw 16-bit integers: widen them to float32 first.
+    (Test modules whose kernels run interpreted without CUDA ask for it.)"""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        return interpreter.TensorHandle((handle.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    dot = interpreter.InterpreterBuilder.create_dot
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
+                        lambda self, a, b, *rest: dot(self, widened(a), widened(b), *rest))
 
 
 # --- Data stages (corpus, tokenizer, prepare) -------------------------------------------

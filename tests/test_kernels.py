@@ -28,6 +28,7 @@ import triton  # noqa: E402
 from windowgpt_cli import kernels  # noqa: E402
 from windowgpt_cli.kernels import FusedOps  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("interpreter_fixes")
 FUSED = FusedOps()
 BF16_STEPS = 2 ** -6  # two bfloat16 steps, relative
 
@@ -124,18 +125,57 @@ def test_leaky_square():
     assert out.dtype == torch.bfloat16 and close(out, TORCH_OPS.leaky_square(h.float(), 0.5))
 
 
-def test_the_model_scores_the_same_with_fused_steps():
+SMALL_TILES = kernels.MatmulTiles(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=2)
+TINY_MODEL_TILES = kernels.MatmulTiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=2)  # its MLP: 128
+
+
+class _CountedLaunches:
+    """A kernel that counts its launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def products(monkeypatch) -> _CountedLaunches:
+    """`_leaky_square_matmul_kernel`, its launches counted."""
+    counted = _CountedLaunches(kernels._leaky_square_matmul_kernel)
+    monkeypatch.setattr(kernels, "_leaky_square_matmul_kernel", counted)
+    return counted
+
+
+def test_mlp_hidden_applies_the_activation_to_the_product(products):
+    torch.manual_seed(6)
+    x, up_w = torch.randn(2, 5, 48).bfloat16(), torch.randn(64, 48).bfloat16()  # 10 rows: a part tile
+    fused = FusedOps(tiles=SMALL_TILES).mlp_hidden(x, up_w, 0.5)
+    assert products.launches == 1 and fused.shape == (2, 5, 64) and fused.dtype == torch.bfloat16
+    # the product rounded to bf16 first, as a stored product is; then the activation
+    assert close(fused, TORCH_OPS.leaky_square(TORCH_OPS.linear(x.float(), up_w.float()).bfloat16().float(), 0.5))
+
+
+def test_a_product_the_tiles_do_not_divide_runs_apart(products):
+    x, up_w = torch.randn(3, 48).bfloat16(), torch.randn(40, 48).bfloat16()  # 40 columns: no whole tiles
+    for ops in (FusedOps(tiles=SMALL_TILES), FusedOps(tiles=None)):
+        assert close(ops.mlp_hidden(x, up_w, 0.5), TORCH_OPS.mlp_hidden(x.float(), up_w.float(), 0.5))
+    assert products.launches == 0
+
+
+def test_the_model_scores_the_same_with_fused_steps(products):
     """The whole tiny model (skips, value embeddings, XSA, windows with sinks, the pruned
-    last block) under bf16 autocast: the same logits to bfloat16 precision, and the same
-    mean loss to 1e-3 nats."""
+    last block, the MLP's fused products) under bf16 autocast: the same logits to bfloat16
+    precision, and the same mean loss to 1e-3 nats."""
     model = perturbed_tiny()
     torch.manual_seed(3)
     x = torch.randint(0, model.cfg.vocab_size, (2, 64))
     positions = torch.stack([torch.arange(40, 64), torch.arange(0, 24)])
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-        fused = model.logits_at(x, positions, ops=FUSED)
+        fused = model.logits_at(x, positions, ops=FusedOps(tiles=TINY_MODEL_TILES))
         reference = model.logits_at(x, positions)
-    assert fused.shape == reference.shape
+    assert fused.shape == reference.shape and products.launches == model.cfg.num_layers
     assert close(fused, reference, steps=2 ** -4)
     targets = torch.randint(0, model.cfg.vocab_size, positions.shape)
     loss = [torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
@@ -189,3 +229,19 @@ def test_fused_scoring_matches_the_compiled_model_on_cuda(cuda_model):
     loss = [torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
             for logits in (fused, reference)]
     assert close(fused, reference) and abs(loss[0] - loss[1]).item() < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_fused_hidden_layer_matches_cublas_and_the_activation_on_cuda():
+    """At a scoring batch's scale: the TMA product kernel with its epilogue against cuBLAS's
+    product and the activation kernel, within a bf16 step (the same values but for the odd
+    rounding of a product summed in another order)."""
+    cfg = RunConfig().model
+    torch.manual_seed(8)
+    x = torch.randn(64 * 2048 + 96, cfg.model_dim, device="cuda").bfloat16()  # a partial last tile of rows
+    up_w = (torch.randn(cfg.mlp_dim, cfg.model_dim, device="cuda") * cfg.model_dim ** -0.5).bfloat16()
+    fused = FusedOps().mlp_hidden(x, up_w, cfg.negative_slope)
+    apart = FusedOps(tiles=None).mlp_hidden(x, up_w, cfg.negative_slope)
+    assert close(fused, apart, steps=2 ** -8)
+    assert (fused != apart).float().mean().item() < 1e-3

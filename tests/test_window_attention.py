@@ -36,33 +36,7 @@ NARROW = Tuning(fwd_block_m=16, fwd_block_n=32, fwd_warps=1, fwd_stages=1,
                 bwd_block_own=16, bwd_block_loop=32, bwd_warps=1, bwd_stages=1)
 
 
-@pytest.fixture(autouse=True)
-def interpreter_fixes(monkeypatch):
-    """Two gaps of Triton's interpreter that the compiled kernels do not have. It holds a
-    scalar as a one-element array, which numpy >= 2.4 no longer turns into an int, so `range`
-    over bounds computed in the kernel fails: index through .item(). And its tl.dot
-    multiplies bfloat16 operands as their raw 16-bit integers: widen them to float32 first."""
-    if not INTERPRETED:
-        return
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    def widened(handle):
-        if handle.dtype.scalar != tl.bfloat16:
-            return handle
-        return interpreter.TensorHandle((handle.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    dot = interpreter.InterpreterBuilder.create_dot
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
-                        lambda self, a, b, *rest: dot(self, widened(a), widened(b), *rest))
+pytestmark = pytest.mark.usefixtures("interpreter_fixes")
 
 
 def reference(q, k, v, window, sinks):

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .attention import window_kernel_builds
 from .model import GPT, Residual, TorchOps, ValueInjection, rotary_inv_freq, rotary_tables
@@ -190,15 +191,52 @@ def _exclude_self_value_kernel(y_ptr, v_ptr, out_ptr, rows, rows_per_seq, y_seq_
 
 
 @triton.jit
+def _leaky_square_values(h, negative_slope):
+    leaky = tl.where(h > 0, h, h * negative_slope)
+    return leaky * leaky
+
+
+@triton.jit
 def _leaky_square_kernel(h_ptr, out_ptr, numel, negative_slope, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     h = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    leaky = tl.where(h > 0, h, h * negative_slope)
-    tl.store(out_ptr + offsets, (leaky * leaky).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offsets, _leaky_square_values(h, negative_slope).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _leaky_square_matmul_kernel(x_desc, w_desc, out_desc, rows, cols, depth, negative_slope, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr):
+    """out = leaky_square(x @ w.T) for x [rows, depth], w [cols, depth] and out [rows, cols]
+    given by TMA descriptors (cols a multiple of BLOCK_N, depth of BLOCK_K): the product
+    rounded to bf16, as a stored product is, then the activation in float32 and one store.
+    Persistent: PROGRAMS programs (one per multiprocessor) walk the output tiles, so that
+    the next tile's loads start while this one's epilogue runs."""
+    col_tiles = cols // BLOCK_N
+    tiles = tl.cdiv(rows, BLOCK_M) * col_tiles
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
+        row0, col0 = (tile // col_tiles) * BLOCK_M, (tile % col_tiles) * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, depth, BLOCK_K):
+            acc = tl.dot(x_desc.load([row0, k]), w_desc.load([col0, k]).T, acc)
+        h = _leaky_square_values(acc.to(tl.bfloat16).to(tl.float32), negative_slope)
+        out_desc.store([row0, col0], h.to(tl.bfloat16))
 
 
 # --- The steps ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MatmulTiles:
+    """How `_leaky_square_matmul_kernel` cuts a product: output tiles of block_m x block_n,
+    depth in steps of block_k, and the launch's warps and software-pipeline stages. The
+    default is the fastest of those bench/fused_products.py tried on an H200."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
 
 @dataclass
 class ScaledProjection:
@@ -223,7 +261,12 @@ class FusedOps(TorchOps):
 
     Outputs that feed a matrix product or the attention are bf16, as autocast would cast
     them there; the residual stream's stored parts (a block's input, a kept skip) have the
-    embedding table's dtype, as the stream has in torch."""
+    embedding table's dtype, as the stream has in torch. The MLP's hidden layer is one
+    kernel, product and activation (`tiles`; None: cuBLAS's product, then the activation):
+    the product never makes a round trip through memory."""
+
+    def __init__(self, tiles: MatmulTiles | None = MatmulTiles()):
+        self.tiles = tiles
 
     def warm_up(self, model: GPT, seq_len: int, queries: int) -> None:
         """Build every kernel that scoring windows of seq_len with `queries` predictions per
@@ -238,7 +281,7 @@ class FusedOps(TorchOps):
         ids = torch.zeros(1, seq_len, dtype=torch.long, device=device)
         x0 = SmearedEmbedding(torch.zeros(1, seq_len, width, device=device, dtype=table.dtype),
                               _float32(model.smear.gate, table))
-        block = model.blocks[0]
+        block, block_weights = model.blocks[0], model.layer_weights(torch.bfloat16)[0]
         inv_freq = rotary_inv_freq(model.rotary_dims, cfg.rope_base, seq_len, cfg.rope_train_seq_len, device=device)
         cos, sin = rotary_tables(seq_len, inv_freq)
         y = activations(1, queries, cfg.num_heads, cfg.head_dim)
@@ -248,7 +291,7 @@ class FusedOps(TorchOps):
             lambda: self.block_input(Residual(x0), x0, block.resid_mix, block.ln_scale_factor, keep_sum=True),
             lambda: self.head_prep(activations(1, seq_len, cfg.num_heads, cfg.head_dim), cos, sin, cfg.rope_dims,
                                    block.attn.q_gain),
-            lambda: self.leaky_square(activations(1, seq_len, cfg.mlp_dim), cfg.negative_slope),
+            lambda: self.mlp_hidden(activations(1, seq_len, width), block_weights[4], cfg.negative_slope),
         ]
         if cfg.xsa_last_n > 0:  # values in bf16, and in float32 where a value embedding was added
             dtypes = (torch.bfloat16, torch.float32) if model.ve_shared is not None else (torch.bfloat16,)
@@ -332,6 +375,24 @@ class FusedOps(TorchOps):
         _leaky_square_kernel[(triton.cdiv(h.numel(), ELEMENTS),)](h, out, h.numel(), negative_slope, BLOCK=ELEMENTS)
         return out
 
+    def mlp_hidden(self, x: Tensor, up_w: Tensor, negative_slope: float) -> Tensor:
+        tiles = self.tiles
+        if not (tiles is not None and _fits(x, up_w, tiles)):
+            return super().mlp_hidden(x, up_w, negative_slope)
+        x2 = x.reshape(-1, x.size(-1)).contiguous()
+        up_w = up_w.contiguous()
+        rows, depth = x2.shape
+        cols = up_w.size(0)
+        out = torch.empty(rows, cols, device=x.device, dtype=torch.bfloat16)
+        programs = _programs(x.device)
+        _leaky_square_matmul_kernel[(programs,)](
+            TensorDescriptor.from_tensor(x2, [tiles.block_m, tiles.block_k]),
+            TensorDescriptor.from_tensor(up_w, [tiles.block_n, tiles.block_k]),
+            TensorDescriptor.from_tensor(out, [tiles.block_m, tiles.block_n]), rows, cols, depth, negative_slope,
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PROGRAMS=programs,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        return out.view(*x.shape[:-1], cols)
+
     def softcap(self, logits: Tensor, cap: float) -> Tensor:
         # times the reciprocal, as the compiled forward divides by a constant
         return (torch.tanh(logits.float() * (1.0 / cap)) * cap).to(logits.dtype)
@@ -366,6 +427,23 @@ def _stream_norm(stream: Residual, x0: SmearedEmbedding | None, factor: Tensor |
         rows, like.size(-2), width, FLOAT32_EPS, mode, ROWS=STREAM_ROWS, BLOCK=triton.next_power_of_2(width),
         num_warps=STREAM_WARPS)
     return normed
+
+
+def _fits(x: Tensor, weight: Tensor, tiles: MatmulTiles) -> bool:
+    """Whether `_leaky_square_matmul_kernel` takes this product: bf16 operands (autocast's),
+    whole tiles of columns and depth, and a GPU with TMA (Hopper or later; Triton's
+    interpreter on the CPU)."""
+    return (x.dtype == weight.dtype == torch.bfloat16 and weight.dim() == 2 and x.size(-1) == weight.size(1)
+            and weight.size(0) % tiles.block_n == 0 and weight.size(1) % tiles.block_k == 0
+            and (x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (9, 0)))
+
+
+def _programs(device: torch.device) -> int:
+    """A persistent kernel's programs: one per multiprocessor (two in the interpreter, which
+    then runs several tiles per program too)."""
+    if device.type != "cuda":
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _powers_of_two(*sizes: int) -> bool:

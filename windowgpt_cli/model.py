@@ -190,6 +190,10 @@ class TorchOps:
     def leaky_square(self, h: Tensor, negative_slope: float) -> Tensor:
         return F.leaky_relu(h, negative_slope=negative_slope).square()
 
+    def mlp_hidden(self, x: Tensor, up_w: Tensor, negative_slope: float) -> Tensor:
+        """The MLP's hidden layer: `leaky_square` of x's product with up_w."""
+        return self.leaky_square(self.linear(x, up_w), negative_slope)
+
     def softcap(self, logits: Tensor, cap: float) -> Tensor:
         return cap * torch.tanh(logits / cap)
 
@@ -281,7 +285,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor, up_w: Tensor, down_w: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
         self._observe("fc", x)
-        hidden = ops.leaky_square(ops.linear(x, up_w), self.negative_slope)
+        hidden = ops.mlp_hidden(x, up_w, self.negative_slope)
         self._observe("proj", hidden)
         return ops.linear(hidden, down_w)
 

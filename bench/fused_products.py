@@ -1,0 +1,135 @@
+"""Whether the MLP's fused product pays: its hidden layer computed in one kernel
+(`kernels._leaky_square_matmul_kernel`, the activation as the product's epilogue) against
+cuBLAS's product followed by the activation kernel.
+
+    python bench/fused_products.py [--rows 1048576] [--windows 512] [--repeats 10] [--rounds 4]
+        [--full-attention] [--json PATH]
+
+Part 1 times the hidden layer alone at `rows` rows (a scoring batch of 512 windows of 2048)
+for several tile shapes (the first is the default), each checked against the unfused pair
+(largest difference in bf16 steps). Part 2 times a whole scoring forward (`logits_at`, the
+last 64 positions of each of `windows` windows) with the product fused and not, in turns,
+and compares the logits. Random weights: speed does not depend on them. Prints one JSON
+object per line; --json writes them all to one file.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from windowgpt_cli.config import RunConfig  # noqa: E402
+from windowgpt_cli.kernels import FusedOps, MatmulTiles  # noqa: E402
+from windowgpt_cli.model import build_model  # noqa: E402
+from windowgpt_cli.runtime import enable_fast_math  # noqa: E402
+
+TILES = [MatmulTiles(128, 256, 64, 8, 3), MatmulTiles(256, 128, 64, 8, 3), MatmulTiles(128, 128, 64, 4, 4),
+         MatmulTiles(128, 128, 64, 8, 3), MatmulTiles(128, 128, 32, 4, 4)]
+
+
+def milliseconds(fn: Callable[[], object], repeats: int) -> float:
+    """The median time of fn on the GPU, after one untimed call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bf16_steps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference, in bf16 steps of the larger magnitude."""
+    a, b = a.float(), b.float()
+    return float(((a - b).abs() / (torch.maximum(a.abs(), b.abs()) * 2 ** -8).clamp(min=1e-30)).max())
+
+
+def product_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
+    torch.manual_seed(0)
+    x = torch.randn(a.rows, cfg.model_dim, device=device).bfloat16()
+    up_w = (torch.randn(cfg.mlp_dim, cfg.model_dim, device=device) * cfg.model_dim ** -0.5).bfloat16()
+    slope = cfg.negative_slope
+    rows = []
+    with torch.inference_mode():
+        reference = FusedOps(tiles=None).mlp_hidden(x, up_w, slope)
+        base_ms = milliseconds(lambda: FusedOps(tiles=None).mlp_hidden(x, up_w, slope), a.repeats)
+        rows.append({"variant": "cuBLAS product, then the activation", "ms": round(base_ms, 3)})
+        product_ms = milliseconds(lambda: torch.nn.functional.linear(x, up_w), a.repeats)
+        rows.append({"variant": "cuBLAS product alone", "ms": round(product_ms, 3)})
+        variants = [(f"fused {t}", lambda t=t: FusedOps(tiles=t).mlp_hidden(x, up_w, slope)) for t in TILES]
+        for name, call in variants:
+            try:
+                out = call()
+                ms = milliseconds(call, a.repeats)
+            except Exception as exc:  # a tile shape this GPU cannot take
+                rows.append({"variant": name, "error": str(exc).splitlines()[0][:160]})
+                continue
+            rows.append({"variant": name, "ms": round(ms, 3), "ratio": round(ms / base_ms, 3),
+                         "max_bf16_steps": round(bf16_steps(out, reference), 2)})
+    return rows
+
+
+def forward_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
+    """Each variant timed in turn, `rounds` times over (so that none is always measured on a
+    GPU warmer than the others), its median over the rounds reported."""
+    torch.manual_seed(1)
+    model = build_model(cfg, device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p), alpha=0.02)
+    model.set_attention_backend("auto", device)
+    model.eval()
+    x = torch.randint(0, cfg.vocab_size, (a.windows, 2048), device=device)
+    positions = torch.arange(2048 - 64, 2048, device=device).expand(a.windows, 64).contiguous()
+    variants = {"apart": FusedOps(tiles=None), "fused": FusedOps()}
+    logits, times = {}, {name: [] for name in variants}
+    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+        for name, ops in variants.items():
+            ops.warm_up(model, 2048, 64)
+            logits[name] = model.logits_at(x, positions, ops=ops).float()
+        for _ in range(a.rounds):
+            for name, ops in variants.items():
+                times[name].append(milliseconds(lambda: model.logits_at(x, positions, ops=ops), a.repeats))
+    base = statistics.median(times["apart"])
+    return [{"forward": name, "windows": a.windows, "ms": round(statistics.median(t), 2),
+             "ratio": round(statistics.median(t) / base, 4), "rounds_ms": [round(v, 1) for v in t],
+             "max_bf16_steps": round(bf16_steps(logits[name], logits["apart"]), 2)} for name, t in times.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=512 * 2048)
+    parser.add_argument("--windows", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=4, help="turns of the forward variants")
+    parser.add_argument("--full-attention", action="store_true", help="the model without windowed layers")
+    parser.add_argument("--json", type=Path)
+    a = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/fused_products.py needs a CUDA GPU")
+    device = torch.device("cuda")
+    enable_fast_math(device)
+    cfg = RunConfig().model
+    if a.full_attention:
+        cfg = dataclasses.replace(cfg, window_attn_layers=())
+    rows = product_rows(a, cfg, device) + forward_rows(a, cfg, device)
+    for row in rows:
+        print(json.dumps(row))
+    if a.json:
+        a.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(device), "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
