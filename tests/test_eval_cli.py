@@ -172,7 +172,8 @@ def test_stride_longer_than_the_sequence(eval_run_dir, eval_data_dir):
 def test_batch_of_zero_fits_itself_and_a_negative_batch_is_an_error(eval_run_dir, eval_data_dir):
     given = run_json("eval", eval_run_dir, "--data", eval_data_dir, "--batch-seqs", 5)
     fitted = run_json("eval", eval_run_dir, "--data", eval_data_dir, "--batch-seqs", 0)
-    assert (given["batch_seqs"], fitted["batch_seqs"]) == (5, CPU_BATCH_WINDOWS)
+    # the CPU's batch, evened out over the batches it takes
+    assert given["batch_seqs"] == 5 and CPU_BATCH_WINDOWS // 2 < fitted["batch_seqs"] <= CPU_BATCH_WINDOWS
     assert (fitted["tokens"], fitted["bytes"]) == (given["tokens"], given["bytes"])
     assert fitted["val_bpb"] == pytest.approx(given["val_bpb"], rel=1e-6)
     assert_one_line_error(run_cli("eval", eval_run_dir, "--data", eval_data_dir, "--batch-seqs", -1),

@@ -17,7 +17,8 @@ from windowgpt_cli.errors import ConfigError, DataError
 from windowgpt_cli.evaluation import (CPU_BATCH_WINDOWS, MAX_AUTO_BATCH_WINDOWS, WindowScorer,
                                       activation_bytes_per_token, batch_windows, chunk_windows, evaluate_sliding,
                                       evaluate_standard, evaluate_ttt, load_validation_tokens, plan_windows,
-                                      rank_share, select_ttt_parameters, ttt_learning_rate)
+                                      rank_share, rows_per_window, select_ttt_parameters, ttt_learning_rate,
+                                      even_batch)
 from windowgpt_cli.model import GPT
 from windowgpt_cli.shards import shard_name, write_shard
 from windowgpt_cli.tokenizer import ByteLuts
@@ -538,3 +539,21 @@ def test_a_batch_of_zero_fills_half_the_free_gpu_memory_in_powers_of_two(monkeyp
     # Scoring every position keeps float32 logits too: fewer windows fit.
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 * window * 64, 4 * window * 64))
     assert batch_windows(0, cfg, SEQ, cuda, full_logits=True) < batch_windows(0, cfg, SEQ, cuda) == 64
+
+
+@pytest.mark.parametrize("rows, most, batch", [(46143, 512, 508), (1024, 512, 512), (1025, 512, 342), (10, 512, 10),
+                                               (1, 32, 1)])
+def test_an_even_batch_takes_as_few_batches_and_pads_the_least(rows, most, batch):
+    batches = -(-rows // batch)
+    assert even_batch(rows, most) == batch <= most and batches == -(-rows // most)
+    assert batch * batches - rows < batches  # under one row of padding per batch
+
+
+def test_sliding_evaluation_chooses_an_even_batch_of_rows(eval_model, eval_val_tokens, eval_luts):
+    plan = plan_windows(eval_val_tokens.numel() - 1, SEQ, 32)
+    rows = int(rows_per_window(plan, 32).sum())
+    result = evaluate_sliding(eval_model, eval_val_tokens, eval_luts, seq_len=SEQ, stride=32, device=CPU)
+    assert result.batch_seqs == even_batch(rows, CPU_BATCH_WINDOWS) < CPU_BATCH_WINDOWS
+    chosen = evaluate_sliding(eval_model, eval_val_tokens, eval_luts, seq_len=SEQ, stride=32, device=CPU,
+                              batch_seqs=CPU_BATCH_WINDOWS)
+    assert chosen.batch_seqs == CPU_BATCH_WINDOWS and abs(chosen.val_bpb - result.val_bpb) < 1e-6

@@ -144,6 +144,13 @@ def activation_bytes_per_token(cfg: ModelConfig, full_logits: bool) -> int:
     return residual + block + logits
 
 
+def even_batch(rows: int, most: int) -> int:
+    """The batch that covers `rows` in as few batches of at most `most` rows as can, with
+    the least padding: the last batch is nearly full instead of nearly empty."""
+    batches = max(1, math.ceil(rows / most))
+    return math.ceil(rows / batches)
+
+
 def batch_windows(requested: int, cfg: ModelConfig, seq_len: int, device: torch.device, *,
                   full_logits: bool = False) -> int:
     """`requested` windows per forward pass, or for 0 as many as fit: on CUDA the largest
@@ -291,6 +298,11 @@ def chunk_windows(plan: WindowPlan, chunk_tokens: int, total_tokens: int) -> lis
 
 # --- Sliding scoring on the device ------------------------------------------------------
 
+def rows_per_window(plan: WindowPlan, width: int) -> Tensor:
+    """How many rows of `width` scored positions each window of the plan takes."""
+    return (plan.lengths - plan.scored_from + width - 1) // width
+
+
 class WindowScorer:
     """Scores the windows of a plan in batches of `batch_rows` rows of `width` positions.
 
@@ -327,8 +339,7 @@ class WindowScorer:
     def rows(self, plan: WindowPlan) -> tuple[Tensor, Tensor, Tensor]:
         """(window start, first scored window offset, window length) of every row, padded to
         whole batches with rows of length 0."""
-        counts = plan.lengths - plan.scored_from
-        per_window = (counts + self.width - 1) // self.width
+        per_window = rows_per_window(plan, self.width)
         window = torch.repeat_interleave(torch.arange(len(plan)), per_window)
         first_row = torch.repeat_interleave(torch.cumsum(per_window, 0) - per_window, per_window)
         first = plan.scored_from[window] + (torch.arange(window.numel()) - first_row) * self.width
@@ -407,9 +418,12 @@ def evaluate_sliding(model: GPT, val_tokens: Tensor, luts: ByteLuts, *, seq_len:
     total_tokens = val_tokens.numel() - 1
     plan = plan_windows(total_tokens, seq_len, stride, score_once=score_once)
     plan = plan.select(slice(*rank_share(len(plan), rank, world_size)))
+    batch_rows = batch_windows(batch_seqs, model.cfg, seq_len, device)
+    if batch_seqs <= 0:  # a batch of its own choosing: as large, but no emptier at the end than it must be
+        batch_rows = even_batch(int(rows_per_window(plan, stride).sum()), batch_rows)
     scorer = WindowScorer(model, _device_tokens(val_tokens, device), luts.to(device), seq_len=seq_len, width=stride,
-                          batch_rows=batch_windows(batch_seqs, model.cfg, seq_len, device), device=device,
-                          compile_model=should_compile(compile_model, device), fused=should_fuse(fused, device))
+                          batch_rows=batch_rows, device=device, compile_model=should_compile(compile_model, device),
+                          fused=should_fuse(fused, device))
     sums = scorer.score(plan, progress)
     all_reduce_(sums)
     return _result("sliding", sums, _sync_clock(device) - start, seq_len, stride, scorer.batch_rows,

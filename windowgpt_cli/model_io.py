@@ -20,6 +20,7 @@ from .checkpoint import FILENAME as CHECKPOINT_FILENAME, load_checkpoint
 from .config import RunConfig
 from .errors import ArtifactError, ConfigError
 from .model import GPT, build_model as build_gpt, rebank_state_dict
+from .runtime import device_started_meanwhile
 
 EXPORT_WEIGHTS = "model.safetensors"
 EXPORT_CONFIG = "config.json"
@@ -58,7 +59,8 @@ def load_weights(artifact: Path) -> LoadedWeights:
 
 def build_model(artifact: Path, device: torch.device) -> tuple[LoadedWeights, GPT]:
     """Load weights and the model they belong to, on `device`, in eval mode."""
-    weights = load_weights(artifact)
+    with device_started_meanwhile(device):
+        weights = load_weights(artifact)
     model = build_gpt(weights.config.model, device, initialize=False)
     try:
         model.load_state_dict(weights.state_dict, strict=True)

@@ -6,7 +6,7 @@ import importlib.util
 import random
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -102,6 +102,20 @@ def run_in_threads(tasks: Iterable[Callable[[], object]], device: torch.device) 
     with ThreadPoolExecutor(max_workers=len(tasks)) as pool:
         for future in [pool.submit(run, task) for task in tasks]:
             future.result()
+
+
+@contextlib.contextmanager
+def device_started_meanwhile(device: torch.device) -> Iterator[None]:
+    """Run the block while a thread starts the CUDA context (a few hundred milliseconds, the
+    first time a process touches the GPU), for a block of CPU work that releases the GIL
+    (reading and decompressing an artifact); nothing elsewhere. Re-raises the thread's error."""
+    if device.type != "cuda":
+        yield
+        return
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        started = pool.submit(torch.zeros, 1, device=device)
+        yield
+        started.result()
 
 
 def device_name(device: torch.device) -> str:
