@@ -157,10 +157,14 @@ def test_mlp_hidden_applies_the_activation_to_the_product(products):
     assert close(fused, TORCH_OPS.leaky_square(TORCH_OPS.linear(x.float(), up_w.float()).bfloat16().float(), 0.5))
 
 
-def test_a_product_the_tiles_do_not_divide_runs_apart(products):
+def test_a_product_the_kernel_cannot_take_runs_apart(products):
     x, up_w = torch.randn(3, 48).bfloat16(), torch.randn(40, 48).bfloat16()  # 40 columns: no whole tiles
     for ops in (FusedOps(tiles=SMALL_TILES), FusedOps(tiles=None)):
         assert close(ops.mlp_hidden(x, up_w, 0.5), TORCH_OPS.mlp_hidden(x.float(), up_w.float(), 0.5))
+    shifted = torch.randn(3 * 48 + 1).bfloat16()[1:].view(3, 48)  # 2 bytes past a 16-byte boundary: no TMA
+    up_w = torch.randn(64, 48).bfloat16()
+    assert close(FusedOps(tiles=SMALL_TILES).mlp_hidden(shifted, up_w, 0.5),
+                 TORCH_OPS.mlp_hidden(shifted.float(), up_w.float(), 0.5))
     assert products.launches == 0
 
 

@@ -1,10 +1,12 @@
 """Fused GPU kernels for the element-wise steps of an inference forward (Triton).
 
 `FusedOps` runs `model.TorchOps`'s steps with one kernel each: every step reads its inputs
-once and writes its outputs once. The matrix products stay cuBLAS's, the attention SDPA's
-(and `window_attention`'s Triton kernels for windowed layers). These few small kernels,
-built in parallel (`FusedOps.warm_up`), take a second or two where compiling the whole
-forward takes tens of seconds, so sliding evaluation scores with them on CUDA.
+once and writes its outputs once. The matrix products stay cuBLAS's, except the MLP's first,
+which on Hopper and later is one kernel with its activation (`_leaky_square_matmul_kernel`);
+the attention stays SDPA's (and `window_attention`'s Triton kernels for windowed layers).
+These few kernels, built in parallel (`FusedOps.warm_up`), take a second or two where
+compiling the whole forward takes tens of seconds, so sliding evaluation scores with them
+on CUDA.
 
 They round as the compiled forward does (Inductor, which the reference's own evaluation
 runs): arithmetic in float32 from the stored values, rounded only where the compiled forward
@@ -435,6 +437,7 @@ def _fits(x: Tensor, weight: Tensor, tiles: MatmulTiles) -> bool:
     interpreter on the CPU)."""
     return (x.dtype == weight.dtype == torch.bfloat16 and weight.dim() == 2 and x.size(-1) == weight.size(1)
             and weight.size(0) % tiles.block_n == 0 and weight.size(1) % tiles.block_k == 0
+            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0  # TMA reads from 16-byte boundaries
             and (x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (9, 0)))
 
 
