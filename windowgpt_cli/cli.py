@@ -44,4 +44,3 @@ app.command("pack")(pack.command)
 
 def main() -> None:
     run_app(app)
-

@@ -283,7 +283,7 @@ class FusedOps(TorchOps):
         ids = torch.zeros(1, seq_len, dtype=torch.long, device=device)
         x0 = SmearedEmbedding(torch.zeros(1, seq_len, width, device=device, dtype=table.dtype),
                               _float32(model.smear.gate, table))
-        block, block_weights = model.blocks[0], model.layer_weights(torch.bfloat16)[0]
+        block = model.blocks[0]
         inv_freq = rotary_inv_freq(model.rotary_dims, cfg.rope_base, seq_len, cfg.rope_train_seq_len, device=device)
         cos, sin = rotary_tables(seq_len, inv_freq)
         y = activations(1, queries, cfg.num_heads, cfg.head_dim)
@@ -293,7 +293,8 @@ class FusedOps(TorchOps):
             lambda: self.block_input(Residual(x0), x0, block.resid_mix, block.ln_scale_factor, keep_sum=True),
             lambda: self.head_prep(activations(1, seq_len, cfg.num_heads, cfg.head_dim), cos, sin, cfg.rope_dims,
                                    block.attn.q_gain),
-            lambda: self.mlp_hidden(activations(1, seq_len, width), block_weights[4], cfg.negative_slope),
+            lambda: self.mlp_hidden(activations(1, seq_len, width), activations(cfg.mlp_dim, width),
+                                    cfg.negative_slope),
         ]
         if cfg.xsa_last_n > 0:  # values in bf16, and in float32 where a value embedding was added
             dtypes = (torch.bfloat16, torch.float32) if model.ve_shared is not None else (torch.bfloat16,)

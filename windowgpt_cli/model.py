@@ -183,16 +183,12 @@ class TorchOps:
     def exclude_self_value(self, y: Tensor, v: Tensor) -> Tensor:
         return exclude_self_value(y, v)
 
-    def linear(self, x: Tensor, weight: Tensor) -> Tensor:
-        """The MLP's and the output layer's matrix products."""
-        return F.linear(x, weight)
-
     def leaky_square(self, h: Tensor, negative_slope: float) -> Tensor:
         return F.leaky_relu(h, negative_slope=negative_slope).square()
 
     def mlp_hidden(self, x: Tensor, up_w: Tensor, negative_slope: float) -> Tensor:
         """The MLP's hidden layer: `leaky_square` of x's product with up_w."""
-        return self.leaky_square(self.linear(x, up_w), negative_slope)
+        return self.leaky_square(F.linear(x, up_w), negative_slope)
 
     def softcap(self, logits: Tensor, cap: float) -> Tensor:
         return cap * torch.tanh(logits / cap)
@@ -287,7 +283,7 @@ class MLP(nn.Module):
         self._observe("fc", x)
         hidden = ops.mlp_hidden(x, up_w, self.negative_slope)
         self._observe("proj", hidden)
-        return ops.linear(hidden, down_w)
+        return F.linear(hidden, down_w)
 
     def _observe(self, weight: str, x: Tensor) -> None:
         if self.observer is not None:
@@ -527,7 +523,7 @@ class GPT(nn.Module):
     def logits(self, hidden: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
         """Soft-capped logits for hidden states of any leading shape."""
         weight = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
-        return ops.softcap(ops.linear(hidden, weight.to(hidden.dtype)), self.cfg.logit_softcap)
+        return ops.softcap(F.linear(hidden, weight.to(hidden.dtype)), self.cfg.logit_softcap)
 
     def forward_logits(self, input_ids: Tensor) -> Tensor:
         return self.logits(self.hidden_states(input_ids))

@@ -27,4 +27,3 @@ add_record_stages(app)
 
 def main() -> None:
     run_app(app)
-
