@@ -94,15 +94,17 @@ def forward_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
     model.eval()
     x = torch.randint(0, cfg.vocab_size, (a.windows, 2048), device=device)
     positions = torch.arange(2048 - 64, 2048, device=device).expand(a.windows, 64).contiguous()
-    variants = {"apart": FusedOps(tiles=None), "fused": FusedOps()}
+    variants = {"apart": (FusedOps(tiles=None), False), "fused": (FusedOps(), False),
+                "fused, query runs": (FusedOps(), True)}
     logits, times = {}, {name: [] for name in variants}
     with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
-        for name, ops in variants.items():
+        for name, (ops, runs) in variants.items():
             ops.warm_up(model, 2048, 64)
-            logits[name] = model.logits_at(x, positions, ops=ops).float()
+            logits[name] = model.logits_at(x, positions, ops=ops, query_runs=runs).float()
         for _ in range(a.rounds):
-            for name, ops in variants.items():
-                times[name].append(milliseconds(lambda: model.logits_at(x, positions, ops=ops), a.repeats))
+            for name, (ops, runs) in variants.items():
+                times[name].append(milliseconds(lambda: model.logits_at(x, positions, ops=ops, query_runs=runs),
+                                                a.repeats))
     base = statistics.median(times["apart"])
     return [{"forward": name, "windows": a.windows, "ms": round(statistics.median(t), 2),
              "ratio": round(statistics.median(t) / base, 4), "rounds_ms": [round(v, 1) for v in t],

@@ -7,6 +7,7 @@ CUDA (tests marked gpu) they are compared with the compiled model at its full si
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
@@ -76,6 +77,21 @@ def test_block_input_forms_the_sum_mixes_and_norms(embedded):
         assert close(kept, ref_kept) and close(x_in, ref_in) and kept.dtype == x_in.dtype == x0.dtype
         assert normed.dtype == torch.bfloat16 and close(normed, ref_normed)
         assert FUSED.block_input(fused_stream, fused_x0, mix, factor, keep_sum=False)[0] is None
+
+
+def test_x0_at_chosen_rows_and_a_block_input_that_reads_it(embedded):
+    """x0 formed at chosen positions (the first of a sequence too) as float32 values, and a
+    block's input mixing them in, as with the whole x0."""
+    fused_x0, x0 = embedded
+    positions = torch.tensor([[0, 3, 4], [1, 2, 4]])
+    rows = FUSED.at_rows(fused_x0, positions)
+    assert rows.dtype == torch.float32 and close(rows, TORCH_OPS.at_rows(x0, positions))
+    mix, factor = torch.randn(2, x0.size(-1)), torch.tensor(0.7)
+    stream = Residual(torch.randn(2, 3, x0.size(-1)).to(fused_x0.normed.dtype))
+    _, x_in, normed = FUSED.block_input(stream, rows, mix, factor, keep_sum=False)
+    _, ref_in, ref_normed = TORCH_OPS.block_input(stream, TORCH_OPS.at_rows(x0, positions), mix, factor,
+                                                  keep_sum=False)
+    assert x_in.dtype == stream.base.dtype and close(x_in, ref_in) and close(normed, ref_normed)
 
 
 def test_residual_and_final_norms(embedded):
@@ -169,16 +185,19 @@ def test_a_product_the_kernel_cannot_take_runs_apart(products):
     assert products.launches == 0
 
 
-def test_the_model_scores_the_same_with_fused_steps(products):
+@pytest.mark.parametrize("query_runs", [False, True])
+def test_the_model_scores_the_same_with_fused_steps(products, query_runs):
     """The whole tiny model (skips, value embeddings, XSA, windows with sinks, the pruned
-    last block, the MLP's fused products) under bf16 autocast: the same logits to bfloat16
+    last block, the MLP's fused products; with query_runs the block before the last at the
+    rows the last reads, x0 given there) under bf16 autocast: the same logits to bfloat16
     precision, and the same mean loss to 1e-3 nats."""
     model = perturbed_tiny()
     torch.manual_seed(3)
     x = torch.randint(0, model.cfg.vocab_size, (2, 64))
     positions = torch.stack([torch.arange(40, 64), torch.arange(0, 24)])
+    assert model.last_block_reads(positions, 64) is not None  # the tiny model's last block: windowed
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-        fused = model.logits_at(x, positions, ops=FusedOps(tiles=TINY_MODEL_TILES))
+        fused = model.logits_at(x, positions, ops=FusedOps(tiles=TINY_MODEL_TILES), query_runs=query_runs)
         reference = model.logits_at(x, positions)
     assert fused.shape == reference.shape and products.launches == model.cfg.num_layers
     assert close(fused, reference, steps=2 ** -4)
@@ -188,12 +207,19 @@ def test_the_model_scores_the_same_with_fused_steps(products):
     assert abs(loss[0] - loss[1]) < 1e-3
 
 
-@pytest.fixture(scope="module")
-def cuda_model():
-    """The full-size model on CUDA, every weight (gates and scales too) off its initial value."""
+RECORD_WINDOWS = dict(window_attn_size=512, num_sink_tokens=4, window_attn_layers=(2, 4, 6, 8, 10))
+
+
+@pytest.fixture(scope="module", params=["full", "record"])
+def cuda_model(request):
+    """The full-size model on CUDA (full attention, or the record's windows), every weight
+    (gates and scales too) off its initial value."""
     device = torch.device("cuda")
     torch.manual_seed(0)
-    model = build_model(RunConfig().model, device)
+    cfg = RunConfig().model
+    if request.param == "record":
+        cfg = dataclasses.replace(cfg, **RECORD_WINDOWS)
+    model = build_model(cfg, device)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p), alpha=0.02)
@@ -214,23 +240,25 @@ def test_warm_up_builds_every_kernel_that_scoring_runs(cuda_model):
     FUSED.warm_up(cuda_model, 2048, 64)
     after_warm_up = built()
     x = torch.randint(0, cuda_model.cfg.vocab_size, (3, 2048), device="cuda")
-    positions = torch.arange(64, device="cuda").expand(3, 64).contiguous()
+    # runs of queries as scoring asks for them: 3 x 580 rows for the record model's last block
+    positions = (torch.tensor([[0], [1000], [1984]], device="cuda") + torch.arange(64, device="cuda"))
     with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
-        cuda_model.logits_at(x, positions, ops=FUSED)
+        cuda_model.logits_at(x, positions, ops=FUSED, query_runs=True)
     assert after_warm_up >= 7 and built() == after_warm_up
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_scoring_matches_the_compiled_model_on_cuda(cuda_model):
-    """Logits at chosen positions (the last block pruned to them): within two bf16 steps of
-    the compiled model's, and the mean losses over 2048 predictions within 1e-4 nats."""
+    """Logits at chosen positions (the last block pruned to them, the one before it to the
+    rows the last reads): within two bf16 steps of the compiled model's, and the mean losses
+    over 2048 predictions within 1e-4 nats."""
     x = torch.randint(0, cuda_model.cfg.vocab_size, (32, 2048), device="cuda")
     positions = torch.arange(2048 - 64, 2048, device="cuda").expand(32, 64).contiguous()
     targets = torch.randint(0, cuda_model.cfg.vocab_size, positions.shape, device="cuda")
     compiled = torch.compile(cuda_model.logits_at, dynamic=False, fullgraph=True)
     with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
-        fused, reference = cuda_model.logits_at(x, positions, ops=FUSED), compiled(x, positions)
+        fused, reference = cuda_model.logits_at(x, positions, ops=FUSED, query_runs=True), compiled(x, positions)
     loss = [torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
             for logits in (fused, reference)]
     assert close(fused, reference) and abs(loss[0] - loss[1]).item() < 1e-4

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from windowgpt_cli.config import ModelConfig, tiny_preset
+from windowgpt_cli.attention import may_attend
 from windowgpt_cli.model import (GPT, build_model, matmul_dtype, rebank_state_dict, rms_norm, scaled_rms_norm,
-                                 unbank_state_dict, use_cuda_dtypes)
+                                 unbank_state_dict, use_cuda_dtypes, window_key_rows)
 
 
 def perturbed_tiny(**changes) -> GPT:
@@ -52,6 +53,57 @@ def test_logits_at_positions_equal_the_full_logits_there(changes):
     assert torch.allclose(picked, expected, atol=1e-5)
     assert seen[f"blocks.{last}.mlp.fc.weight"] == (3, 16, model.cfg.model_dim)  # only the asked positions
     assert seen[f"blocks.{last}.attn.c_q.weight"] == (3, 40, model.cfg.model_dim)  # keys and values: all
+
+
+def query_runs(firsts: list[int], count: int, seq_len: int) -> torch.Tensor:
+    """Each row's `count` positions from its first, clamped to the sequence, as sliding
+    evaluation asks for them."""
+    return (torch.tensor(firsts)[:, None] + torch.arange(count)).clamp(max=seq_len - 1)
+
+
+@pytest.mark.parametrize("window, sinks", [(8, 3), (8, 0), (20, 4)])
+def test_window_key_rows_hold_every_key_a_query_sees_once(window, sinks):
+    seq_len, count = 40, 6
+    queries = query_runs([0, 1, 5, 12, 30, 37, 39], count, seq_len)
+    keys = window_key_rows(queries, seq_len, window, sinks)
+    assert keys.positions.shape == keys.valid.shape == (7, sinks + window + count)
+    assert torch.equal(keys.positions.gather(1, keys.queries), queries)
+    assert keys.valid.gather(1, keys.queries).all()
+    everything = torch.arange(seq_len)
+    for b in range(queries.size(0)):
+        rows = keys.positions[b][keys.valid[b]]
+        assert rows.unique().numel() == rows.numel()  # no key twice
+        for q in queries[b]:
+            seen = everything[may_attend(q, everything, window, sinks)]
+            assert set(seen.tolist()) <= set(rows.tolist())
+    # values at the rows go back to their positions; every other position holds zeros
+    values = keys.positions.float()[..., None] + 1
+    spread = keys.spread(values)
+    assert spread.shape == (7, seq_len, 1)
+    for b in range(queries.size(0)):
+        held = keys.positions[b][keys.valid[b]]
+        assert torch.equal(spread[b, held, 0], held.float() + 1)
+        assert spread[b].sum() == (held.float() + 1).sum()
+
+
+@pytest.mark.parametrize("changes, trimmed", [
+    (dict(window_attn_size=8, num_sink_tokens=3, window_attn_layers=(1, 3)), True),  # the last layer windowed
+    (dict(window_attn_size=8, num_sink_tokens=3, window_attn_layers=(1, 2)), False),  # the last layer full
+])
+def test_logits_at_query_runs_work_only_where_the_last_block_reads(changes, trimmed):
+    """With runs of queries the block before a windowed last block runs its MLP at the
+    rows the last block reads, not the whole sequence; the logits do not change."""
+    model = perturbed_tiny(**changes)
+    x = torch.randint(0, 1024, (4, 48))
+    positions = query_runs([0, 5, 30, 44], 8, 48)
+    seen: dict[str, tuple[int, ...]] = {}
+    with torch.no_grad(), model.observe_linear_inputs(lambda names, inp: seen.update({names[0]: inp.shape})):
+        runs = model.logits_at(x, positions, query_runs=True)
+    before_last = f"blocks.{model.num_layers - 2}.mlp.fc.weight"
+    assert seen[before_last][1] == (3 + 8 + 8 if trimmed else 48)
+    assert seen[f"blocks.{model.num_layers - 1}.mlp.fc.weight"][1] == 8
+    with torch.no_grad():
+        assert torch.allclose(runs, model.logits_at(x, positions), atol=1e-6)
 
 
 @pytest.mark.parametrize("changes", [

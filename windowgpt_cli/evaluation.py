@@ -320,6 +320,8 @@ class WindowScorer:
         self.seq_len, self.width, self.batch_rows, self.device = seq_len, width, batch_rows, device
         # Logits leave the forward in the autocast dtype and the loss is taken outside it, as
         # the reference's sliding evaluation does: the same roundings, the same numbers.
+        # A row's scored positions are a run (`GPT.hidden_states`' query_runs): where the last
+        # block attends in windows, the one before it works only where the last one reads.
         # Fused, the forward's element-wise steps are ready-made kernels (seconds to build);
         # otherwise the whole forward may be compiled, where one pass over the data does not
         # repay Inductor's autotuning (autotune=False).
@@ -328,9 +330,10 @@ class WindowScorer:
 
             ops = FusedOps()
             ops.warm_up(model, seq_len, width)
-            self.logits_fn = functools.partial(model.logits_at, ops=ops)
+            self.logits_fn = functools.partial(model.logits_at, ops=ops, query_runs=True)
         else:
-            self.logits_fn = compiled(model.logits_at, compile_model, autotune=autotune)
+            self.logits_fn = compiled(functools.partial(model.logits_at, query_runs=True), compile_model,
+                                      autotune=autotune)
         self.window_offsets = torch.arange(seq_len, device=device)
         self.row_offsets = torch.arange(width, device=device)
         # set-up (kernel builds) and the first batch (what compiles at its first call)

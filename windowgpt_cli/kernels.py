@@ -70,8 +70,27 @@ def _x0_rows(n_ptr, gate_ptr, row, cols, mask, col_mask, rows_per_seq, width):
     return (1.0 - g) * n + g * n_prev.to(tl.float32)
 
 
+@triton.jit(do_not_specialize=["rows", "picked_per_seq"])
+def _smeared_rows_kernel(n_ptr, gate_ptr, positions_ptr, out_ptr, rows, picked_per_seq, seq_len, width,
+                         ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """x0 (`_x0_rows`, in float32) at chosen positions: out's row r is sequence
+    r // picked_per_seq's x0 at position positions[r]."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    live = row < rows
+    col_mask = cols < width
+    mask = live & col_mask
+    position = tl.load(positions_ptr + row, mask=live, other=0)
+    source = (row // picked_per_seq) * seq_len + position
+    x0 = _x0_rows(n_ptr, gate_ptr, source, cols, mask, col_mask, seq_len, width)
+    tl.store(out_ptr + row * width + cols, x0, mask=mask)
+
+
 # What a `_stream_norm_kernel` call does: a bit mask, read at run time, so that one compiled
-# kernel serves every block (each variant would cost a compilation on a fresh machine).
+# kernel serves every block (each variant would cost a compilation on a fresh machine). For
+# the same reason the kernels take row counts and sequence lengths unspecialized: Triton
+# would otherwise build a variant for each count's divisibility by 16, and the rows the last
+# block reads (`model.window_key_rows`) come in counts that are not.
 _BASE_IS_X0: tl.constexpr = tl.constexpr(1)
 _NEEDS_X0: tl.constexpr = tl.constexpr(2)
 _DELTA1: tl.constexpr = tl.constexpr(4)
@@ -80,9 +99,10 @@ _SKIP_TENSOR: tl.constexpr = tl.constexpr(16)
 _SKIP_ITSELF: tl.constexpr = tl.constexpr(32)
 _MIX: tl.constexpr = tl.constexpr(64)
 _KEEP: tl.constexpr = tl.constexpr(128)
+_X0_STORED: tl.constexpr = tl.constexpr(256)  # x0 given as float32 values (in n), not formed from n and the gate
 
 
-@triton.jit(do_not_specialize=["mode"])
+@triton.jit(do_not_specialize=["mode", "rows", "rows_per_seq"])
 def _stream_norm_kernel(base_ptr, delta1_ptr, scale1_ptr, delta2_ptr, scale2_ptr, skip_ptr, skip_weight_ptr,
                         n_ptr, gate_ptr, mix_ptr, factor_ptr, kept_ptr, x_in_ptr, normed_ptr,
                         rows, rows_per_seq, width, eps, mode, ROWS: tl.constexpr, BLOCK: tl.constexpr):
@@ -90,14 +110,16 @@ def _stream_norm_kernel(base_ptr, delta1_ptr, scale1_ptr, delta2_ptr, scale2_ptr
     skip_weight * skip (_SKIP_TENSOR) or skip_weight * x (_SKIP_ITSELF), stored in kept with
     _KEEP; with _MIX, x = mix[0] * x + mix[1] * x0, stored in x_in; then normed =
     rms_norm(x) * factor. With _NEEDS_X0, x0 is formed from n and the gate (and is the base
-    with _BASE_IS_X0)."""
+    with _BASE_IS_X0), or with _X0_STORED read from n."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
     col_mask = cols < width
     mask = (row < rows) & col_mask
     offsets = row * width + cols
     x0 = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
-    if (mode & _NEEDS_X0) != 0:
+    if (mode & _X0_STORED) != 0:
+        x0 = tl.load(n_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    elif (mode & _NEEDS_X0) != 0:
         x0 = _x0_rows(n_ptr, gate_ptr, row, cols, mask, col_mask, rows_per_seq, width)
     if (mode & _BASE_IS_X0) != 0:
         x = x0
@@ -124,7 +146,7 @@ def _stream_norm_kernel(base_ptr, delta1_ptr, scale1_ptr, delta2_ptr, scale2_ptr
     tl.store(normed_ptr + offsets, x * inv_rms[:, None] * tl.load(factor_ptr), mask=mask)
 
 
-@triton.jit(do_not_specialize=["heads", "has_gain"])
+@triton.jit(do_not_specialize=["heads", "has_gain", "rows_per_seq"])
 def _head_prep_kernel(x_ptr, cos_ptr, sin_ptr, gain_ptr, out_ptr, rows, rows_per_seq, cos_seq_stride,
                       cos_row_stride, eps, heads, has_gain, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr,
                       ROWS: tl.constexpr):
@@ -172,7 +194,7 @@ def _values_kernel(v_ptr, projected_ptr, scale_ptr, layer_scale_ptr, attn_ptr, x
     tl.store(xsa_ptr + offsets, v, mask=mask)
 
 
-@triton.jit(do_not_specialize=["heads", "group"])
+@triton.jit(do_not_specialize=["heads", "group", "rows_per_seq"])
 def _exclude_self_value_kernel(y_ptr, v_ptr, out_ptr, rows, rows_per_seq, y_seq_stride, y_row_stride,
                                y_head_stride, v_seq_stride, v_row_stride, v_head_stride, eps, heads, group,
                                HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
@@ -206,7 +228,7 @@ def _leaky_square_kernel(h_ptr, out_ptr, numel, negative_slope, BLOCK: tl.conste
     tl.store(out_ptr + offsets, _leaky_square_values(h, negative_slope).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _leaky_square_matmul_kernel(x_desc, w_desc, out_desc, rows, cols, depth, negative_slope, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr):
     """out = leaky_square(x @ w.T) for x [rows, depth], w [cols, depth] and out [rows, cols]
@@ -305,6 +327,11 @@ class FusedOps(TorchOps):
             shared = self.shared_values(activations(1, seq_len, cfg.kv_dim), model.ve_shared.scale)
             tasks.append(lambda: self.values(activations(1, seq_len, cfg.kv_dim),
                                              ValueInjection(shared, model.ve_layer_scales[0])))
+        keys = model.last_block_reads(torch.zeros(1, queries, dtype=torch.long, device=device), seq_len)
+        if keys is not None:  # the last block over the rows it reads, x0 given there
+            rows = torch.zeros(1, keys.positions.size(1), width, device=device, dtype=table.dtype)
+            tasks.append(lambda: self.block_input(Residual(rows), self.at_rows(x0, keys.positions), block.resid_mix,
+                                                  block.ln_scale_factor, keep_sum=False))
         tasks += window_kernel_builds(cfg, model.attention_backend, seq_len, device, eager=True, backward=False)
         run_in_threads(tasks, device)
 
@@ -319,10 +346,11 @@ class FusedOps(TorchOps):
             ROWS=STREAM_ROWS, BLOCK=triton.next_power_of_2(width), num_warps=STREAM_WARPS)
         return SmearedEmbedding(normed, gate.detach().float().contiguous())
 
-    def block_input(self, stream: Residual, x0: SmearedEmbedding, mix: Tensor, factor: Tensor,
+    def block_input(self, stream: Residual, x0: SmearedEmbedding | Tensor, mix: Tensor, factor: Tensor,
                     keep_sum: bool) -> tuple[Tensor | None, Tensor, Tensor]:
-        kept = torch.empty_like(x0.normed) if keep_sum else None
-        x_in = torch.empty_like(x0.normed)
+        like = _activation(stream, x0)
+        kept = torch.empty_like(like) if keep_sum else None
+        x_in = torch.empty_like(like)
         normed = _stream_norm(stream, x0, factor, mix=mix, kept=kept, x_in=x_in)
         return kept, x_in, normed
 
@@ -331,6 +359,20 @@ class FusedOps(TorchOps):
 
     def final_norm(self, stream: Residual) -> Tensor:
         return _stream_norm(stream, None, None)
+
+    def at_rows(self, value: SmearedEmbedding | ScaledProjection, positions: Tensor) -> Tensor | ScaledProjection:
+        """x0 at the rows as float32 values (what the kernels would form there), or the
+        shared value embedding's projection at the rows."""
+        if isinstance(value, ScaledProjection):
+            return ScaledProjection(super().at_rows(value.projected, positions).contiguous(), value.scale)
+        _, seq_len, width = value.normed.shape
+        positions = positions.contiguous()
+        out = torch.empty(*positions.shape, width, device=positions.device, dtype=torch.float32)
+        rows = positions.numel()
+        _smeared_rows_kernel[(triton.cdiv(rows, STREAM_ROWS),)](
+            value.normed.contiguous(), value.gate, positions, out, rows, positions.size(1), seq_len, width,
+            ROWS=STREAM_ROWS, BLOCK=triton.next_power_of_2(width), num_warps=STREAM_WARPS)
+        return out
 
     def shared_values(self, projected: Tensor, scale: Tensor) -> ScaledProjection:
         return ScaledProjection(projected.contiguous(), _float32(scale, projected))
@@ -401,16 +443,27 @@ class FusedOps(TorchOps):
         return (torch.tanh(logits.float() * (1.0 / cap)) * cap).to(logits.dtype)
 
 
-def _stream_norm(stream: Residual, x0: SmearedEmbedding | None, factor: Tensor | None, *,
+def _activation(stream: Residual, x0: SmearedEmbedding | Tensor | None) -> Tensor:
+    """A tensor of the stream's rows in its stored dtype (x0's normed embedding, or the
+    stream's base): the shape of a step's outputs, and any tensor argument it does not use."""
+    if isinstance(x0, SmearedEmbedding):
+        return x0.normed
+    return stream.base.normed if isinstance(stream.base, SmearedEmbedding) else stream.base
+
+
+def _stream_norm(stream: Residual, x0: SmearedEmbedding | Tensor | None, factor: Tensor | None, *,
                  mix: Tensor | None = None, kept: Tensor | None = None, x_in: Tensor | None = None) -> Tensor:
     """`_stream_norm_kernel` over every row of the stream: returns normed (bf16, times factor
-    if given); fills kept and x_in where given. Arguments the call does not use are filled
-    with tensors of the used ones' dtypes, so that every call shares one compiled kernel."""
+    if given); fills kept and x_in where given. x0 is the normed embedding and the gate, or
+    its float32 values at the stream's rows (`FusedOps.at_rows`). Arguments the call does not
+    use are filled with tensors of the used ones' dtypes, so that every call shares one
+    compiled kernel (calls with float32 x0 values, a second one)."""
     if len(stream.deltas) > 2:
         raise ValueError(f"the fused residual stream sums at most two scaled terms, not {len(stream.deltas)}")
     base_is_x0 = isinstance(stream.base, SmearedEmbedding)
     x0 = stream.base if base_is_x0 else x0
-    like = x0.normed if x0 is not None else stream.base  # an activation: any unused tensor argument
+    x0_stored = isinstance(x0, Tensor)
+    like = _activation(stream, x0)
     width = like.size(-1)
     rows = like.numel() // width
     normed = torch.empty(*like.shape, device=like.device, dtype=torch.bfloat16)
@@ -418,6 +471,7 @@ def _stream_norm(stream: Residual, x0: SmearedEmbedding | None, factor: Tensor |
     deltas = [(delta.contiguous(), _float32(scale, factor)) for delta, scale in stream.deltas]
     deltas += [(like, factor)] * (2 - len(deltas))
     mode = ((_BASE_IS_X0.value if base_is_x0 else 0) | (_NEEDS_X0.value if x0 is not None else 0)
+            | (_X0_STORED.value if x0_stored else 0)
             | (_DELTA1.value if len(stream.deltas) > 0 else 0) | (_DELTA2.value if len(stream.deltas) > 1 else 0)
             | (_MIX.value if mix is not None else 0) | (_KEEP.value if kept is not None else 0))
     if stream.skip_weight is not None:
@@ -425,7 +479,8 @@ def _stream_norm(stream: Residual, x0: SmearedEmbedding | None, factor: Tensor |
     _stream_norm_kernel[(triton.cdiv(rows, STREAM_ROWS),)](
         like if base_is_x0 else stream.base.contiguous(), *deltas[0], *deltas[1],
         stream.skip.contiguous() if stream.skip is not None else like, _float32(stream.skip_weight, factor),
-        x0.normed if x0 is not None else like, x0.gate if x0 is not None else factor, _float32(mix, factor),
+        x0 if x0_stored else x0.normed if x0 is not None else like,
+        x0.gate if isinstance(x0, SmearedEmbedding) else factor, _float32(mix, factor),
         factor, kept if kept is not None else like, x_in if x_in is not None else like, normed,
         rows, like.size(-2), width, FLOAT32_EPS, mode, ROWS=STREAM_ROWS, BLOCK=triton.next_power_of_2(width),
         num_warps=STREAM_WARPS)

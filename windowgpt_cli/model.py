@@ -162,6 +162,11 @@ class TorchOps:
     def final_norm(self, stream: Residual) -> Tensor:
         return rms_norm(self.stream_sum(stream))
 
+    def at_rows(self, value: Tensor, positions: Tensor) -> Tensor:
+        """x0 or the shared value embedding (as `embed` and `shared_values` give them) at
+        positions [B, R] of each sequence."""
+        return pick_positions(value, positions)
+
     def shared_values(self, projected: Tensor, scale: Tensor) -> Tensor:
         """The value embedding the layers that take one share: projected * scale."""
         return projected * scale.to(dtype=projected.dtype)
@@ -216,9 +221,12 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor, q_w: Tensor, k_w: Tensor, v_w: Tensor, out_w: Tensor,
                 rotary: tuple[Tensor, Tensor], v_embed: ValueInjection | None, queries: Tensor | None = None,
-                ops: TorchOps = TORCH_OPS) -> Tensor:
+                ops: TorchOps = TORCH_OPS, rows: Tensor | None = None, keys: KeyRows | None = None) -> Tensor:
         """Attention output at every position, or only at `queries` [B, K] (keys and values
-        still come from every position)."""
+        still come from every position). With `rows` [B, R]: attention at every position,
+        the output kept only at those rows. With `keys`: x holds only the rows keys.positions
+        of the sequences (rotary given there too) and queries index them; the attention sees
+        their keys and values where the whole sequence's would be, so it adds as before."""
         b, t, dim = x.shape
         self._observe(("c_q", "c_k", "c_v"), x)
         x_q = x if queries is None else pick_positions(x, queries)
@@ -228,14 +236,20 @@ class CausalSelfAttention(nn.Module):
         v, v_xsa = (values.reshape(b, t, self.num_kv_heads, self.head_dim) for values in (v, v_xsa))
         cos, sin = rotary
         k = ops.head_prep(k, cos, sin, self.rope_dims, None)
-        q_cos, q_sin = (cos, sin) if queries is None else (cos[0, queries], sin[0, queries])
+        q_cos, q_sin = (cos, sin) if queries is None else (table_rows(cos, queries), table_rows(sin, queries))
         q = ops.head_prep(q, q_cos, q_sin, self.rope_dims, self.q_gain)
         if self.kv_cache is not None:  # new positions against the cached ones
             y, v_q = self.kv_cache.attend(q, k, v, self.window, self.sinks), v_xsa
         elif queries is None:
             y, v_q = attention(q, k, v, self.window, self.sinks, self.backend), v_xsa
-        else:
+            if rows is not None:
+                y, v_q = pick_positions(y, rows), pick_positions(v_xsa, rows)
+        elif keys is None:
             y, v_q = attention_at(q, k, v, queries, self.window, self.sinks), pick_positions(v_xsa, queries)
+        else:
+            y = attention_at(q, keys.spread(k), keys.spread(v), pick_positions(keys.positions, queries), self.window,
+                             self.sinks)
+            v_q = pick_positions(v_xsa, queries)
         if self.use_xsa:
             y = ops.exclude_self_value(y, v_q)
         y = y.reshape(b, y.size(1), dim)
@@ -257,6 +271,45 @@ def pick_positions(x: Tensor, positions: Tensor) -> Tensor:
     """x[b, positions[b, k]] for x of shape [B, T, ...]: [B, K, ...]."""
     index = positions.reshape(*positions.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
     return x.gather(1, index)
+
+
+def table_rows(table: Tensor, positions: Tensor) -> Tensor:
+    """A rotary table [1 or B, T, 1, R] at positions [B, K]: [B, K, 1, R]."""
+    return pick_positions(table.expand(positions.size(0), *table.shape[1:]), positions)
+
+
+@dataclass(frozen=True)
+class KeyRows:
+    """The rows of sequences of seq_len that a last block attending in windows reads when
+    it serves a run of queries per sequence (`window_key_rows`)."""
+
+    positions: Tensor  # [B, R] sequence positions, sorted (clamped into the sequence)
+    valid: Tensor  # [B, R] which rows stand for their position (the others repeat one or lie outside)
+    queries: Tensor  # [B, K] each query's index among the rows
+    seq_len: int
+
+    def spread(self, x: Tensor) -> Tensor:
+        """x [B, R, ...] at the rows, placed at their positions in zeros [B, seq_len, ...]."""
+        # rows that stand for no position go to one extra slot, cut off after
+        index = torch.where(self.valid, self.positions, self.seq_len)
+        index = index.reshape(*index.shape, *([1] * (x.dim() - 2))).expand_as(x)
+        out = x.new_zeros(x.size(0), self.seq_len + 1, *x.shape[2:])
+        return out.scatter(1, index, x)[:, :self.seq_len]
+
+
+def window_key_rows(queries: Tensor, seq_len: int, window: int, sinks: int) -> KeyRows:
+    """For queries [B, K] that lie within K consecutive positions of each sequence (a run,
+    as sliding evaluation's rows do), the positions a layer attending in windows of `window`
+    with `sinks` sink tokens reads: the sinks, then the window + K positions that end with
+    the run. A sink the second part holds too (or that follows every query) is left out
+    there; so is a position outside the sequence."""
+    batch, count = queries.shape
+    start = queries.min(dim=1, keepdim=True).values - window
+    span = start + torch.arange(window + count, device=queries.device)
+    sink = torch.arange(sinks, device=queries.device).expand(batch, sinks)
+    positions = torch.cat([sink, span], dim=1)
+    valid = torch.cat([sink < start, (span >= 0) & (span < seq_len)], dim=1)
+    return KeyRows(positions.clamp(0, seq_len - 1), valid, sinks + queries - start, seq_len)
 
 
 def exclude_self_value(y: Tensor, v: Tensor) -> Tensor:
@@ -306,14 +359,16 @@ class Block(nn.Module):
 
     def forward(self, stream: Residual, x0: Any, weights: tuple[Tensor, ...], rotary: tuple[Tensor, Tensor],
                 v_embed: ValueInjection | None, queries: Tensor | None = None, ops: TorchOps = TORCH_OPS,
-                keep_input: bool = False) -> tuple[Tensor | None, Residual]:
+                keep_input: bool = False, rows: Tensor | None = None,
+                keys: KeyRows | None = None) -> tuple[Tensor | None, Residual]:
         """(the stream's sum at the block's input if keep_input, the stream at its output),
-        at every position or, with `queries` [B, K], only there."""
+        at every position or, with `queries` [B, K] (or `rows`, see `CausalSelfAttention`),
+        only there."""
         q_w, k_w, v_w, out_w, up_w, down_w = weights
         kept, x_in, normed = ops.block_input(stream, x0, self.resid_mix, self.ln_scale_factor, keep_input)
-        attn_out = self.attn(normed, q_w, k_w, v_w, out_w, rotary, v_embed, queries, ops)
-        if queries is not None:
-            x_in = pick_positions(x_in, queries)
+        attn_out = self.attn(normed, q_w, k_w, v_w, out_w, rotary, v_embed, queries, ops, rows, keys)
+        if queries is not None or rows is not None:
+            x_in = pick_positions(x_in, queries if queries is not None else rows)
         stream, normed = ops.residual_norm(Residual(x_in).plus(attn_out, self.attn_scale), self.ln_scale_factor)
         mlp_out = self.mlp(normed, up_w, down_w, ops)
         return kept, stream.plus(mlp_out, self.mlp_scale)
@@ -475,16 +530,21 @@ class GPT(nn.Module):
             bigram, bigram_scale = self.bigram(input_ids), self.bigram.scale
         return ops.embed(input_ids, self.tok_emb.weight, bigram, bigram_scale, self.smear.gate)
 
-    def hidden_states(self, input_ids: Tensor, queries: Tensor | None = None, ops: TorchOps = TORCH_OPS) -> Tensor:
+    def hidden_states(self, input_ids: Tensor, queries: Tensor | None = None, ops: TorchOps = TORCH_OPS,
+                      query_runs: bool = False) -> Tensor:
         """The trunk: final-normed hidden states [B, T, model_dim], or [B, K, model_dim] at
-        queries [B, K] only (the last block then runs its queries and MLP only there).
+        queries [B, K] only (the last block then runs its queries and MLP only there). With
+        query_runs (each sequence's queries lie within K consecutive positions) and a last
+        block that attends in windows, the block before it runs everything after its
+        attention only at the rows the last block reads (`window_key_rows`), and the last
+        block only over those.
 
         The encoder's outputs come back in reverse order as skips into the decoder. An
         encoder block's output is the next block's input sum, kept when that block forms it;
         the last one is the first decoder block's own input sum, so that block adds its sum
         to itself."""
         x0 = self.embed(input_ids, ops)
-        return self.trunk(input_ids, x0, self.rotary(input_ids.shape[1], input_ids.device), queries, ops)
+        return self.trunk(input_ids, x0, self.rotary(input_ids.shape[1], input_ids.device), queries, ops, query_runs)
 
     def rotary(self, seq_len: int, device: torch.device, start: int = 0) -> tuple[Tensor, Tensor]:
         """cos and sin at positions start..seq_len - 1 of a sequence of seq_len tokens."""
@@ -494,7 +554,7 @@ class GPT(nn.Module):
         return cos[:, start:], sin[:, start:]
 
     def trunk(self, input_ids: Tensor, x0: Any, rotary: tuple[Tensor, Tensor], queries: Tensor | None = None,
-              ops: TorchOps = TORCH_OPS) -> Tensor:
+              ops: TorchOps = TORCH_OPS, query_runs: bool = False) -> Tensor:
         """The blocks and the final norm over the positions of input_ids, whose x0 and rotary
         tables are given (see `hidden_states`)."""
         ve_shared = None
@@ -503,17 +563,40 @@ class GPT(nn.Module):
         weights = self.layer_weights(matmul_dtype(self.tok_emb.weight))
         stream, skips = Residual(x0), []
         encoder, last = self.num_encoder_layers, self.num_layers - 1
+        keys = self.last_block_reads(queries, input_ids.shape[1]) if query_runs and queries is not None else None
         for i, block in enumerate(self.blocks):
             if i == encoder and encoder > 0:  # the last encoder block's output: this block's input
                 stream = stream.plus_skip(None, self.skip_weights[0])
             elif i > encoder and skips:
-                stream = stream.plus_skip(skips.pop(), self.skip_weights[i - encoder])
+                skip = skips.pop()
+                if keys is not None and i == last:
+                    skip = pick_positions(skip, keys.positions)
+                stream = stream.plus_skip(skip, self.skip_weights[i - encoder])
             keep = 0 < i < encoder
-            kept, stream = block(stream, x0, weights[i], rotary, self._value_injection(i, ve_shared),
-                                 queries if i == last else None, ops, keep_input=keep)
+            injection = self._value_injection(i, ve_shared)
+            if keys is None:
+                kept, stream = block(stream, x0, weights[i], rotary, injection, queries if i == last else None, ops,
+                                     keep_input=keep)
+            elif i == last - 1:  # past its attention, this block runs only where the last one reads
+                kept, stream = block(stream, x0, weights[i], rotary, injection, ops=ops, keep_input=keep,
+                                     rows=keys.positions)
+                x0 = ops.at_rows(x0, keys.positions)
+                ve_shared = ops.at_rows(ve_shared, keys.positions) if ve_shared is not None else None
+                rotary = (table_rows(rotary[0], keys.positions), table_rows(rotary[1], keys.positions))
+            else:
+                kept, stream = block(stream, x0, weights[i], rotary, injection, keys.queries if i == last else None,
+                                     ops, keep_input=keep, keys=keys if i == last else None)
             if keep:
                 skips.append(kept)
         return ops.final_norm(stream)
+
+    def last_block_reads(self, queries: Tensor, seq_len: int) -> KeyRows | None:
+        """The rows the last block reads for runs of queries (`window_key_rows`), where it
+        attends in windows and they are fewer than the sequence; else None."""
+        attn = self.blocks[-1].attn
+        if self.num_layers < 2 or attn.window <= 0 or attn.sinks + attn.window + queries.size(1) >= seq_len:
+            return None
+        return window_key_rows(queries, seq_len, attn.window, attn.sinks)
 
     def _value_injection(self, layer: int, ve_shared: Any) -> ValueInjection | None:
         if ve_shared is None or layer not in self.ve_layer_indices:
@@ -533,11 +616,12 @@ class GPT(nn.Module):
         logits = self.forward_logits(input_ids)
         return F.cross_entropy(logits.float().flatten(0, 1), target_ids.flatten(), reduction="none").view_as(target_ids)
 
-    def logits_at(self, input_ids: Tensor, positions: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
+    def logits_at(self, input_ids: Tensor, positions: Tensor, ops: TorchOps = TORCH_OPS,
+                  query_runs: bool = False) -> Tensor:
         """Logits [B, K, V] at positions[b, k] of input_ids[b]: the trunk runs over whole
         windows, the last block's queries, its MLP and the output layer only where a
-        prediction is scored."""
-        return self.logits(self.hidden_states(input_ids, positions, ops), ops)
+        prediction is scored (query_runs: see `hidden_states`)."""
+        return self.logits(self.hidden_states(input_ids, positions, ops, query_runs), ops)
 
     def forward(self, input_ids: Tensor, target_ids: Tensor) -> Tensor:
         """Mean cross-entropy, as the reference's training forward."""
