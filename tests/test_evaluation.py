@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from windowgpt_cli import evaluation
 from windowgpt_cli.config import TTTConfig, tiny_preset
 from windowgpt_cli.errors import ConfigError, DataError
 from windowgpt_cli.evaluation import (CPU_BATCH_WINDOWS, MAX_AUTO_BATCH_WINDOWS, WindowScorer,
@@ -310,6 +311,25 @@ def test_training_after_scoring_in_inference_mode(eval_model, ttt_tokens, eval_l
     assert math.isfinite(result.val_bpb)
     assert not torch.equal(eval_model.qo_bank.detach(), before)
     assert all(p.requires_grad and p.grad is None for p in eval_model.parameters())
+
+
+@pytest.mark.parametrize("epochs", [1, 0])
+def test_ttt_builds_its_gradient_kernels_once_beside_the_scorers(eval_model, ttt_tokens, eval_luts, monkeypatch,
+                                                                 epochs):
+    """The window attention's kernels that TTT's steps run are built once, by the scorer's
+    set-up (in its threads, before the first chunk is scored), and not at all without training."""
+    events = []
+    monkeypatch.setattr(evaluation, "window_kernel_builds",
+                        lambda *args, backward, **kwargs: [lambda: events.append(("build", backward))])
+    scorer_init = evaluation.WindowScorer.__init__
+
+    def recording_init(self, *args, **kwargs):
+        scorer_init(self, *args, **kwargs)
+        events.append("scorer ready")
+
+    monkeypatch.setattr(evaluation.WindowScorer, "__init__", recording_init)
+    run_ttt(eval_model, ttt_tokens, eval_luts, ttt_epochs=epochs)
+    assert events == ([("build", True), "scorer ready"] if epochs else ["scorer ready"])
 
 
 @pytest.mark.parametrize("freeze_bank_slices", [True, False])

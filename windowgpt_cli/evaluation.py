@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -312,7 +312,8 @@ class WindowScorer:
     """
 
     def __init__(self, model: GPT, tokens: Tensor, luts: ByteLuts, *, seq_len: int, width: int, batch_rows: int,
-                 device: torch.device, compile_model: bool, fused: bool = False, autotune: bool = False):
+                 device: torch.device, compile_model: bool, fused: bool = False, autotune: bool = False,
+                 other_builds: Iterable[Callable[[], object]] = ()):
         if batch_rows < 1:
             raise ConfigError(f"the evaluation batch ({batch_rows} windows) must hold at least one window")
         built = _sync_clock(device)
@@ -324,14 +325,16 @@ class WindowScorer:
         # block attends in windows, the one before it works only where the last one reads.
         # Fused, the forward's element-wise steps are ready-made kernels (seconds to build);
         # otherwise the whole forward may be compiled, where one pass over the data does not
-        # repay Inductor's autotuning (autotune=False).
+        # repay Inductor's autotuning (autotune=False). A caller's own kernel builds
+        # (other_builds) run beside the scorer's.
         if fused:
             from .kernels import FusedOps
 
             ops = FusedOps()
-            ops.warm_up(model, seq_len, width)
+            ops.warm_up(model, seq_len, width, other_builds)
             self.logits_fn = functools.partial(model.logits_at, ops=ops, query_runs=True)
         else:
+            run_in_threads(other_builds, device)
             self.logits_fn = compiled(functools.partial(model.logits_at, query_runs=True), compile_model,
                                       autotune=autotune)
         self.window_offsets = torch.arange(seq_len, device=device)
@@ -550,13 +553,13 @@ class ChunkTrainer:
     """
 
     def __init__(self, model: GPT, params: TTTParameters, ttt: TTTConfig, tokens: Tensor, *, seq_len: int,
-                 device: torch.device, rank: int, world_size: int, compile_model: bool):
+                 device: torch.device, rank: int, world_size: int, compile_model: bool, build_kernels: bool = True):
         self.model, self.params, self.ttt, self.tokens = model, params, ttt, tokens
         self.seq_len, self.device, self.rank, self.world_size = seq_len, device, rank, world_size
         self.loss_fn = compiled(model, compile_model)
-        if ttt.ttt_epochs > 0:  # the window attention's gradient kernels, built side by side now
-            run_in_threads(window_kernel_builds(model.cfg, model.attention_backend, seq_len, device,
-                                                eager=not compile_model, backward=True), device)
+        self.compile_model = compile_model
+        if build_kernels:
+            run_in_threads(self.kernel_builds(), device)
         self.optimizer = torch.optim.SGD(params.trainable, lr=ttt.ttt_lr, momentum=ttt.ttt_momentum)
         # Several ranks all-reduce their gradients between backward and clipping (NCCL
         # inside a graph is left alone); a compiled forward keeps its eager steps too.
@@ -564,6 +567,14 @@ class ChunkTrainer:
         self.stream = torch.cuda.Stream(device) if self.recording and device.type == "cuda" else None
         self.shapes: dict[int, _ShapeStep] = {}  # by sequences per step
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}  # steps run eagerly; records; replays
+
+    def kernel_builds(self) -> list[Callable[[], object]]:
+        """The builds of the window attention's kernels its steps run, gradients too (none
+        without training), to run side by side (built with the trainer unless told not to)."""
+        if self.ttt.ttt_epochs <= 0:
+            return []
+        return window_kernel_builds(self.model.cfg, self.model.attention_backend, self.seq_len, self.device,
+                                    eager=not self.compile_model, backward=True)
 
     def train_chunk(self, chunk_start: int, chunk_end: int, lr: float) -> None:
         chunk_seqs = (chunk_end - chunk_start) // self.seq_len
@@ -705,11 +716,12 @@ def evaluate_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTConfig,
     params = select_ttt_parameters(model, ttt.ttt_freeze_blocks, ttt.ttt_freeze_bank_slices)
     log(f"ttt_sliding:params unfrozen={params.unfrozen_count} frozen={params.frozen_count}")
     tokens = _device_tokens(val_tokens, device)
+    trainer = ChunkTrainer(model, params, ttt, tokens, seq_len=seq_len, device=device, rank=rank,
+                           world_size=world_size, compile_model=compile_training, build_kernels=False)
     scorer = WindowScorer(model, tokens, luts.to(device), seq_len=seq_len, width=stride,
                           batch_rows=batch_windows(batch_seqs, model.cfg, seq_len, device), device=device,
-                          compile_model=compile_model, fused=should_fuse(fused, device))
-    trainer = ChunkTrainer(model, params, ttt, tokens, seq_len=seq_len, device=device, rank=rank,
-                            world_size=world_size, compile_model=compile_training)
+                          compile_model=compile_model, fused=should_fuse(fused, device),
+                          other_builds=trainer.kernel_builds())
     chunk_sums = torch.zeros(num_chunks, 3, dtype=torch.float64, device=device)
     training_seconds = 0.0
     try:

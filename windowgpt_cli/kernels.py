@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import torch
 import triton
@@ -292,13 +293,14 @@ class FusedOps(TorchOps):
     def __init__(self, tiles: MatmulTiles | None = MatmulTiles()):
         self.tiles = tiles
 
-    def warm_up(self, model: GPT, seq_len: int, queries: int) -> None:
+    def warm_up(self, model: GPT, seq_len: int, queries: int,
+                other_builds: Iterable[Callable[[], object]] = ()) -> None:
         """Build every kernel that scoring windows of seq_len with `queries` predictions per
         row runs (the window attention's too), each on one window of zeros, in parallel
         threads: a build mostly waits on Triton's ptxas and C compiler processes, so the
         builds overlap, where a first forward would run them one after another. Arguments
         keep the real ones' dtypes and shapes' divisibility, so the real calls find the
-        kernels built."""
+        kernels built. other_builds (a caller's own) run in the same threads."""
         cfg, table = model.cfg, model.tok_emb.weight.detach()
         device, width = table.device, table.size(1)
         activations = functools.partial(torch.zeros, device=device, dtype=torch.bfloat16)
@@ -333,7 +335,7 @@ class FusedOps(TorchOps):
             tasks.append(lambda: self.block_input(Residual(rows), self.at_rows(x0, keys.positions), block.resid_mix,
                                                   block.ln_scale_factor, keep_sum=False))
         tasks += window_kernel_builds(cfg, model.attention_backend, seq_len, device, eager=True, backward=False)
-        run_in_threads(tasks, device)
+        run_in_threads([*tasks, *other_builds], device)
 
     def embed(self, ids: Tensor, table: Tensor, bigram: Tensor | None, bigram_scale: Tensor | None,
               gate: Tensor) -> SmearedEmbedding:
