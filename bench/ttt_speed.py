@@ -1,6 +1,7 @@
 """TTT's training step on CUDA: eager steps against CUDA-graph replays, from the same weights.
 
     PYTHONPATH=$PWD python3 bench/ttt_speed.py [--steps 30] [--seqs 16] [--seq-len 2048] [--deterministic]
+        [--fused]
 
 The record model (windows of 512 tokens with 4 sinks on layers 2,4,6,8,10), freshly built on
 one GPU with its weights moved off their initialization by a little seeded noise, trains
@@ -11,7 +12,10 @@ eager first step compiles the attention kernel; the graph side captures at its s
 last line is the largest weight difference between the two sides after the last step, which
 must be 0. Should it not be, a second eager run tells whether eager steps themselves differ
 run to run (the attention backward's atomics): --deterministic asks torch for deterministic
-kernels, under which eager and graph steps must agree bit for bit.
+kernels, under which eager and graph steps must agree bit for bit. --fused runs both
+sides with the fused training kernels (`train_kernels.TrainingOps`, as eval-ttt does on
+CUDA), then times a third side, graph replays without them, and prints the ratio of the
+two graph sides and their largest weight difference.
 """
 from __future__ import annotations
 
@@ -45,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attn-backend", default="auto", help="as eval-ttt's --attn-backend")
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic kernels (torch.use_deterministic_algorithms, warn only)")
+    p.add_argument("--fused", action="store_true", help="fused training kernels on both sides, and a third "
+                                                          "side without them")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.steps <= WARM_UP_STEPS:
@@ -64,14 +70,14 @@ def record_model(args: argparse.Namespace, device: torch.device) -> GPT:
 
 
 def train_side(model: GPT, state: dict[str, Tensor], tokens: Tensor, args: argparse.Namespace,
-               graphs: bool) -> tuple[list[float], dict[str, int], dict[str, Tensor]]:
+               graphs: bool, fused: bool) -> tuple[list[float], dict[str, int], dict[str, Tensor]]:
     """Seconds of each step, the trainer's step counts, and the weights after the last step."""
     model.load_state_dict(state)
     ttt = dataclasses.replace(RunConfig().ttt, ttt_epochs=1, ttt_cuda_graphs=graphs)
     params = select_ttt_parameters(model, ttt.ttt_freeze_blocks, ttt.ttt_freeze_bank_slices)
     device = tokens.device
     trainer = ChunkTrainer(model, params, ttt, tokens, seq_len=args.seq_len, device=device, rank=0, world_size=1,
-                           compile_model=False)
+                           compile_model=False, fused=fused)
     chunk = args.seqs * args.seq_len
     seconds = []
     for step in range(args.steps):
@@ -117,17 +123,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}: {args.steps} TTT steps of "
           f"{args.seqs} x {args.seq_len} tokens, attention {args.attn_backend}, "
           f"deterministic={'on' if args.deterministic else 'off'}")
-    eager_s, eager_counts, eager_w = train_side(model, state, tokens, args, graphs=False)
+    eager_s, eager_counts, eager_w = train_side(model, state, tokens, args, graphs=False, fused=args.fused)
     print(describe("eager", eager_s, eager_counts))
-    graph_s, graph_counts, graph_w = train_side(model, state, tokens, args, graphs=True)
+    graph_s, graph_counts, graph_w = train_side(model, state, tokens, args, graphs=True, fused=args.fused)
     print(describe("graph", graph_s, graph_counts))
     speedup = statistics.mean(eager_s[WARM_UP_STEPS:]) / statistics.mean(graph_s[WARM_UP_STEPS:])
     print(f"speed-up: {speedup:.2f}x")
+    if args.fused:
+        plain_s, plain_counts, plain_w = train_side(model, state, tokens, args, graphs=True, fused=False)
+        print(describe("graph, unfused", plain_s, plain_counts))
+        ratio = statistics.mean(graph_s[WARM_UP_STEPS:]) / statistics.mean(plain_s[WARM_UP_STEPS:])
+        print(f"fused / unfused graph steps: {ratio:.3f}; max |weight difference| after {args.steps} steps: "
+              f"{max_difference(graph_w, plain_w):g}")
     difference = max_difference(eager_w, graph_w)
     print(f"max |weight difference| after {args.steps} steps, eager vs graph: {difference:g}")
     if difference == 0:
         return 0
-    _, _, again_w = train_side(model, state, tokens, args, graphs=False)
+    _, _, again_w = train_side(model, state, tokens, args, graphs=False, fused=args.fused)
     control = max_difference(eager_w, again_w)
     print(f"max |weight difference|, eager vs eager: {control:g}"
           + ("" if control == 0 else " (eager steps differ run to run: compare with --deterministic)"))

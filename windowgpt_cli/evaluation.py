@@ -553,11 +553,20 @@ class ChunkTrainer:
     """
 
     def __init__(self, model: GPT, params: TTTParameters, ttt: TTTConfig, tokens: Tensor, *, seq_len: int,
-                 device: torch.device, rank: int, world_size: int, compile_model: bool, build_kernels: bool = True):
+                 device: torch.device, rank: int, world_size: int, compile_model: bool, fused: bool = False,
+                 build_kernels: bool = True):
         self.model, self.params, self.ttt, self.tokens = model, params, ttt, tokens
         self.seq_len, self.device, self.rank, self.world_size = seq_len, device, rank, world_size
-        self.loss_fn = compiled(model, compile_model)
         self.compile_model = compile_model
+        # Uncompiled, the costliest element-wise steps may run as fused kernels (fused).
+        self.training_ops = None
+        if fused and not compile_model:
+            from .train_kernels import TrainingOps
+
+            self.training_ops = TrainingOps()
+            self.loss_fn = functools.partial(model, ops=self.training_ops)
+        else:
+            self.loss_fn = compiled(model, compile_model)
         if build_kernels:
             run_in_threads(self.kernel_builds(), device)
         self.optimizer = torch.optim.SGD(params.trainable, lr=ttt.ttt_lr, momentum=ttt.ttt_momentum)
@@ -573,8 +582,11 @@ class ChunkTrainer:
         without training), to run side by side (built with the trainer unless told not to)."""
         if self.ttt.ttt_epochs <= 0:
             return []
-        return window_kernel_builds(self.model.cfg, self.model.attention_backend, self.seq_len, self.device,
-                                    eager=not self.compile_model, backward=True)
+        builds = window_kernel_builds(self.model.cfg, self.model.attention_backend, self.seq_len, self.device,
+                                      eager=not self.compile_model, backward=True)
+        if self.training_ops is not None:
+            builds += self.training_ops.kernel_builds(self.model, self.seq_len)
+        return builds
 
     def train_chunk(self, chunk_start: int, chunk_end: int, lr: float) -> None:
         chunk_seqs = (chunk_end - chunk_start) // self.seq_len
@@ -696,6 +708,7 @@ def evaluate_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTConfig,
     decayed learning rate. Every target is therefore scored before any update that could have
     seen it. The model's weights are changed. Scoring runs the fused kernels (fused, default:
     where they can run) or else compiles its forward with compile_model (default: on CUDA);
+    with fused, uncompiled training steps run `train_kernels.TrainingOps`' fused steps too.
     compile_training (default: off) compiles the training step's: TTT trains a few
     small batches per chunk in one pass over the data, too little to repay compiling a
     backward graph. Uncompiled, in one process, ttt.ttt_cuda_graphs replays the steps as
@@ -716,12 +729,12 @@ def evaluate_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTConfig,
     params = select_ttt_parameters(model, ttt.ttt_freeze_blocks, ttt.ttt_freeze_bank_slices)
     log(f"ttt_sliding:params unfrozen={params.unfrozen_count} frozen={params.frozen_count}")
     tokens = _device_tokens(val_tokens, device)
+    fused = should_fuse(fused, device)
     trainer = ChunkTrainer(model, params, ttt, tokens, seq_len=seq_len, device=device, rank=rank,
-                           world_size=world_size, compile_model=compile_training, build_kernels=False)
+                           world_size=world_size, compile_model=compile_training, fused=fused, build_kernels=False)
     scorer = WindowScorer(model, tokens, luts.to(device), seq_len=seq_len, width=stride,
                           batch_rows=batch_windows(batch_seqs, model.cfg, seq_len, device), device=device,
-                          compile_model=compile_model, fused=should_fuse(fused, device),
-                          other_builds=trainer.kernel_builds())
+                          compile_model=compile_model, fused=fused, other_builds=trainer.kernel_builds())
     chunk_sums = torch.zeros(num_chunks, 3, dtype=torch.float64, device=device)
     training_seconds = 0.0
     try:

@@ -390,20 +390,10 @@ class FusedOps(TorchOps):
         return for_attention, for_xsa
 
     def head_prep(self, x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None) -> Tensor:
-        b, t, heads, head_dim = x.shape
-        rope_half = (rope_dims if 0 < rope_dims < head_dim else head_dim) // 2
-        if not _powers_of_two(head_dim, rope_half):
+        rope_half = rotated_half(x.size(-1), rope_dims)
+        if not _powers_of_two(x.size(-1), rope_half):
             return super().head_prep(x, cos, sin, rope_dims, gain)
-        x = x.contiguous()
-        cos, sin = (table.expand(b if table.size(0) > 1 else 1, t, 1, rope_half).float().contiguous()
-                    for table in (cos, sin))
-        out = torch.empty(b, t, heads, head_dim, device=x.device, dtype=torch.bfloat16)
-        rows = b * t * heads
-        _head_prep_kernel[(triton.cdiv(rows, HEAD_ROWS),)](
-            x, cos, sin, _float32(gain, cos), out, rows, t, cos.stride(0) if cos.size(0) > 1 else 0,
-            cos.stride(1), FLOAT32_EPS, heads, int(gain is not None), HEAD_DIM=head_dim, ROPE_HALF=rope_half,
-            ROWS=HEAD_ROWS, num_warps=HEAD_WARPS)
-        return out
+        return head_prep(x, rotary_rows(cos, x, rope_half), rotary_rows(sin, x, rope_half), gain, torch.bfloat16)
 
     def exclude_self_value(self, y: Tensor, v: Tensor) -> Tensor:
         b, t, heads, head_dim = y.shape
@@ -505,6 +495,31 @@ def _programs(device: torch.device) -> int:
     if device.type != "cuda":
         return 2
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def rotated_half(head_dim: int, rope_dims: int) -> int:
+    """Half the channels of a head that the rotary embedding rotates."""
+    return (rope_dims if 0 < rope_dims < head_dim else head_dim) // 2
+
+
+def rotary_rows(table: Tensor, x: Tensor, rope_half: int) -> Tensor:
+    """A rotary table (cos or sin, [1 or B, T, 1, rope_half]) as `head_prep` reads it: float32,
+    contiguous, one row per position (of every sequence, where the table has one per sequence)."""
+    b, t = x.shape[:2]
+    return table.expand(b if table.size(0) > 1 else 1, t, 1, rope_half).float().contiguous()
+
+
+def head_prep(x: Tensor, cos: Tensor, sin: Tensor, gain: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """`_head_prep_kernel` over queries or keys x [B, T, H, D], the tables as `rotary_rows`
+    gives them; the result in dtype."""
+    b, t, heads, head_dim = x.shape
+    out = torch.empty(b, t, heads, head_dim, device=x.device, dtype=dtype)
+    rows = b * t * heads
+    _head_prep_kernel[(triton.cdiv(rows, HEAD_ROWS),)](
+        x.contiguous(), cos, sin, _float32(gain, cos), out, rows, t, cos.stride(0) if cos.size(0) > 1 else 0,
+        cos.stride(1), FLOAT32_EPS, heads, int(gain is not None), HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1),
+        ROWS=HEAD_ROWS, num_warps=HEAD_WARPS)
+    return out
 
 
 def _powers_of_two(*sizes: int) -> bool:

@@ -623,9 +623,9 @@ class GPT(nn.Module):
         prediction is scored (query_runs: see `hidden_states`)."""
         return self.logits(self.hidden_states(input_ids, positions, ops, query_runs), ops)
 
-    def forward(self, input_ids: Tensor, target_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, target_ids: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
         """Mean cross-entropy, as the reference's training forward."""
-        logits = self.logits(self.hidden_states(input_ids).flatten(0, 1))
+        logits = self.logits(self.hidden_states(input_ids, ops=ops).flatten(0, 1), ops)
         return F.cross_entropy(logits.float(), target_ids.reshape(-1), reduction="mean")
 
 

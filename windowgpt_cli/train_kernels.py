@@ -1,0 +1,167 @@
+"""Fused GPU kernels that autograd differentiates, for eager training steps (Triton).
+
+Test-time training runs its steps eagerly: compiling a backward graph costs more than the
+few hundred small steps it would speed up. Eagerly, torch runs each element-wise step as
+several kernels, and autograd as several more, so those kernels, not the matrix products,
+fill most of a step. `TrainingOps` runs the costliest steps as one kernel forward and one
+backward: the per-head norm, rotation and gain of queries and keys (`_head_prep_backward_kernel`
+after `kernels._head_prep_kernel`), and the MLP's LeakyReLU².
+
+Forwards round as `kernels.FusedOps` does (float32 arithmetic, rounded where a tensor is
+stored); backwards compute in float32 from the stored inputs and round once, to the
+input's dtype. Importing this module imports Triton.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .kernels import (ELEMENTS, FLOAT32_EPS, HEAD_ROWS, HEAD_WARPS, _float32, _leaky_square_kernel, _powers_of_two,
+                      head_prep, rotary_rows, rotated_half)
+from .model import GPT, TorchOps
+
+
+# --- Kernels -----------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["heads", "has_gain", "rows_per_seq"])
+def _head_prep_backward_kernel(grad_ptr, x_ptr, cos_ptr, sin_ptr, gain_ptr, dx_ptr, gain_rows_ptr, rows,
+                               rows_per_seq, cos_seq_stride, cos_row_stride, eps, heads, has_gain,
+                               HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr, ROWS: tl.constexpr):
+    """The gradient of `_head_prep_kernel` for ROWS heads: with respect to x (stored in dx's
+    dtype) and, if has_gain, each row's share of its head's gain gradient (float32)."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    col = tl.arange(0, HEAD_DIM)[None, :]
+    live = row < rows
+    position, head = row // heads, row % heads
+    seq, pos = position // rows_per_seq, position % rows_per_seq
+    in_first = col < ROPE_HALF
+    rotated = col < 2 * ROPE_HALF
+    x = tl.load(x_ptr + row * HEAD_DIM + col, mask=live, other=0.0).to(tl.float32)
+    grad = tl.load(grad_ptr + row * HEAD_DIM + col, mask=live, other=0.0).to(tl.float32)
+    inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+    normed = x * inv_rms
+    table = seq * cos_seq_stride + pos * cos_row_stride + tl.where(in_first, col, col - ROPE_HALF)
+    cos = tl.load(cos_ptr + table, mask=live & rotated, other=1.0)
+    sin = tl.load(sin_ptr + table, mask=live & rotated, other=0.0)
+    if has_gain:
+        groups = tl.reshape(normed, (ROWS, HEAD_DIM // (2 * ROPE_HALF), 2, ROPE_HALF))
+        partner = tl.reshape(tl.flip(groups, 2), (ROWS, HEAD_DIM))
+        rotated_out = tl.where(in_first, normed * cos + partner * sin, partner * -sin + normed * cos)
+        out = tl.where(rotated, rotated_out, normed)
+        tl.store(gain_rows_ptr + row, tl.sum(grad * out, axis=1)[:, None], mask=live)
+        grad = grad * tl.load(gain_ptr + head, mask=live, other=0.0)
+    # the rotation's transpose: (g1, g2) -> (g1 cos - g2 sin, g1 sin + g2 cos)
+    grad_groups = tl.reshape(grad, (ROWS, HEAD_DIM // (2 * ROPE_HALF), 2, ROPE_HALF))
+    grad_partner = tl.reshape(tl.flip(grad_groups, 2), (ROWS, HEAD_DIM))
+    unrotated = tl.where(in_first, grad * cos - grad_partner * sin, grad_partner * sin + grad * cos)
+    grad_normed = tl.where(rotated, unrotated, grad)
+    # the norm's: (g - normed * mean(g * normed)) / rms
+    dx = inv_rms * (grad_normed - normed * (tl.sum(grad_normed * normed, axis=1) / HEAD_DIM)[:, None])
+    tl.store(dx_ptr + row * HEAD_DIM + col, dx, mask=live)
+
+
+@triton.jit
+def _leaky_square_backward_kernel(h_ptr, grad_ptr, dh_ptr, numel, negative_slope, BLOCK: tl.constexpr):
+    """d/dh of leaky_relu(h)^2 times grad: 2 h where h > 0, else 2 slope^2 h."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    h = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    slope = tl.where(h > 0, 1.0, negative_slope)
+    tl.store(dh_ptr + offsets, grad * 2.0 * h * slope * slope, mask=mask)
+
+
+# --- Launches ----------------------------------------------------------------------------
+
+def head_prep_backward(grad: Tensor, x: Tensor, cos: Tensor, sin: Tensor,
+                       gain: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """(the gradient with respect to x, and to gain if given) of `kernels.head_prep`."""
+    b, t, heads, head_dim = x.shape
+    rows = b * t * heads
+    dx = torch.empty_like(x)
+    gain_rows = torch.empty(rows, device=x.device, dtype=torch.float32) if gain is not None else cos
+    _head_prep_backward_kernel[(triton.cdiv(rows, HEAD_ROWS),)](
+        grad.contiguous(), x, cos, sin, _float32(gain, cos), dx, gain_rows, rows, t,
+        cos.stride(0) if cos.size(0) > 1 else 0, cos.stride(1), FLOAT32_EPS, heads, int(gain is not None),
+        HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1), ROWS=HEAD_ROWS, num_warps=HEAD_WARPS)
+    return dx, (gain_rows.view(-1, heads).sum(0) if gain is not None else None)
+
+
+def leaky_square(h: Tensor, negative_slope: float) -> Tensor:
+    out = torch.empty_like(h)
+    _leaky_square_kernel[(triton.cdiv(h.numel(), ELEMENTS),)](h, out, h.numel(), negative_slope, BLOCK=ELEMENTS)
+    return out
+
+
+def leaky_square_backward(grad: Tensor, h: Tensor, negative_slope: float) -> Tensor:
+    dh = torch.empty_like(h)
+    _leaky_square_backward_kernel[(triton.cdiv(h.numel(), ELEMENTS),)](h, grad.contiguous(), dh, h.numel(),
+                                                                       negative_slope, BLOCK=ELEMENTS)
+    return dh
+
+
+class _HeadPrep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, gain: Tensor | None) -> Tensor:
+        x = x.contiguous()
+        ctx.save_for_backward(x, cos, sin, gain)
+        return head_prep(x, cos, sin, gain, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, cos, sin, gain = ctx.saved_tensors
+        dx, dgain = head_prep_backward(grad, x, cos, sin, gain)
+        return dx, None, None, dgain
+
+
+class _LeakySquare(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: Tensor, negative_slope: float) -> Tensor:
+        h = h.contiguous()
+        ctx.save_for_backward(h)
+        ctx.negative_slope = negative_slope
+        return leaky_square(h, negative_slope)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (h,) = ctx.saved_tensors
+        return leaky_square_backward(grad, h, ctx.negative_slope), None
+
+
+class TrainingOps(TorchOps):
+    """`TorchOps` whose costliest element-wise steps in an eager training step are fused
+    kernels, forward and backward (see the module's docstring); the rest is torch's."""
+
+    def head_prep(self, x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None) -> Tensor:
+        rope_half = rotated_half(x.size(-1), rope_dims)
+        if not _powers_of_two(x.size(-1), rope_half):
+            return super().head_prep(x, cos, sin, rope_dims, gain)
+        return _HeadPrep.apply(x, rotary_rows(cos, x, rope_half), rotary_rows(sin, x, rope_half), gain)
+
+    def leaky_square(self, h: Tensor, negative_slope: float) -> Tensor:
+        return _LeakySquare.apply(h, negative_slope)
+
+    def kernel_builds(self, model: GPT, seq_len: int) -> list[Callable[[], object]]:
+        """Launches on one sequence of zeros that build this class's kernels, forward and
+        backward, for steps over sequences of seq_len (to run in parallel threads,
+        `runtime.run_in_threads`). The arguments keep the real ones' dtypes and layouts."""
+        cfg = model.cfg
+        device = model.tok_emb.weight.device
+        zeros = functools.partial(torch.zeros, device=device, dtype=torch.bfloat16)
+        rope_half = rotated_half(cfg.head_dim, cfg.rope_dims)
+        table = torch.zeros(1, seq_len, 1, rope_half, device=device)
+        q, gain = zeros(1, seq_len, cfg.num_heads, cfg.head_dim), torch.zeros(cfg.num_heads, device=device)
+        hidden = zeros(1, seq_len, cfg.mlp_dim)
+        builds: list[Callable[[], object]] = [
+            lambda: leaky_square(hidden, cfg.negative_slope),
+            lambda: leaky_square_backward(hidden, hidden, cfg.negative_slope),
+        ]
+        if _powers_of_two(cfg.head_dim, rope_half):
+            builds += [lambda: head_prep(q, table, table, gain, q.dtype),
+                       lambda: head_prep_backward(q, q, table, table, gain)]
+        return builds
