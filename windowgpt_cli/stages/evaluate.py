@@ -252,8 +252,9 @@ ScoreOnceOption = Annotated[bool, typer.Option(
 CompileOption = Annotated[Optional[bool], typer.Option(
     "--compile/--no-compile", help=option_help("torch.compile the model.", "on CUDA"), show_default=False)]
 FusedOption = Annotated[Optional[bool], typer.Option(
-    "--fused/--no-fused", help=option_help("Score sliding windows with windowgpt's fused GPU kernels; --no-fused "
-    "runs the model's torch code, compiled with --compile.", "on CUDA with Triton"), show_default=False)]
+    "--fused/--no-fused", help=option_help("Score sliding windows (and train eval-ttt's steps) with windowgpt's "
+    "fused GPU kernels; --no-fused runs the model's torch code, its scoring compiled with --compile.",
+    "on CUDA with Triton"), show_default=False)]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print the results as JSON on stdout (and nothing else).")]
 
 
