@@ -2,6 +2,7 @@
 beside the repository, or where `--shared DIR` says."""
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -24,6 +25,18 @@ def shared_dir(pytestconfig: pytest.Config) -> Path:
 
 
 # --- Triton's interpreter ---------------------------------------------------------------
+
+def interpret_kernels_without_cuda() -> None:
+    """For a test module of Triton kernels, before it imports them: skip the module where
+    Triton is not installed; without CUDA, have the kernels run in Triton's interpreter
+    (read when a kernel is defined)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed", allow_module_level=True)
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 
 @pytest.fixture
 def interpreter_fixes(monkeypatch):

@@ -8,8 +8,6 @@ CUDA (tests marked gpu) they are compared with the compiled model at its full si
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -17,12 +15,10 @@ import torch
 from windowgpt_cli.config import RunConfig
 from windowgpt_cli.model import TORCH_OPS, Residual, ValueInjection, build_model, rotary_inv_freq, rotary_tables, smear
 
+from conftest import interpret_kernels_without_cuda
 from test_model import perturbed_tiny
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("Triton is not installed", allow_module_level=True)
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
+interpret_kernels_without_cuda()
 
 import triton  # noqa: E402
 

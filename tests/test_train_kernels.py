@@ -6,20 +6,15 @@ in bfloat16 at the size test-time training uses.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from windowgpt_cli.model import TORCH_OPS, rotary_inv_freq, rotary_tables
 
+from conftest import interpret_kernels_without_cuda
 from test_model import perturbed_tiny
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("Triton is not installed", allow_module_level=True)
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
+interpret_kernels_without_cuda()
 
 from windowgpt_cli.train_kernels import TrainingOps  # noqa: E402
 

@@ -9,8 +9,6 @@ reference.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -19,11 +17,10 @@ import torch.nn.functional as F
 from windowgpt_cli import attention
 from windowgpt_cli.errors import ConfigError
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("Triton is not installed", allow_module_level=True)
+from conftest import interpret_kernels_without_cuda
+
+interpret_kernels_without_cuda()
 INTERPRETED = not torch.cuda.is_available()
-if INTERPRETED:
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
 
 from windowgpt_cli.window_attention import Tuning, window_attention  # noqa: E402
 

@@ -147,31 +147,52 @@ def _stream_norm_kernel(base_ptr, delta1_ptr, scale1_ptr, delta2_ptr, scale2_ptr
     tl.store(normed_ptr + offsets, x * inv_rms[:, None] * tl.load(factor_ptr), mask=mask)
 
 
+@triton.jit
+def _head_rows(rows, rows_per_seq, heads, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """This program's ROWS rows ([ROWS, 1]; a row is one head at one position, `heads` rows
+    per position, contiguous) and a head's channels ([1, HEAD_DIM]): which rows are live,
+    and each row's head, sequence and position in its sequence."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+    col = tl.arange(0, HEAD_DIM)[None, :]
+    position = row // heads
+    return row, col, row < rows, row % heads, position // rows_per_seq, position % rows_per_seq
+
+
+@triton.jit
+def _rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_stride, ROPE_HALF: tl.constexpr):
+    """cos and sin of each channel of the rows (1 and 0 past the 2 * ROPE_HALF rotated ones;
+    a pair's two channels share theirs)."""
+    in_first = col < ROPE_HALF
+    rotated = col < 2 * ROPE_HALF
+    table = seq * cos_seq_stride + pos * cos_row_stride + tl.where(in_first, col, col - ROPE_HALF)
+    return (tl.load(cos_ptr + table, mask=live & rotated, other=1.0),
+            tl.load(sin_ptr + table, mask=live & rotated, other=0.0))
+
+
+@triton.jit
+def _pair_partners(x, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr):
+    """Each channel's partner in its rotated pair (c + ROPE_HALF or c - ROPE_HALF): the halves
+    of every group of 2 * ROPE_HALF channels swapped in registers (only the first group's
+    are used)."""
+    groups = tl.reshape(x, (ROWS, HEAD_DIM // (2 * ROPE_HALF), 2, ROPE_HALF))
+    return tl.reshape(tl.flip(groups, 2), (ROWS, HEAD_DIM))
+
+
 @triton.jit(do_not_specialize=["heads", "has_gain", "rows_per_seq"])
 def _head_prep_kernel(x_ptr, cos_ptr, sin_ptr, gain_ptr, out_ptr, rows, rows_per_seq, cos_seq_stride,
                       cos_row_stride, eps, heads, has_gain, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr,
                       ROWS: tl.constexpr):
-    """ROWS heads (a row is one head at one position, `heads` rows per position, contiguous):
-    each normed, its first 2 * ROPE_HALF channels rotated (pairs c, c + ROPE_HALF), times its
-    gain if has_gain. A rotated channel is the sum of two products, each rounded to out's
-    dtype first."""
-    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
-    col = tl.arange(0, HEAD_DIM)[None, :]
-    live = row < rows
-    position, head = row // heads, row % heads
-    seq, pos = position // rows_per_seq, position % rows_per_seq
+    """ROWS heads (`_head_rows`): each normed, its first 2 * ROPE_HALF channels rotated (pairs
+    c, c + ROPE_HALF), times its gain if has_gain. A rotated channel is the sum of two
+    products, each rounded to out's dtype first."""
+    row, col, live, head, seq, pos = _head_rows(rows, rows_per_seq, heads, HEAD_DIM, ROWS)
     in_first = col < ROPE_HALF
     rotated = col < 2 * ROPE_HALF
     x = tl.load(x_ptr + row * HEAD_DIM + col, mask=live, other=0.0).to(tl.float32)
-    # each channel's partner (c + ROPE_HALF or c - ROPE_HALF): the halves of every group of
-    # 2 * ROPE_HALF channels swapped in registers (only the first group's are used)
-    groups = tl.reshape(x, (ROWS, HEAD_DIM // (2 * ROPE_HALF), 2, ROPE_HALF))
-    x_partner = tl.reshape(tl.flip(groups, 2), (ROWS, HEAD_DIM))
+    x_partner = _pair_partners(x, ROWS, HEAD_DIM, ROPE_HALF)
     inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
     x, x_partner = x * inv_rms, x_partner * inv_rms
-    table = seq * cos_seq_stride + pos * cos_row_stride + tl.where(in_first, col, col - ROPE_HALF)
-    cos = tl.load(cos_ptr + table, mask=live & rotated, other=1.0)
-    sin = tl.load(sin_ptr + table, mask=live & rotated, other=0.0)
+    cos, sin = _rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_stride, ROPE_HALF)
     # (x1, x2) -> (x1 cos + x2 sin, x1 (-sin) + x2 cos), x1 the first channel of a pair
     dtype = out_ptr.dtype.element_ty
     first = (x * cos).to(dtype).to(tl.float32) + (x_partner * sin).to(dtype).to(tl.float32)
@@ -407,10 +428,7 @@ class FusedOps(TorchOps):
         return out
 
     def leaky_square(self, h: Tensor, negative_slope: float) -> Tensor:
-        h = h.contiguous()
-        out = torch.empty_like(h, dtype=torch.bfloat16)
-        _leaky_square_kernel[(triton.cdiv(h.numel(), ELEMENTS),)](h, out, h.numel(), negative_slope, BLOCK=ELEMENTS)
-        return out
+        return leaky_square(h, negative_slope, torch.bfloat16)
 
     def mlp_hidden(self, x: Tensor, up_w: Tensor, negative_slope: float) -> Tensor:
         tiles = self.tiles
@@ -519,6 +537,14 @@ def head_prep(x: Tensor, cos: Tensor, sin: Tensor, gain: Tensor | None, dtype: t
         x.contiguous(), cos, sin, _float32(gain, cos), out, rows, t, cos.stride(0) if cos.size(0) > 1 else 0,
         cos.stride(1), FLOAT32_EPS, heads, int(gain is not None), HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1),
         ROWS=HEAD_ROWS, num_warps=HEAD_WARPS)
+    return out
+
+
+def leaky_square(h: Tensor, negative_slope: float, dtype: torch.dtype) -> Tensor:
+    """`_leaky_square_kernel` over h; the result in dtype."""
+    h = h.contiguous()
+    out = torch.empty_like(h, dtype=dtype)
+    _leaky_square_kernel[(triton.cdiv(h.numel(), ELEMENTS),)](h, out, h.numel(), negative_slope, BLOCK=ELEMENTS)
     return out
 
 

@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .kernels import (ELEMENTS, FLOAT32_EPS, HEAD_ROWS, HEAD_WARPS, _float32, _leaky_square_kernel, _powers_of_two,
-                      head_prep, rotary_rows, rotated_half)
+from .kernels import (ELEMENTS, FLOAT32_EPS, HEAD_ROWS, HEAD_WARPS, _float32, _head_rows, _pair_partners,
+                      _powers_of_two, _rotary_at, head_prep, leaky_square, rotary_rows, rotated_half)
 from .model import GPT, TorchOps
 
 
@@ -34,30 +34,22 @@ def _head_prep_backward_kernel(grad_ptr, x_ptr, cos_ptr, sin_ptr, gain_ptr, dx_p
                                HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr, ROWS: tl.constexpr):
     """The gradient of `_head_prep_kernel` for ROWS heads: with respect to x (stored in dx's
     dtype) and, if has_gain, each row's share of its head's gain gradient (float32)."""
-    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
-    col = tl.arange(0, HEAD_DIM)[None, :]
-    live = row < rows
-    position, head = row // heads, row % heads
-    seq, pos = position // rows_per_seq, position % rows_per_seq
+    row, col, live, head, seq, pos = _head_rows(rows, rows_per_seq, heads, HEAD_DIM, ROWS)
     in_first = col < ROPE_HALF
     rotated = col < 2 * ROPE_HALF
     x = tl.load(x_ptr + row * HEAD_DIM + col, mask=live, other=0.0).to(tl.float32)
     grad = tl.load(grad_ptr + row * HEAD_DIM + col, mask=live, other=0.0).to(tl.float32)
     inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
     normed = x * inv_rms
-    table = seq * cos_seq_stride + pos * cos_row_stride + tl.where(in_first, col, col - ROPE_HALF)
-    cos = tl.load(cos_ptr + table, mask=live & rotated, other=1.0)
-    sin = tl.load(sin_ptr + table, mask=live & rotated, other=0.0)
+    cos, sin = _rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_stride, ROPE_HALF)
     if has_gain:
-        groups = tl.reshape(normed, (ROWS, HEAD_DIM // (2 * ROPE_HALF), 2, ROPE_HALF))
-        partner = tl.reshape(tl.flip(groups, 2), (ROWS, HEAD_DIM))
+        partner = _pair_partners(normed, ROWS, HEAD_DIM, ROPE_HALF)
         rotated_out = tl.where(in_first, normed * cos + partner * sin, partner * -sin + normed * cos)
         out = tl.where(rotated, rotated_out, normed)
         tl.store(gain_rows_ptr + row, tl.sum(grad * out, axis=1)[:, None], mask=live)
         grad = grad * tl.load(gain_ptr + head, mask=live, other=0.0)
     # the rotation's transpose: (g1, g2) -> (g1 cos - g2 sin, g1 sin + g2 cos)
-    grad_groups = tl.reshape(grad, (ROWS, HEAD_DIM // (2 * ROPE_HALF), 2, ROPE_HALF))
-    grad_partner = tl.reshape(tl.flip(grad_groups, 2), (ROWS, HEAD_DIM))
+    grad_partner = _pair_partners(grad, ROWS, HEAD_DIM, ROPE_HALF)
     unrotated = tl.where(in_first, grad * cos - grad_partner * sin, grad_partner * sin + grad * cos)
     grad_normed = tl.where(rotated, unrotated, grad)
     # the norm's: (g - normed * mean(g * normed)) / rms
@@ -92,12 +84,6 @@ def head_prep_backward(grad: Tensor, x: Tensor, cos: Tensor, sin: Tensor,
     return dx, (gain_rows.view(-1, heads).sum(0) if gain is not None else None)
 
 
-def leaky_square(h: Tensor, negative_slope: float) -> Tensor:
-    out = torch.empty_like(h)
-    _leaky_square_kernel[(triton.cdiv(h.numel(), ELEMENTS),)](h, out, h.numel(), negative_slope, BLOCK=ELEMENTS)
-    return out
-
-
 def leaky_square_backward(grad: Tensor, h: Tensor, negative_slope: float) -> Tensor:
     dh = torch.empty_like(h)
     _leaky_square_backward_kernel[(triton.cdiv(h.numel(), ELEMENTS),)](h, grad.contiguous(), dh, h.numel(),
@@ -125,7 +111,7 @@ class _LeakySquare(torch.autograd.Function):
         h = h.contiguous()
         ctx.save_for_backward(h)
         ctx.negative_slope = negative_slope
-        return leaky_square(h, negative_slope)
+        return leaky_square(h, negative_slope, h.dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -158,7 +144,7 @@ class TrainingOps(TorchOps):
         q, gain = zeros(1, seq_len, cfg.num_heads, cfg.head_dim), torch.zeros(cfg.num_heads, device=device)
         hidden = zeros(1, seq_len, cfg.mlp_dim)
         builds: list[Callable[[], object]] = [
-            lambda: leaky_square(hidden, cfg.negative_slope),
+            lambda: leaky_square(hidden, cfg.negative_slope, hidden.dtype),
             lambda: leaky_square_backward(hidden, hidden, cfg.negative_slope),
         ]
         if _powers_of_two(cfg.head_dim, rope_half):
