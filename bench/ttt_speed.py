@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 from windowgpt_cli.config import RunConfig, apply_overrides  # noqa: E402
 from windowgpt_cli.evaluation import ChunkTrainer, select_ttt_parameters, ttt_learning_rate  # noqa: E402
 from windowgpt_cli.model import GPT, build_model  # noqa: E402
-from windowgpt_cli.runtime import enable_fast_math  # noqa: E402
+from windowgpt_cli.runtime import enable_fast_math, run_in_threads  # noqa: E402
 
 RECORD_WINDOWS = {"window_attn_size": 512, "num_sink_tokens": 4, "window_attn_layers": (2, 4, 6, 8, 10)}
 WARM_UP_STEPS = 2  # left out of ms/step: the first (eager, compiles) and the second (captured)
@@ -78,6 +78,7 @@ def train_side(model: GPT, state: dict[str, Tensor], tokens: Tensor, args: argpa
     device = tokens.device
     trainer = ChunkTrainer(model, params, ttt, tokens, seq_len=args.seq_len, device=device, rank=0, world_size=1,
                            compile_model=False, fused=fused)
+    run_in_threads(trainer.kernel_builds(), device)
     chunk = args.seqs * args.seq_len
     seconds = []
     for step in range(args.steps):

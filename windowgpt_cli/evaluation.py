@@ -546,15 +546,14 @@ class ChunkTrainer:
 
     No step is lost to warming up: a shape's first step runs eagerly (on a side stream,
     as capturing wants) and is a real step; it creates the gradients, cuDNN's plans and
-    the like (the window attention's kernels are built with the trainer, side by side).
+    the like (its kernels are built before, side by side: `kernel_builds`).
     The shape's second step is captured, which runs nothing, then replayed once: that
     replay is the second step. Should a capture fail, a one-line warning says so and that
     step and every later one run as eager steps.
     """
 
     def __init__(self, model: GPT, params: TTTParameters, ttt: TTTConfig, tokens: Tensor, *, seq_len: int,
-                 device: torch.device, rank: int, world_size: int, compile_model: bool, fused: bool = False,
-                 build_kernels: bool = True):
+                 device: torch.device, rank: int, world_size: int, compile_model: bool, fused: bool = False):
         self.model, self.params, self.ttt, self.tokens = model, params, ttt, tokens
         self.seq_len, self.device, self.rank, self.world_size = seq_len, device, rank, world_size
         self.compile_model = compile_model
@@ -567,8 +566,6 @@ class ChunkTrainer:
             self.loss_fn = functools.partial(model, ops=self.training_ops)
         else:
             self.loss_fn = compiled(model, compile_model)
-        if build_kernels:
-            run_in_threads(self.kernel_builds(), device)
         self.optimizer = torch.optim.SGD(params.trainable, lr=ttt.ttt_lr, momentum=ttt.ttt_momentum)
         # Several ranks all-reduce their gradients between backward and clipping (NCCL
         # inside a graph is left alone); a compiled forward keeps its eager steps too.
@@ -578,8 +575,9 @@ class ChunkTrainer:
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}  # steps run eagerly; records; replays
 
     def kernel_builds(self) -> list[Callable[[], object]]:
-        """The builds of the window attention's kernels its steps run, gradients too (none
-        without training), to run side by side (built with the trainer unless told not to)."""
+        """The builds of the kernels its steps run (the window attention's, gradients too,
+        and the fused steps'; none without training), for the caller to run side by side
+        before the first step (`runtime.run_in_threads`)."""
         if self.ttt.ttt_epochs <= 0:
             return []
         builds = window_kernel_builds(self.model.cfg, self.model.attention_backend, self.seq_len, self.device,
@@ -731,7 +729,7 @@ def evaluate_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTConfig,
     tokens = _device_tokens(val_tokens, device)
     fused = should_fuse(fused, device)
     trainer = ChunkTrainer(model, params, ttt, tokens, seq_len=seq_len, device=device, rank=rank,
-                           world_size=world_size, compile_model=compile_training, fused=fused, build_kernels=False)
+                           world_size=world_size, compile_model=compile_training, fused=fused)
     scorer = WindowScorer(model, tokens, luts.to(device), seq_len=seq_len, width=stride,
                           batch_rows=batch_windows(batch_seqs, model.cfg, seq_len, device), device=device,
                           compile_model=compile_model, fused=fused, other_builds=trainer.kernel_builds())

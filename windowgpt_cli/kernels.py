@@ -411,10 +411,10 @@ class FusedOps(TorchOps):
         return for_attention, for_xsa
 
     def head_prep(self, x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None) -> Tensor:
-        rope_half = rotated_half(x.size(-1), rope_dims)
-        if not _powers_of_two(x.size(-1), rope_half):
+        tables = head_tables(x, cos, sin, rope_dims)
+        if tables is None:
             return super().head_prep(x, cos, sin, rope_dims, gain)
-        return head_prep(x, rotary_rows(cos, x, rope_half), rotary_rows(sin, x, rope_half), gain, torch.bfloat16)
+        return head_prep(x, *tables, gain, torch.bfloat16)
 
     def exclude_self_value(self, y: Tensor, v: Tensor) -> Tensor:
         b, t, heads, head_dim = y.shape
@@ -520,23 +520,34 @@ def rotated_half(head_dim: int, rope_dims: int) -> int:
     return (rope_dims if 0 < rope_dims < head_dim else head_dim) // 2
 
 
-def rotary_rows(table: Tensor, x: Tensor, rope_half: int) -> Tensor:
-    """A rotary table (cos or sin, [1 or B, T, 1, rope_half]) as `head_prep` reads it: float32,
-    contiguous, one row per position (of every sequence, where the table has one per sequence)."""
+def head_tables(x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int) -> tuple[Tensor, Tensor] | None:
+    """The rotary tables ([1 or B, T, 1, rope_dims / 2]) as the head kernels read them for
+    queries or keys x [B, T, H, D]: float32, contiguous, a row per position (of every
+    sequence, where a table has one per sequence). None where the kernels cannot take x's
+    heads (a head or its rotated half not a power of two)."""
+    rope_half = rotated_half(x.size(-1), rope_dims)
+    if not _powers_of_two(x.size(-1), rope_half):
+        return None
     b, t = x.shape[:2]
-    return table.expand(b if table.size(0) > 1 else 1, t, 1, rope_half).float().contiguous()
+    return tuple(table.expand(b if table.size(0) > 1 else 1, t, 1, rope_half).float().contiguous()
+                 for table in (cos, sin))
+
+
+def head_table_strides(table: Tensor) -> tuple[int, int]:
+    """A table's strides from sequence to sequence (0: one table serves every sequence) and
+    from position to position, as the head kernels take them."""
+    return (table.stride(0) if table.size(0) > 1 else 0), table.stride(1)
 
 
 def head_prep(x: Tensor, cos: Tensor, sin: Tensor, gain: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """`_head_prep_kernel` over queries or keys x [B, T, H, D], the tables as `rotary_rows`
+    """`_head_prep_kernel` over queries or keys x [B, T, H, D], the tables as `head_tables`
     gives them; the result in dtype."""
     b, t, heads, head_dim = x.shape
     out = torch.empty(b, t, heads, head_dim, device=x.device, dtype=dtype)
     rows = b * t * heads
     _head_prep_kernel[(triton.cdiv(rows, HEAD_ROWS),)](
-        x.contiguous(), cos, sin, _float32(gain, cos), out, rows, t, cos.stride(0) if cos.size(0) > 1 else 0,
-        cos.stride(1), FLOAT32_EPS, heads, int(gain is not None), HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1),
-        ROWS=HEAD_ROWS, num_warps=HEAD_WARPS)
+        x.contiguous(), cos, sin, _float32(gain, cos), out, rows, t, *head_table_strides(cos), FLOAT32_EPS, heads,
+        int(gain is not None), HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1), ROWS=HEAD_ROWS, num_warps=HEAD_WARPS)
     return out
 
 

@@ -22,7 +22,8 @@ import triton.language as tl
 from torch import Tensor
 
 from .kernels import (ELEMENTS, FLOAT32_EPS, HEAD_ROWS, HEAD_WARPS, _float32, _head_rows, _pair_partners,
-                      _powers_of_two, _rotary_at, head_prep, leaky_square, rotary_rows, rotated_half)
+                      _powers_of_two, _rotary_at, head_prep, head_table_strides, head_tables, leaky_square,
+                      rotated_half)
 from .model import GPT, TorchOps
 
 
@@ -78,9 +79,9 @@ def head_prep_backward(grad: Tensor, x: Tensor, cos: Tensor, sin: Tensor,
     dx = torch.empty_like(x)
     gain_rows = torch.empty(rows, device=x.device, dtype=torch.float32) if gain is not None else cos
     _head_prep_backward_kernel[(triton.cdiv(rows, HEAD_ROWS),)](
-        grad.contiguous(), x, cos, sin, _float32(gain, cos), dx, gain_rows, rows, t,
-        cos.stride(0) if cos.size(0) > 1 else 0, cos.stride(1), FLOAT32_EPS, heads, int(gain is not None),
-        HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1), ROWS=HEAD_ROWS, num_warps=HEAD_WARPS)
+        grad.contiguous(), x, cos, sin, _float32(gain, cos), dx, gain_rows, rows, t, *head_table_strides(cos),
+        FLOAT32_EPS, heads, int(gain is not None), HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1), ROWS=HEAD_ROWS,
+        num_warps=HEAD_WARPS)
     return dx, (gain_rows.view(-1, heads).sum(0) if gain is not None else None)
 
 
@@ -124,10 +125,10 @@ class TrainingOps(TorchOps):
     kernels, forward and backward (see the module's docstring); the rest is torch's."""
 
     def head_prep(self, x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None) -> Tensor:
-        rope_half = rotated_half(x.size(-1), rope_dims)
-        if not _powers_of_two(x.size(-1), rope_half):
+        tables = head_tables(x, cos, sin, rope_dims)
+        if tables is None:
             return super().head_prep(x, cos, sin, rope_dims, gain)
-        return _HeadPrep.apply(x, rotary_rows(cos, x, rope_half), rotary_rows(sin, x, rope_half), gain)
+        return _HeadPrep.apply(x, *tables, gain)
 
     def leaky_square(self, h: Tensor, negative_slope: float) -> Tensor:
         return _LeakySquare.apply(h, negative_slope)
