@@ -541,6 +541,7 @@ def test_a_step_that_cannot_be_captured_trains_eagerly_after_one_warning(eval_mo
     assert all(torch.equal(fallback_weights[k], eager_weights[k]) for k in eager_weights)
     warnings = [line for line in capfd.readouterr().err.splitlines() if "CUDA graph" in line]
     assert len(warnings) == 1 and warnings[0].startswith("warning: ") and "training eagerly" in warnings[0]
+    assert torch.rand(4, device=cuda).isfinite().all()  # the process can still draw random numbers
 
 
 # --- Batch size -----------------------------------------------------------------------------

@@ -500,9 +500,22 @@ def capture_cuda_graph(step: Callable[[], None], stream: torch.cuda.Stream) -> C
     graph = torch.cuda.CUDAGraph()
     # The outer context gives the current stream back even when ending a failed capture
     # raises (torch.cuda.graph's exit then skips restoring it).
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        step()
+    try:
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            step()
+    except Exception:
+        _end_generator_capture(stream)
+        raise
     return graph.replay
+
+
+def _end_generator_capture(stream: torch.cuda.Stream) -> None:
+    """After a failed capture: torch ends it without ending the capture mode of the CUDA
+    random generator it registered, so every later draw of the process would raise ("Offset
+    increment outside graph capture"). A capture of one small step, run to its end, ends it."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        torch.zeros(1, device=stream.device).add_(1)
 
 
 @contextlib.contextmanager
