@@ -110,9 +110,10 @@ def test_values_add_the_value_embedding():
 
 
 @pytest.mark.parametrize("rope_dims", [8, 0])  # part of each head rotated, or all of it
-def test_head_prep_norms_rotates_and_scales_each_head(rope_dims):
+@pytest.mark.parametrize("t", [6, 37])  # positions of one program, or of several (the last one part-filled)
+def test_head_prep_norms_rotates_and_scales_each_head(rope_dims, t):
     torch.manual_seed(1)
-    b, t, heads, head_dim = 2, 6, 4, 16
+    b, heads, head_dim = 2, 4, 16
     cos, sin = rotary_tables(t, rotary_inv_freq(rope_dims or head_dim, 10000.0, t, 2048))
     x = torch.randn(b, t, heads, head_dim).bfloat16()
     gain = torch.randn(heads)

@@ -36,9 +36,10 @@ def agree(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
 
 @pytest.mark.parametrize("rope_dims", [8, 0])  # part of each head rotated, or all of it
 @pytest.mark.parametrize("per_sequence", [False, True])  # one table for every sequence, or one each
-def test_head_prep_forward_and_gradients(rope_dims, per_sequence):
+@pytest.mark.parametrize("t", [5, 37])  # positions of one program, or of several (the last one part-filled)
+def test_head_prep_forward_and_gradients(rope_dims, per_sequence, t):
     torch.manual_seed(0)
-    b, t, heads, head_dim = 2, 5, 3, 16
+    b, heads, head_dim = 2, 3, 16
     x, gain = torch.randn(b, t, heads, head_dim), torch.rand(heads) + 0.5
     inv_freq = rotary_inv_freq(rope_dims or head_dim, 10000.0, t, t)
     cos, sin = rotary_tables(t, inv_freq)

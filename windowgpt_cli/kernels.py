@@ -40,6 +40,7 @@ NORMALIZE_EPS = 1e-12  # F.normalize's
 # Rows per program: a program per row of a million-row batch would spend its time starting.
 STREAM_ROWS, STREAM_WARPS = 4, 4  # rows of the residual stream (model_dim wide), warps per program
 HEAD_ROWS, HEAD_WARPS = 32, 4  # rows of one head (head_dim wide)
+HEAD_POSITIONS = 32  # positions per program of a kernel that loops over their heads
 ELEMENTS = 4096  # elements per program of an element-wise kernel
 
 
@@ -148,14 +149,13 @@ def _stream_norm_kernel(base_ptr, delta1_ptr, scale1_ptr, delta2_ptr, scale2_ptr
 
 
 @triton.jit
-def _head_rows(rows, rows_per_seq, heads, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-    """This program's ROWS rows ([ROWS, 1]; a row is one head at one position, `heads` rows
-    per position, contiguous) and a head's channels ([1, HEAD_DIM]): which rows are live,
-    and each row's head, sequence and position in its sequence."""
-    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+def _head_positions(positions, rows_per_seq, HEAD_DIM: tl.constexpr, POSITIONS: tl.constexpr):
+    """This program's POSITIONS positions ([POSITIONS, 1], counted over every sequence) and a
+    head's channels ([1, HEAD_DIM]): which positions are live, and each one's sequence and
+    position in its sequence. A position's heads are `heads` contiguous rows of HEAD_DIM."""
+    position = tl.program_id(0).to(tl.int64) * POSITIONS + tl.arange(0, POSITIONS)[:, None]
     col = tl.arange(0, HEAD_DIM)[None, :]
-    position = row // heads
-    return row, col, row < rows, row % heads, position // rows_per_seq, position % rows_per_seq
+    return position, col, position < positions, position // rows_per_seq, position % rows_per_seq
 
 
 @triton.jit
@@ -178,29 +178,32 @@ def _pair_partners(x, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.
     return tl.reshape(tl.flip(groups, 2), (ROWS, HEAD_DIM))
 
 
-@triton.jit(do_not_specialize=["heads", "has_gain", "rows_per_seq"])
-def _head_prep_kernel(x_ptr, cos_ptr, sin_ptr, gain_ptr, out_ptr, rows, rows_per_seq, cos_seq_stride,
+@triton.jit(do_not_specialize=["positions", "heads", "has_gain", "rows_per_seq"])
+def _head_prep_kernel(x_ptr, cos_ptr, sin_ptr, gain_ptr, out_ptr, positions, rows_per_seq, cos_seq_stride,
                       cos_row_stride, eps, heads, has_gain, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr,
-                      ROWS: tl.constexpr):
-    """ROWS heads (`_head_rows`): each normed, its first 2 * ROPE_HALF channels rotated (pairs
-    c, c + ROPE_HALF), times its gain if has_gain. A rotated channel is the sum of two
-    products, each rounded to out's dtype first."""
-    row, col, live, head, seq, pos = _head_rows(rows, rows_per_seq, heads, HEAD_DIM, ROWS)
+                      POSITIONS: tl.constexpr):
+    """Every head at POSITIONS positions (`_head_positions`): each normed, its first
+    2 * ROPE_HALF channels rotated (pairs c, c + ROPE_HALF), times its gain if has_gain. A
+    rotated channel is the sum of two products, each rounded to out's dtype first. The
+    rotary tables are read once per position, for all its heads."""
+    position, col, live, seq, pos = _head_positions(positions, rows_per_seq, HEAD_DIM, POSITIONS)
     in_first = col < ROPE_HALF
     rotated = col < 2 * ROPE_HALF
-    x = tl.load(x_ptr + row * HEAD_DIM + col, mask=live, other=0.0).to(tl.float32)
-    x_partner = _pair_partners(x, ROWS, HEAD_DIM, ROPE_HALF)
-    inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
-    x, x_partner = x * inv_rms, x_partner * inv_rms
     cos, sin = _rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_stride, ROPE_HALF)
-    # (x1, x2) -> (x1 cos + x2 sin, x1 (-sin) + x2 cos), x1 the first channel of a pair
     dtype = out_ptr.dtype.element_ty
-    first = (x * cos).to(dtype).to(tl.float32) + (x_partner * sin).to(dtype).to(tl.float32)
-    second = (x_partner * -sin).to(dtype).to(tl.float32) + (x * cos).to(dtype).to(tl.float32)
-    out = tl.where(in_first, first, tl.where(rotated, second, x))
-    if has_gain:
-        out = out * tl.load(gain_ptr + head, mask=live, other=0.0)
-    tl.store(out_ptr + row * HEAD_DIM + col, out, mask=live)
+    for head in range(heads):
+        offsets = (position * heads + head) * HEAD_DIM + col
+        x = tl.load(x_ptr + offsets, mask=live, other=0.0).to(tl.float32)
+        x_partner = _pair_partners(x, POSITIONS, HEAD_DIM, ROPE_HALF)
+        inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+        x, x_partner = x * inv_rms, x_partner * inv_rms
+        # (x1, x2) -> (x1 cos + x2 sin, x1 (-sin) + x2 cos), x1 the first channel of a pair
+        first = (x * cos).to(dtype).to(tl.float32) + (x_partner * sin).to(dtype).to(tl.float32)
+        second = (x_partner * -sin).to(dtype).to(tl.float32) + (x * cos).to(dtype).to(tl.float32)
+        out = tl.where(in_first, first, tl.where(rotated, second, x))
+        if has_gain:
+            out = out * tl.load(gain_ptr + head)
+        tl.store(out_ptr + offsets, out, mask=live)
 
 
 @triton.jit
@@ -544,10 +547,10 @@ def head_prep(x: Tensor, cos: Tensor, sin: Tensor, gain: Tensor | None, dtype: t
     gives them; the result in dtype."""
     b, t, heads, head_dim = x.shape
     out = torch.empty(b, t, heads, head_dim, device=x.device, dtype=dtype)
-    rows = b * t * heads
-    _head_prep_kernel[(triton.cdiv(rows, HEAD_ROWS),)](
-        x.contiguous(), cos, sin, _float32(gain, cos), out, rows, t, *head_table_strides(cos), FLOAT32_EPS, heads,
-        int(gain is not None), HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1), ROWS=HEAD_ROWS, num_warps=HEAD_WARPS)
+    _head_prep_kernel[(triton.cdiv(b * t, HEAD_POSITIONS),)](
+        x.contiguous(), cos, sin, _float32(gain, cos), out, b * t, t, *head_table_strides(cos), FLOAT32_EPS, heads,
+        int(gain is not None), HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1), POSITIONS=HEAD_POSITIONS,
+        num_warps=HEAD_WARPS)
     return out
 
 

@@ -21,41 +21,45 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .kernels import (ELEMENTS, FLOAT32_EPS, HEAD_ROWS, HEAD_WARPS, _float32, _head_rows, _pair_partners,
-                      _powers_of_two, _rotary_at, head_prep, head_table_strides, head_tables, leaky_square,
-                      rotated_half)
+from .kernels import (ELEMENTS, FLOAT32_EPS, HEAD_POSITIONS, HEAD_WARPS, _float32, _head_positions,
+                      _pair_partners, _powers_of_two, _rotary_at, head_prep, head_table_strides, head_tables,
+                      leaky_square, rotated_half)
 from .model import GPT, TorchOps
 
 
 # --- Kernels -----------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["heads", "has_gain", "rows_per_seq"])
-def _head_prep_backward_kernel(grad_ptr, x_ptr, cos_ptr, sin_ptr, gain_ptr, dx_ptr, gain_rows_ptr, rows,
+@triton.jit(do_not_specialize=["positions", "heads", "has_gain", "rows_per_seq"])
+def _head_prep_backward_kernel(grad_ptr, x_ptr, cos_ptr, sin_ptr, gain_ptr, dx_ptr, gain_rows_ptr, positions,
                                rows_per_seq, cos_seq_stride, cos_row_stride, eps, heads, has_gain,
-                               HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr, ROWS: tl.constexpr):
-    """The gradient of `_head_prep_kernel` for ROWS heads: with respect to x (stored in dx's
-    dtype) and, if has_gain, each row's share of its head's gain gradient (float32)."""
-    row, col, live, head, seq, pos = _head_rows(rows, rows_per_seq, heads, HEAD_DIM, ROWS)
+                               HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr, POSITIONS: tl.constexpr):
+    """The gradient of `_head_prep_kernel` for every head at POSITIONS positions: with
+    respect to x (stored in dx's dtype) and, if has_gain, each row's (head's at a position)
+    share of its head's gain gradient (float32)."""
+    position, col, live, seq, pos = _head_positions(positions, rows_per_seq, HEAD_DIM, POSITIONS)
     in_first = col < ROPE_HALF
     rotated = col < 2 * ROPE_HALF
-    x = tl.load(x_ptr + row * HEAD_DIM + col, mask=live, other=0.0).to(tl.float32)
-    grad = tl.load(grad_ptr + row * HEAD_DIM + col, mask=live, other=0.0).to(tl.float32)
-    inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
-    normed = x * inv_rms
     cos, sin = _rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_stride, ROPE_HALF)
-    if has_gain:
-        partner = _pair_partners(normed, ROWS, HEAD_DIM, ROPE_HALF)
-        rotated_out = tl.where(in_first, normed * cos + partner * sin, partner * -sin + normed * cos)
-        out = tl.where(rotated, rotated_out, normed)
-        tl.store(gain_rows_ptr + row, tl.sum(grad * out, axis=1)[:, None], mask=live)
-        grad = grad * tl.load(gain_ptr + head, mask=live, other=0.0)
-    # the rotation's transpose: (g1, g2) -> (g1 cos - g2 sin, g1 sin + g2 cos)
-    grad_partner = _pair_partners(grad, ROWS, HEAD_DIM, ROPE_HALF)
-    unrotated = tl.where(in_first, grad * cos - grad_partner * sin, grad_partner * sin + grad * cos)
-    grad_normed = tl.where(rotated, unrotated, grad)
-    # the norm's: (g - normed * mean(g * normed)) / rms
-    dx = inv_rms * (grad_normed - normed * (tl.sum(grad_normed * normed, axis=1) / HEAD_DIM)[:, None])
-    tl.store(dx_ptr + row * HEAD_DIM + col, dx, mask=live)
+    for head in range(heads):
+        row = position * heads + head
+        offsets = row * HEAD_DIM + col
+        x = tl.load(x_ptr + offsets, mask=live, other=0.0).to(tl.float32)
+        grad = tl.load(grad_ptr + offsets, mask=live, other=0.0).to(tl.float32)
+        inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+        normed = x * inv_rms
+        if has_gain:
+            partner = _pair_partners(normed, POSITIONS, HEAD_DIM, ROPE_HALF)
+            rotated_out = tl.where(in_first, normed * cos + partner * sin, partner * -sin + normed * cos)
+            out = tl.where(rotated, rotated_out, normed)
+            tl.store(gain_rows_ptr + row, tl.sum(grad * out, axis=1)[:, None], mask=live)
+            grad = grad * tl.load(gain_ptr + head)
+        # the rotation's transpose: (g1, g2) -> (g1 cos - g2 sin, g1 sin + g2 cos)
+        grad_partner = _pair_partners(grad, POSITIONS, HEAD_DIM, ROPE_HALF)
+        unrotated = tl.where(in_first, grad * cos - grad_partner * sin, grad_partner * sin + grad * cos)
+        grad_normed = tl.where(rotated, unrotated, grad)
+        # the norm's: (g - normed * mean(g * normed)) / rms
+        dx = inv_rms * (grad_normed - normed * (tl.sum(grad_normed * normed, axis=1) / HEAD_DIM)[:, None])
+        tl.store(dx_ptr + offsets, dx, mask=live)
 
 
 @triton.jit
@@ -75,13 +79,12 @@ def head_prep_backward(grad: Tensor, x: Tensor, cos: Tensor, sin: Tensor,
                        gain: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """(the gradient with respect to x, and to gain if given) of `kernels.head_prep`."""
     b, t, heads, head_dim = x.shape
-    rows = b * t * heads
     dx = torch.empty_like(x)
-    gain_rows = torch.empty(rows, device=x.device, dtype=torch.float32) if gain is not None else cos
-    _head_prep_backward_kernel[(triton.cdiv(rows, HEAD_ROWS),)](
-        grad.contiguous(), x, cos, sin, _float32(gain, cos), dx, gain_rows, rows, t, *head_table_strides(cos),
-        FLOAT32_EPS, heads, int(gain is not None), HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1), ROWS=HEAD_ROWS,
-        num_warps=HEAD_WARPS)
+    gain_rows = torch.empty(b * t * heads, device=x.device, dtype=torch.float32) if gain is not None else cos
+    _head_prep_backward_kernel[(triton.cdiv(b * t, HEAD_POSITIONS),)](
+        grad.contiguous(), x, cos, sin, _float32(gain, cos), dx, gain_rows, b * t, t, *head_table_strides(cos),
+        FLOAT32_EPS, heads, int(gain is not None), HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1),
+        POSITIONS=HEAD_POSITIONS, num_warps=HEAD_WARPS)
     return dx, (gain_rows.view(-1, heads).sum(0) if gain is not None else None)
 
 
