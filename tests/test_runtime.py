@@ -1,10 +1,12 @@
 """Compilation settings and device start-up shared by the stages."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
-from windowgpt_cli.runtime import ONE_PASS_OPTIONS, compiled, device_started_meanwhile
+from windowgpt_cli.runtime import ONE_PASS_OPTIONS, compiled, device_started_meanwhile, threads_meanwhile
 
 
 def scaled_tanh_plus_square(x: torch.Tensor) -> torch.Tensor:
@@ -36,3 +38,23 @@ def test_the_device_starts_beside_the_block_and_its_failure_is_raised():
             with device_started_meanwhile(torch.device("cuda")):
                 ran.append("cuda")
     assert ran == ["cpu", "cuda"]
+
+
+def test_threads_run_beside_the_block_and_are_waited_for_after_it():
+    block_ran, results = threading.Event(), []
+
+    def build() -> None:  # needs the block to have started: the threads run beside it, not before it
+        assert block_ran.wait(timeout=30)
+        results.append(torch.is_inference_mode_enabled())
+
+    with threads_meanwhile([build, build], torch.device("cpu")):
+        block_ran.set()
+    assert results == [True, True]  # both done once the block is left, without autograd
+
+    def failing() -> None:
+        raise ValueError("a build failed")
+
+    with pytest.raises(ValueError, match="a build failed"):
+        with threads_meanwhile([failing], torch.device("cpu")):
+            results.append("block")
+    assert results[-1] == "block"

@@ -90,8 +90,17 @@ def triton_available(device: torch.device) -> bool:
 def run_in_threads(tasks: Iterable[Callable[[], object]], device: torch.device) -> None:
     """Run tasks in parallel threads on `device`, without autograd; for kernel builds, which
     mostly wait on compiler processes, so that their waits overlap. Re-raises a task's error."""
+    with threads_meanwhile(tasks, device):
+        pass
+
+
+@contextlib.contextmanager
+def threads_meanwhile(tasks: Iterable[Callable[[], object]], device: torch.device) -> Iterator[None]:
+    """Run the block while tasks run as `run_in_threads` runs them; after the block, wait for
+    them and re-raise a task's error."""
     tasks = list(tasks)
     if not tasks:
+        yield
         return
 
     def run(task: Callable[[], object]) -> None:
@@ -100,7 +109,9 @@ def run_in_threads(tasks: Iterable[Callable[[], object]], device: torch.device) 
             task()
 
     with ThreadPoolExecutor(max_workers=len(tasks)) as pool:
-        for future in [pool.submit(run, task) for task in tasks]:
+        futures = [pool.submit(run, task) for task in tasks]
+        yield
+        for future in futures:
             future.result()
 
 

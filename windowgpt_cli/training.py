@@ -32,8 +32,8 @@ from .errors import ConfigError, DataError, TrainingDiverged
 from .evaluation import evaluate_standard, load_validation_tokens
 from .model import GPT, build_model
 from .optim import Optimizers, WeightAverages, build_optimizers, lr_scale, muon_momentum_at
-from .runtime import (autocast, compiled, device_name, enable_fast_math, phase, run_in_threads, seed_everything,
-                      synchronize)
+from .runtime import (autocast, compiled, device_name, enable_fast_math, phase, seed_everything, synchronize,
+                      threads_meanwhile)
 from .timing import Phases
 from .tokenizer import ByteLuts, load_byte_luts, tokenizer_vocab_size
 
@@ -337,25 +337,28 @@ class Trainer:
         return train_loss
 
     def warm_up(self) -> None:
-        """Build the window attention's Triton kernels (in parallel, where the first step
-        would build them one after another), then run warmup_steps real steps (compilation,
-        allocator) and restore the initial weights, optimizer state and data stream: they
-        change nothing but speed. Each takes one forward and backward: every pass has the
-        same shape and runs the same graphs, so a step's other passes would only spend time."""
+        """Run warmup_steps real steps (compilation, allocator) and restore the initial
+        weights, optimizer state and data stream: they change nothing but speed. Each takes
+        one forward and backward: every pass has the same shape and runs the same graphs, so
+        a step's other passes would only spend time. Meanwhile threads build the window
+        attention's Triton kernels: the builds wait on compiler processes while the first
+        step compiles, and are done long before its graph first runs them."""
         s, t = self.s, self.s.cfg.train
-        with self.phases.timed("warmup"):
-            run_in_threads(window_kernel_builds(s.cfg.model, s.model.attention_backend, s.seq_len, s.ctx.device,
-                                                eager=not s.compiled, backward=True), s.ctx.device)
-        if t.warmup_steps <= 0:
-            return
+        builds = window_kernel_builds(s.cfg.model, s.model.attention_backend, s.seq_len, s.ctx.device,
+                                      eager=not s.compiled, backward=True)
+        with self.phases.timed("warmup", sync=s.ctx.device), threads_meanwhile(builds, s.ctx.device):
+            if t.warmup_steps > 0:
+                self._warm_up_steps(t.warmup_steps)
+
+    def _warm_up_steps(self, steps: int) -> None:
+        s = self.s
         model_state = {k: v.detach().clone() for k, v in s.model.state_dict().items()}
         optimizer_state = copy.deepcopy(s.optimizers.state_dict())
         stream_state = self.stream.state_dict()
-        with self.phases.timed("warmup", sync=s.ctx.device):
-            for i in range(t.warmup_steps):
-                self._optimizer_step(self._direct_batch, 1.0, passes=1)
-                if t.warmup_steps <= 20 or (i + 1) % 10 == 0 or i + 1 == t.warmup_steps:
-                    self.log.line(f"warmup_step:{i + 1}/{t.warmup_steps}")
+        for i in range(steps):
+            self._optimizer_step(self._direct_batch, 1.0, passes=1)
+            if steps <= 20 or (i + 1) % 10 == 0 or i + 1 == steps:
+                self.log.line(f"warmup_step:{i + 1}/{steps}")
         s.model.load_state_dict(model_state, strict=True)
         s.optimizers.load_state_dict(optimizer_state)
         self.stream.load_state_dict(stream_state)
