@@ -119,3 +119,8 @@ def test_the_precompile_starts_only_on_a_machine_with_cores_to_spare(tmp_path, m
     process.keep_bytecode()
     assert sys.pycache_prefix == str(tmp_path / "cache" / "windowgpt" / "bytecode")
     assert started == ([(Path(sys.pycache_prefix), process.PRECOMPILED_PACKAGES)] if starts else [])
+
+
+def test_the_precompile_process_without_its_arguments_says_how_to_call_it():
+    done = subprocess.run([sys.executable, "-m", "windowgpt_cli.process"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.startswith("usage: ") and len(done.stderr.splitlines()) == 1

@@ -147,6 +147,10 @@ def windowgpt() -> NoReturn:
 
 
 if __name__ == "__main__":  # start_precompile's process: PREFIX FOLDER...
+    if len(sys.argv) < 2:
+        print("usage: python -m windowgpt_cli.process PREFIX [FOLDER...] (windowgpt starts this itself)",
+              file=sys.stderr)
+        sys.exit(2)
     try:
         os.nice(10)
     except OSError:
