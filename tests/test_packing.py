@@ -65,3 +65,23 @@ def test_pack_command_writes_the_archive_and_says_what_it_counts(tmp_path: Path)
     size = (tmp_path / "code.pyz").stat().st_size
     assert f"zipapp (deflate) of {len(codesize.record_modules()) + 1} files" in result.output
     assert f"{size:,} bytes (source {codesize.code_bytes() + len(MAIN_SOURCE):,} bytes" in result.output
+
+
+def test_a_child_process_of_the_packed_code_finds_the_archive(tmp_path: Path):
+    """Run as `python code.pyz`, the package is on no path a child inherits; the background
+    compile's process (`process.module_process`) still imports it from the archive. Python
+    runs without site-packages (-S), where an installed windowgpt would hide the difference."""
+    archive = tmp_path / "code.pyz"
+    pack(archive)
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    script = (f"import subprocess, sys; sys.path.insert(0, {str(archive)!r}); from windowgpt_cli import process; "
+              "argv, env = process.module_process('windowgpt_cli.process'); "
+              "done = subprocess.run([argv[0], '-S', *argv[1:]], env=env, capture_output=True, text=True); "
+              "print(process.__file__); print(done.returncode); print(done.stderr.splitlines()[0])")
+    done = subprocess.run([sys.executable, "-S", "-c", script], cwd=work, capture_output=True, text=True, timeout=60,
+                          env={"PATH": ""})
+    assert done.returncode == 0, done.stderr
+    imported_from, child_status, child_says = done.stdout.splitlines()
+    assert imported_from.startswith(str(archive))
+    assert child_status == "2" and child_says.startswith("usage: python -m windowgpt_cli.process")

@@ -77,11 +77,21 @@ def start_precompile(prefix: Path, packages: Sequence[str]) -> None:
         dirs = package_dirs(packages)
         if not dirs or precompile_marker(prefix, dirs).exists():
             return
-        subprocess.Popen([sys.executable, "-m", __name__, str(prefix), *map(str, dirs)],
-                         env={**os.environ, "PYTHONPYCACHEPREFIX": str(prefix)}, stdin=subprocess.DEVNULL,
+        argv, env = module_process(__name__, str(prefix), *map(str, dirs))
+        subprocess.Popen(argv, env={**env, "PYTHONPYCACHEPREFIX": str(prefix)}, stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     except (OSError, ValueError):  # only the speed-up is lost
         pass
+
+
+def module_process(module: str, *args: str) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of a child process that runs `python -m module args` with
+    this interpreter and finds windowgpt_cli where this process found it: a source tree,
+    site-packages, or the archive `python code.pyz` runs from (a path a child would not
+    inherit)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    return [sys.executable, "-m", module, *args], env
 
 
 def precompile(prefix: Path, dirs: Sequence[Path]) -> bool:
