@@ -49,7 +49,7 @@ class Tuning:
     fwd_block_m: int = 64
     fwd_block_n: int = 32
     fwd_warps: int = 4
-    fwd_stages: int = 4
+    fwd_stages: int = 3
     bwd_block_own: int = 64
     bwd_block_loop: int = 32
     bwd_warps: int = 4
