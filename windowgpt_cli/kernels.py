@@ -149,7 +149,7 @@ def _stream_norm_kernel(base_ptr, delta1_ptr, scale1_ptr, delta2_ptr, scale2_ptr
 
 
 @triton.jit
-def _head_positions(positions, rows_per_seq, HEAD_DIM: tl.constexpr, POSITIONS: tl.constexpr):
+def head_positions(positions, rows_per_seq, HEAD_DIM: tl.constexpr, POSITIONS: tl.constexpr):
     """This program's POSITIONS positions ([POSITIONS, 1], counted over every sequence) and a
     head's channels ([1, HEAD_DIM]): which positions are live, and each one's sequence and
     position in its sequence. A position's heads are `heads` contiguous rows of HEAD_DIM."""
@@ -159,7 +159,7 @@ def _head_positions(positions, rows_per_seq, HEAD_DIM: tl.constexpr, POSITIONS: 
 
 
 @triton.jit
-def _rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_stride, ROPE_HALF: tl.constexpr):
+def rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_stride, ROPE_HALF: tl.constexpr):
     """cos and sin of each channel of the rows (1 and 0 past the 2 * ROPE_HALF rotated ones;
     a pair's two channels share theirs)."""
     in_first = col < ROPE_HALF
@@ -170,7 +170,7 @@ def _rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_st
 
 
 @triton.jit
-def _pair_partners(x, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr):
+def pair_partners(x, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr):
     """Each channel's partner in its rotated pair (c + ROPE_HALF or c - ROPE_HALF): the halves
     of every group of 2 * ROPE_HALF channels swapped in registers (only the first group's
     are used)."""
@@ -182,19 +182,19 @@ def _pair_partners(x, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.
 def _head_prep_kernel(x_ptr, cos_ptr, sin_ptr, gain_ptr, out_ptr, positions, rows_per_seq, cos_seq_stride,
                       cos_row_stride, eps, heads, has_gain, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr,
                       POSITIONS: tl.constexpr):
-    """Every head at POSITIONS positions (`_head_positions`): each normed, its first
+    """Every head at POSITIONS positions (`head_positions`): each normed, its first
     2 * ROPE_HALF channels rotated (pairs c, c + ROPE_HALF), times its gain if has_gain. A
     rotated channel is the sum of two products, each rounded to out's dtype first. The
     rotary tables are read once per position, for all its heads."""
-    position, col, live, seq, pos = _head_positions(positions, rows_per_seq, HEAD_DIM, POSITIONS)
+    position, col, live, seq, pos = head_positions(positions, rows_per_seq, HEAD_DIM, POSITIONS)
     in_first = col < ROPE_HALF
     rotated = col < 2 * ROPE_HALF
-    cos, sin = _rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_stride, ROPE_HALF)
+    cos, sin = rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_stride, ROPE_HALF)
     dtype = out_ptr.dtype.element_ty
     for head in range(heads):
         offsets = (position * heads + head) * HEAD_DIM + col
         x = tl.load(x_ptr + offsets, mask=live, other=0.0).to(tl.float32)
-        x_partner = _pair_partners(x, POSITIONS, HEAD_DIM, ROPE_HALF)
+        x_partner = pair_partners(x, POSITIONS, HEAD_DIM, ROPE_HALF)
         inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
         x, x_partner = x * inv_rms, x_partner * inv_rms
         # (x1, x2) -> (x1 cos + x2 sin, x1 (-sin) + x2 cos), x1 the first channel of a pair
@@ -330,7 +330,7 @@ class FusedOps(TorchOps):
         activations = functools.partial(torch.zeros, device=device, dtype=torch.bfloat16)
         ids = torch.zeros(1, seq_len, dtype=torch.long, device=device)
         x0 = SmearedEmbedding(torch.zeros(1, seq_len, width, device=device, dtype=table.dtype),
-                              _float32(model.smear.gate, table))
+                              float32_values(model.smear.gate, table))
         block = model.blocks[0]
         inv_freq = rotary_inv_freq(model.rotary_dims, cfg.rope_base, seq_len, cfg.rope_train_seq_len, device=device)
         cos, sin = rotary_tables(seq_len, inv_freq)
@@ -368,7 +368,7 @@ class FusedOps(TorchOps):
         rows = ids.numel()
         _embed_kernel[(triton.cdiv(rows, STREAM_ROWS),)](
             ids.contiguous(), table.contiguous(), bigram.contiguous() if bigram is not None else normed,
-            _float32(bigram_scale, normed), normed, rows, width, FLOAT32_EPS, HAS_EXTRA=bigram is not None,
+            float32_values(bigram_scale, normed), normed, rows, width, FLOAT32_EPS, HAS_EXTRA=bigram is not None,
             ROWS=STREAM_ROWS, BLOCK=triton.next_power_of_2(width), num_warps=STREAM_WARPS)
         return SmearedEmbedding(normed, gate.detach().float().contiguous())
 
@@ -401,7 +401,7 @@ class FusedOps(TorchOps):
         return out
 
     def shared_values(self, projected: Tensor, scale: Tensor) -> ScaledProjection:
-        return ScaledProjection(projected.contiguous(), _float32(scale, projected))
+        return ScaledProjection(projected.contiguous(), float32_values(scale, projected))
 
     def values(self, v: Tensor, injection: ValueInjection | None) -> tuple[Tensor, Tensor]:
         if injection is None:
@@ -409,7 +409,7 @@ class FusedOps(TorchOps):
         v, shared = v.contiguous(), injection.shared
         for_attention, for_xsa = torch.empty_like(v), torch.empty_like(v, dtype=torch.float32)
         _values_kernel[(triton.cdiv(v.numel(), ELEMENTS),)](
-            v, shared.projected, shared.scale, _float32(injection.layer_scale, v), for_attention, for_xsa,
+            v, shared.projected, shared.scale, float32_values(injection.layer_scale, v), for_attention, for_xsa,
             v.numel(), BLOCK=ELEMENTS)
         return for_attention, for_xsa
 
@@ -421,7 +421,7 @@ class FusedOps(TorchOps):
 
     def exclude_self_value(self, y: Tensor, v: Tensor) -> Tensor:
         b, t, heads, head_dim = y.shape
-        if not _powers_of_two(head_dim) or y.stride(-1) != 1 or v.stride(-1) != 1:
+        if not powers_of_two(head_dim) or y.stride(-1) != 1 or v.stride(-1) != 1:
             return super().exclude_self_value(y, v)
         out = torch.empty(b, t, heads, head_dim, device=y.device, dtype=torch.bfloat16)
         rows = b * t * heads
@@ -481,7 +481,7 @@ def _stream_norm(stream: Residual, x0: SmearedEmbedding | Tensor | None, factor:
     rows = like.numel() // width
     normed = torch.empty(*like.shape, device=like.device, dtype=torch.bfloat16)
     factor = factor.float() if factor is not None else torch.ones((), device=like.device)  # any unused parameter
-    deltas = [(delta.contiguous(), _float32(scale, factor)) for delta, scale in stream.deltas]
+    deltas = [(delta.contiguous(), float32_values(scale, factor)) for delta, scale in stream.deltas]
     deltas += [(like, factor)] * (2 - len(deltas))
     mode = ((_BASE_IS_X0.value if base_is_x0 else 0) | (_NEEDS_X0.value if x0 is not None else 0)
             | (_X0_STORED.value if x0_stored else 0)
@@ -491,9 +491,9 @@ def _stream_norm(stream: Residual, x0: SmearedEmbedding | Tensor | None, factor:
         mode |= _SKIP_ITSELF.value if stream.skip is None else _SKIP_TENSOR.value
     _stream_norm_kernel[(triton.cdiv(rows, STREAM_ROWS),)](
         like if base_is_x0 else stream.base.contiguous(), *deltas[0], *deltas[1],
-        stream.skip.contiguous() if stream.skip is not None else like, _float32(stream.skip_weight, factor),
+        stream.skip.contiguous() if stream.skip is not None else like, float32_values(stream.skip_weight, factor),
         x0 if x0_stored else x0.normed if x0 is not None else like,
-        x0.gate if isinstance(x0, SmearedEmbedding) else factor, _float32(mix, factor),
+        x0.gate if isinstance(x0, SmearedEmbedding) else factor, float32_values(mix, factor),
         factor, kept if kept is not None else like, x_in if x_in is not None else like, normed,
         rows, like.size(-2), width, FLOAT32_EPS, mode, ROWS=STREAM_ROWS, BLOCK=triton.next_power_of_2(width),
         num_warps=STREAM_WARPS)
@@ -529,7 +529,7 @@ def head_tables(x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int) -> tuple[Te
     sequence, where a table has one per sequence). None where the kernels cannot take x's
     heads (a head or its rotated half not a power of two)."""
     rope_half = rotated_half(x.size(-1), rope_dims)
-    if not _powers_of_two(x.size(-1), rope_half):
+    if not powers_of_two(x.size(-1), rope_half):
         return None
     b, t = x.shape[:2]
     return tuple(table.expand(b if table.size(0) > 1 else 1, t, 1, rope_half).float().contiguous()
@@ -548,8 +548,8 @@ def head_prep(x: Tensor, cos: Tensor, sin: Tensor, gain: Tensor | None, dtype: t
     b, t, heads, head_dim = x.shape
     out = torch.empty(b, t, heads, head_dim, device=x.device, dtype=dtype)
     _head_prep_kernel[(triton.cdiv(b * t, HEAD_POSITIONS),)](
-        x.contiguous(), cos, sin, _float32(gain, cos), out, b * t, t, *head_table_strides(cos), FLOAT32_EPS, heads,
-        int(gain is not None), HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1), POSITIONS=HEAD_POSITIONS,
+        x.contiguous(), cos, sin, float32_values(gain, cos), out, b * t, t, *head_table_strides(cos), FLOAT32_EPS,
+        heads, int(gain is not None), HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1), POSITIONS=HEAD_POSITIONS,
         num_warps=HEAD_WARPS)
     return out
 
@@ -562,11 +562,11 @@ def leaky_square(h: Tensor, negative_slope: float, dtype: torch.dtype) -> Tensor
     return out
 
 
-def _powers_of_two(*sizes: int) -> bool:
+def powers_of_two(*sizes: int) -> bool:
     """Tiles of these sizes (a head, half its rotated channels) fit a kernel's block shape."""
     return all(n > 0 and n & (n - 1) == 0 for n in sizes)
 
 
-def _float32(t: Tensor | None, placeholder: Tensor) -> Tensor:
+def float32_values(t: Tensor | None, placeholder: Tensor) -> Tensor:
     """A parameter as float32 values (or any tensor where the kernel reads nothing)."""
     return t.detach().float().contiguous() if t is not None else placeholder

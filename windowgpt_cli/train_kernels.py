@@ -21,9 +21,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .kernels import (ELEMENTS, FLOAT32_EPS, HEAD_POSITIONS, HEAD_WARPS, _float32, _head_positions,
-                      _pair_partners, _powers_of_two, _rotary_at, head_prep, head_table_strides, head_tables,
-                      leaky_square, rotated_half)
+from .kernels import (ELEMENTS, FLOAT32_EPS, HEAD_POSITIONS, HEAD_WARPS, float32_values, head_positions, head_prep,
+                      head_table_strides, head_tables, leaky_square, pair_partners, powers_of_two, rotary_at,
+                      rotated_half)
 from .model import GPT, TorchOps
 
 
@@ -36,10 +36,10 @@ def _head_prep_backward_kernel(grad_ptr, x_ptr, cos_ptr, sin_ptr, gain_ptr, dx_p
     """The gradient of `_head_prep_kernel` for every head at POSITIONS positions: with
     respect to x (stored in dx's dtype) and, if has_gain, each row's (head's at a position)
     share of its head's gain gradient (float32)."""
-    position, col, live, seq, pos = _head_positions(positions, rows_per_seq, HEAD_DIM, POSITIONS)
+    position, col, live, seq, pos = head_positions(positions, rows_per_seq, HEAD_DIM, POSITIONS)
     in_first = col < ROPE_HALF
     rotated = col < 2 * ROPE_HALF
-    cos, sin = _rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_stride, ROPE_HALF)
+    cos, sin = rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_stride, ROPE_HALF)
     for head in range(heads):
         row = position * heads + head
         offsets = row * HEAD_DIM + col
@@ -48,13 +48,13 @@ def _head_prep_backward_kernel(grad_ptr, x_ptr, cos_ptr, sin_ptr, gain_ptr, dx_p
         inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
         normed = x * inv_rms
         if has_gain:
-            partner = _pair_partners(normed, POSITIONS, HEAD_DIM, ROPE_HALF)
+            partner = pair_partners(normed, POSITIONS, HEAD_DIM, ROPE_HALF)
             rotated_out = tl.where(in_first, normed * cos + partner * sin, partner * -sin + normed * cos)
             out = tl.where(rotated, rotated_out, normed)
             tl.store(gain_rows_ptr + row, tl.sum(grad * out, axis=1)[:, None], mask=live)
             grad = grad * tl.load(gain_ptr + head)
         # the rotation's transpose: (g1, g2) -> (g1 cos - g2 sin, g1 sin + g2 cos)
-        grad_partner = _pair_partners(grad, POSITIONS, HEAD_DIM, ROPE_HALF)
+        grad_partner = pair_partners(grad, POSITIONS, HEAD_DIM, ROPE_HALF)
         unrotated = tl.where(in_first, grad * cos - grad_partner * sin, grad_partner * sin + grad * cos)
         grad_normed = tl.where(rotated, unrotated, grad)
         # the norm's: (g - normed * mean(g * normed)) / rms
@@ -82,7 +82,7 @@ def head_prep_backward(grad: Tensor, x: Tensor, cos: Tensor, sin: Tensor,
     dx = torch.empty_like(x)
     gain_rows = torch.empty(b * t * heads, device=x.device, dtype=torch.float32) if gain is not None else cos
     _head_prep_backward_kernel[(triton.cdiv(b * t, HEAD_POSITIONS),)](
-        grad.contiguous(), x, cos, sin, _float32(gain, cos), dx, gain_rows, b * t, t, *head_table_strides(cos),
+        grad.contiguous(), x, cos, sin, float32_values(gain, cos), dx, gain_rows, b * t, t, *head_table_strides(cos),
         FLOAT32_EPS, heads, int(gain is not None), HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1),
         POSITIONS=HEAD_POSITIONS, num_warps=HEAD_WARPS)
     return dx, (gain_rows.view(-1, heads).sum(0) if gain is not None else None)
@@ -151,7 +151,7 @@ class TrainingOps(TorchOps):
             lambda: leaky_square(hidden, cfg.negative_slope, hidden.dtype),
             lambda: leaky_square_backward(hidden, hidden, cfg.negative_slope),
         ]
-        if _powers_of_two(cfg.head_dim, rope_half):
+        if powers_of_two(cfg.head_dim, rope_half):
             builds += [lambda: head_prep(q, table, table, gain, q.dtype),
                        lambda: head_prep_backward(q, q, table, table, gain)]
         return builds
