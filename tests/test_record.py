@@ -93,7 +93,8 @@ def test_training_stops_early_by_the_reserve_and_calibrates_inside_its_budget(re
     assert summary["training_plus_calibration_ms"] <= 1000 * CAP_S
     assert summary["world_size"] == 1 and summary["devices"] == ["cpu"]
     line = re.search(r"gptq:calibrated (\d+) layers in (\d+\.\d)s \((\d+) batches, (\d+) tokens\)", log)
-    assert line and line.groups() == ("24", f"{calibration['seconds']:.1f}", "4", str(calibration["tokens"]))
+    assert line and (line[1], line[3], line[4]) == ("24", "4", str(calibration["tokens"]))
+    assert float(line[2]) == pytest.approx(calibration["seconds"], abs=0.051)  # the log shows one decimal
     assert log.index("ema:applying EMA weights") < log.index("gptq:calibrating")
 
     stored = load_hessians(out / "train" / HESSIANS_FILENAME)
