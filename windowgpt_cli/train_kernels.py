@@ -37,8 +37,6 @@ def _head_prep_backward_kernel(grad_ptr, x_ptr, cos_ptr, sin_ptr, gain_ptr, dx_p
     respect to x (stored in dx's dtype) and, if has_gain, each row's (head's at a position)
     share of its head's gain gradient (float32)."""
     position, col, live, seq, pos = head_positions(positions, rows_per_seq, HEAD_DIM, POSITIONS)
-    in_first = col < ROPE_HALF
-    rotated = col < 2 * ROPE_HALF
     cos, sin = rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_stride, ROPE_HALF)
     for head in range(heads):
         row = position * heads + head
@@ -48,18 +46,26 @@ def _head_prep_backward_kernel(grad_ptr, x_ptr, cos_ptr, sin_ptr, gain_ptr, dx_p
         inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
         normed = x * inv_rms
         if has_gain:
-            partner = pair_partners(normed, POSITIONS, HEAD_DIM, ROPE_HALF)
-            rotated_out = tl.where(in_first, normed * cos + partner * sin, partner * -sin + normed * cos)
-            out = tl.where(rotated, rotated_out, normed)
+            out = _rotated(normed, pair_partners(normed, POSITIONS, HEAD_DIM, ROPE_HALF), cos, sin, HEAD_DIM,
+                           ROPE_HALF)
             tl.store(gain_rows_ptr + row, tl.sum(grad * out, axis=1)[:, None], mask=live)
             grad = grad * tl.load(gain_ptr + head)
-        # the rotation's transpose: (g1, g2) -> (g1 cos - g2 sin, g1 sin + g2 cos)
-        grad_partner = pair_partners(grad, POSITIONS, HEAD_DIM, ROPE_HALF)
-        unrotated = tl.where(in_first, grad * cos - grad_partner * sin, grad_partner * sin + grad * cos)
-        grad_normed = tl.where(rotated, unrotated, grad)
+        # the rotation's transpose: the rotation by the opposite angle
+        grad_normed = _rotated(grad, pair_partners(grad, POSITIONS, HEAD_DIM, ROPE_HALF), cos, -sin, HEAD_DIM,
+                               ROPE_HALF)
         # the norm's: (g - normed * mean(g * normed)) / rms
         dx = inv_rms * (grad_normed - normed * (tl.sum(grad_normed * normed, axis=1) / HEAD_DIM)[:, None])
         tl.store(dx_ptr + offsets, dx, mask=live)
+
+
+@triton.jit
+def _rotated(x, partner, cos, sin, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr):
+    """Rows of heads x rotated in float32, each channel's partner in its pair given:
+    (x1, x2) -> (x1 cos + x2 sin, x2 cos - x1 sin) on the first 2 * ROPE_HALF channels, the
+    others as they are."""
+    col = tl.arange(0, HEAD_DIM)[None, :]
+    rotated = tl.where(col < ROPE_HALF, x * cos + partner * sin, partner * -sin + x * cos)
+    return tl.where(col < 2 * ROPE_HALF, rotated, x)
 
 
 @triton.jit
