@@ -39,7 +39,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from windowgpt_cli import attention  # noqa: E402
+from windowgpt_cli.model import attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, SEQ_LEN, WINDOW, SINKS = 8, 4, 64, 2048, 512, 4
 TRAIN_BATCH, EVAL_BATCH = 48, 512
@@ -73,7 +73,7 @@ def inputs(batch: int, requires_grad: bool) -> tuple[torch.Tensor, ...]:
 
 
 def kernels(tuning=None) -> dict[str, Attention]:
-    from windowgpt_cli.window_attention import DEFAULT_TUNING, window_attention
+    from windowgpt_cli.kernels.window_attention import DEFAULT_TUNING, window_attention
 
     def flex(q, k, v):
         return attention._flex(q, k, v, attention._flex_block_mask(SEQ_LEN, WINDOW, SINKS, q.device))
@@ -179,7 +179,7 @@ def errors(impls: dict[str, Attention]) -> dict[str, dict]:
 def sweep(iters: int) -> dict[str, list]:
     """Forward time per forward setting, backward time (forward + backward less forward) per
     backward setting, at the training shape; the first of each list is the fastest."""
-    from windowgpt_cli.window_attention import DEFAULT_TUNING
+    from windowgpt_cli.kernels.window_attention import DEFAULT_TUNING
 
     q, k, v = inputs(TRAIN_BATCH, requires_grad=True)
     grad = torch.randn_like(q)

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     result = assemble(gpu_name(a.log_dirs), read_pairs(a.log_dirs))
     print(markdown(result))
     if a.json is not None:
-        from windowgpt_cli.artifacts import atomic_write_json
+        from windowgpt_cli.storage.files import atomic_write_json
 
         a.json.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(a.json, result)

@@ -40,7 +40,9 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from windowgpt_cli import ptz  # noqa: E402
+from windowgpt_cli.artifacts import ptz  # noqa: E402
+
+from windowgpt_cli.artifacts import compressors
 
 console = Console(width=140)
 REFERENCE = "lzma-6"
@@ -80,7 +82,7 @@ CANDIDATES: dict[str, tuple[Callable[[bytes], bytes], Callable[[bytes], bytes]]]
     "zlib-9": (lambda b: zlib.compress(b, 9), zlib.decompress),
     "bz2-9": (lambda b: bz2.compress(b, 9), bz2.decompress),
     "rans": _ptz_codec("rans"),
-    "auto": _ptz_codec(ptz.AUTO),
+    "auto": _ptz_codec(compressors.AUTO),
 }
 
 
@@ -94,7 +96,7 @@ def measure(name: str, payload: bytes) -> dict:
     t2 = time.perf_counter()
     result = {"bytes": len(data), "compress_s": round(t1 - t0, 3), "decompress_s": round(t2 - t1, 3),
               "round_trip": back == payload}
-    if name in ("rans", ptz.AUTO):
+    if name in ("rans", compressors.AUTO):
         result["compressor"] = ptz.compressor_of(data)
     return result
 

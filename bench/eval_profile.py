@@ -49,10 +49,11 @@ sys.path.insert(0, str(REPO))
 from fresh import run_fresh  # noqa: E402
 from windowgpt_cli import runtime  # noqa: E402
 from windowgpt_cli.config import RunConfig  # noqa: E402
-from windowgpt_cli.evaluation import WindowScorer, load_validation_tokens, plan_windows  # noqa: E402
-from windowgpt_cli.model import build_model  # noqa: E402
+from windowgpt_cli.eval.scoring import WindowScorer, plan_windows
+from windowgpt_cli.data.loader import load_validation_tokens  # noqa: E402
+from windowgpt_cli.model.gpt import build_model  # noqa: E402
 from windowgpt_cli.runtime import enable_fast_math  # noqa: E402
-from windowgpt_cli.tokenizer import load_byte_luts  # noqa: E402
+from windowgpt_cli.data.tokenizer import load_byte_luts  # noqa: E402
 
 # Variant flags that set an Inductor option for the evaluation's one-pass graphs.
 INDUCTOR_FLAGS = {"+nopm": ("pattern_matcher", False), "+nolo": ("loop_ordering_after_fusion", False),

@@ -34,10 +34,12 @@ sys.path.insert(0, str(REPO))
 
 from fresh import run_fresh  # noqa: E402
 from windowgpt_cli.config import RunConfig  # noqa: E402
-from windowgpt_cli.evaluation import evaluate_sliding, evaluate_ttt, load_validation_tokens  # noqa: E402
-from windowgpt_cli.model import GPT, build_model  # noqa: E402
+from windowgpt_cli.eval.scoring import evaluate_sliding
+from windowgpt_cli.eval.ttt import evaluate_ttt
+from windowgpt_cli.data.loader import load_validation_tokens  # noqa: E402
+from windowgpt_cli.model.gpt import GPT, build_model  # noqa: E402
 from windowgpt_cli.runtime import enable_fast_math  # noqa: E402
-from windowgpt_cli.tokenizer import load_byte_luts  # noqa: E402
+from windowgpt_cli.data.tokenizer import load_byte_luts  # noqa: E402
 
 SIDES = ("reference", "windowgpt")
 

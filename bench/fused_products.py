@@ -29,8 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from windowgpt_cli.config import RunConfig  # noqa: E402
-from windowgpt_cli.kernels import FusedOps, MatmulTiles  # noqa: E402
-from windowgpt_cli.model import build_model  # noqa: E402
+from windowgpt_cli.model.fused_ops import FusedOps
+from windowgpt_cli.kernels.elementwise import MatmulTiles  # noqa: E402
+from windowgpt_cli.model.gpt import build_model  # noqa: E402
 from windowgpt_cli.runtime import enable_fast_math  # noqa: E402
 
 TILES = [MatmulTiles(128, 256, 64, 8, 3), MatmulTiles(256, 128, 64, 8, 3), MatmulTiles(128, 128, 64, 4, 4),

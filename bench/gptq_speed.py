@@ -41,12 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from compressors import CANDIDATES, run_all  # noqa: E402  (bench/compressors.py)
 from compressors import table as compressor_table  # noqa: E402
-from windowgpt_cli import ptz  # noqa: E402
-from windowgpt_cli.model import unbank_state_dict  # noqa: E402
-from windowgpt_cli.model_io import load_weights  # noqa: E402
-from windowgpt_cli.quant import INT6, INT8, quantize_state_dict  # noqa: E402
+from windowgpt_cli.artifacts import ptz  # noqa: E402
+from windowgpt_cli.model.state_dict import unbank_state_dict  # noqa: E402
+from windowgpt_cli.artifacts.weights import load_weights  # noqa: E402
+from windowgpt_cli.artifacts.quantized import INT6, INT8
+from windowgpt_cli.quant.gptq import quantize_state_dict  # noqa: E402
 from windowgpt_cli.runtime import resolve_device, synchronize  # noqa: E402
-from windowgpt_cli.stages.quantize import calibration_hessians, quant_settings, quantize  # noqa: E402
+from windowgpt_cli.quant.quantize import calibration_hessians, quant_settings, quantize  # noqa: E402
 
 console = Console(width=160)
 

@@ -9,7 +9,7 @@
 # twice: pass "cold" gives every command its own fresh, empty Inductor and Triton cache
 # folders (WORK_DIR/cache/COMMAND); pass "warm" runs each command again on its folders, now
 # filled. Python's bytecode, where windowgpt keeps it itself (an installation that writes
-# none, see windowgpt_cli/process.py), goes to WORK_DIR/cache/python, emptied when the cold
+# none, see windowgpt_cli/bytecode.py), goes to WORK_DIR/cache/python, emptied when the cold
 # pass starts: its first command compiles the modules it imports, later ones read them. Each pass prepares its own data folder: prepare compiles nothing, so its two runs
 # differ only by what the OS has cached. A command that fails ends its pass's chain (not
 # smoke_gpu, which needs only the data).

@@ -7,11 +7,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from windowgpt_cli import tensorfile  # noqa: E402
-from windowgpt_cli.artifacts import atomic_write_json, sha256_file  # noqa: E402
+from windowgpt_cli.storage import tensorfile  # noqa: E402
+from windowgpt_cli.storage.files import atomic_write_json, sha256_file  # noqa: E402
 from windowgpt_cli.config import RunConfig  # noqa: E402
-from windowgpt_cli.model import GPT, unbank_state_dict  # noqa: E402
-from windowgpt_cli.model_io import EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_INFO, EXPORT_VERSION, EXPORT_WEIGHTS  # noqa: E402
+from windowgpt_cli.model.gpt import GPT
+from windowgpt_cli.model.state_dict import unbank_state_dict  # noqa: E402
+from windowgpt_cli.artifacts.export import EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_INFO, EXPORT_VERSION, EXPORT_WEIGHTS  # noqa: E402
 
 
 def main(state_path: Path, out: Path, tokenizer: Path | None) -> None:
@@ -20,7 +21,7 @@ def main(state_path: Path, out: Path, tokenizer: Path | None) -> None:
     GPT(cfg.model).load_state_dict(state, strict=True)  # the shapes must be the reference's defaults
     tensors = unbank_state_dict(state, cfg.model.num_layers)
     tensorfile.save(out / EXPORT_WEIGHTS, tensors, {"format": EXPORT_FORMAT, "format_version": EXPORT_VERSION})
-    cfg.save(out / EXPORT_CONFIG)
+    atomic_write_json(out / EXPORT_CONFIG, cfg.to_dict())
     atomic_write_json(out / EXPORT_INFO, {
         "format": EXPORT_FORMAT, "format_version": EXPORT_VERSION, "weights": "reference final_model.pt",
         "source_checkpoint": str(state_path), "source_sha256": sha256_file(state_path), "step": None,

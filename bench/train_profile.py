@@ -38,10 +38,10 @@ import typer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from windowgpt_cli.cli_support import (PresetOption, build_config, option_help, run_app,  # noqa: E402
-                                       user_errors_exit_1, with_config_flags)
+from windowgpt_cli.cli.support import (PresetOption, build_config, option_help, run_app, user_errors_exit_1,
+                                       with_config_flags)
 from windowgpt_cli.config import apply_overrides  # noqa: E402
-from windowgpt_cli.training import PHASES  # noqa: E402
+from windowgpt_cli.train.trainer import PHASES  # noqa: E402
 
 STEP_RANGE = "bench.step"  # the profiler range around each profiled step
 RECORD_MODEL = {"window_attn_size": 512, "num_sink_tokens": 4, "window_attn_layers": "2,4,6,8,10"}
@@ -214,10 +214,10 @@ def profile_training(cfg, steps: int, timed_steps: int, trace: Path) -> tuple[fl
     per step and a description of the run."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from windowgpt_cli.data import Prefetcher
+    from windowgpt_cli.data.loader import Prefetcher
     from windowgpt_cli.distributed import init_distributed, shutdown
     from windowgpt_cli.runtime import device_name, synchronize
-    from windowgpt_cli.training import RunLog, Trainer, build_setup
+    from windowgpt_cli.train.trainer import RunLog, Trainer, build_setup
 
     ctx = init_distributed(cfg.train.device)
     try:
@@ -294,7 +294,7 @@ def command(
           f"warm-up {about['warm_up_s']} s, peak memory {about['peak_memory_gib']} GiB")
     print(table(result))
     if json_path is not None:
-        from windowgpt_cli.artifacts import atomic_write_json
+        from windowgpt_cli.storage.files import atomic_write_json
 
         atomic_write_json(json_path, result)
         print(f"wrote {json_path}")

@@ -33,8 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from windowgpt_cli.config import RunConfig, apply_overrides  # noqa: E402
-from windowgpt_cli.evaluation import ChunkTrainer, select_ttt_parameters, ttt_learning_rate  # noqa: E402
-from windowgpt_cli.model import GPT, build_model  # noqa: E402
+from windowgpt_cli.eval.ttt import ChunkTrainer, select_ttt_parameters, ttt_learning_rate  # noqa: E402
+from windowgpt_cli.model.gpt import GPT, build_model  # noqa: E402
 from windowgpt_cli.runtime import enable_fast_math, run_in_threads  # noqa: E402
 
 RECORD_WINDOWS = {"window_attn_size": 512, "num_sink_tokens": 4, "window_attn_layers": (2, 4, 6, 8, 10)}

@@ -86,8 +86,8 @@ def data_demo_corpus() -> Path:
 @pytest.fixture(scope="session")
 def data_bytefallback_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small tokenizer with the project's recipe (byte fallback on), trained once per session."""
-    from windowgpt_cli.corpus import iter_documents
-    from windowgpt_cli.tokenizer import train_sentencepiece
+    from windowgpt_cli.data.corpus import iter_documents
+    from windowgpt_cli.data.tokenizer import train_sentencepiece
 
     texts = [DATA_MULTILINGUAL, *iter_documents(DATA_DEMO_CORPUS)]
     path = tmp_path_factory.mktemp("tokenizer") / "bf512.model"
@@ -117,7 +117,7 @@ def eval_tokenizer(data_fineweb_tokenizer: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def eval_luts(eval_tokenizer: Path):
-    from windowgpt_cli.tokenizer import load_byte_luts
+    from windowgpt_cli.data.tokenizer import load_byte_luts
 
     return load_byte_luts(eval_tokenizer, None, 1024)
 
@@ -128,7 +128,7 @@ def eval_model():
     import torch
 
     from windowgpt_cli.config import tiny_preset
-    from windowgpt_cli.model import build_model
+    from windowgpt_cli.model.gpt import build_model
 
     torch.manual_seed(0)
     model = build_model(tiny_preset().model, torch.device("cpu"))
@@ -150,7 +150,7 @@ def eval_val_tokens():
 
 def index_data_dir(data: Path, tokenizer: Path) -> Path:
     """Give a directory of shards the tokenizer and the manifest every stage requires."""
-    from windowgpt_cli.stages.prepare import index_data
+    from windowgpt_cli.data.prepare import index_data
 
     index_data(data, tokenizer)
     return data
@@ -160,7 +160,7 @@ def index_data_dir(data: Path, tokenizer: Path) -> Path:
 def eval_data_dir(tmp_path: Path, eval_tokenizer: Path, eval_val_tokens) -> Path:
     """A data directory: one validation shard (eval_val_tokens), a training shard,
     tokenizer.model and the manifest."""
-    from windowgpt_cli.shards import shard_name, write_shard
+    from windowgpt_cli.data.shards import shard_name, write_shard
 
     data = tmp_path / "data"
     data.mkdir()
@@ -172,14 +172,14 @@ def eval_data_dir(tmp_path: Path, eval_tokenizer: Path, eval_val_tokens) -> Path
 @pytest.fixture
 def eval_run_dir(tmp_path: Path, eval_model, eval_tokenizer: Path) -> Path:
     """A training run directory whose EMA weights are eval_model's, trained with eval_tokenizer."""
-    from windowgpt_cli.artifacts import sha256_file
-    from windowgpt_cli.checkpoint import Checkpoint, save_checkpoint
+    from windowgpt_cli.storage.files import atomic_write_json, sha256_file
+    from windowgpt_cli.artifacts.checkpoint import Checkpoint, save_checkpoint
     from windowgpt_cli.config import tiny_preset
 
     cfg = tiny_preset().resolved()
     run = tmp_path / "run"
     run.mkdir()
-    cfg.save(run / "config.json")
+    atomic_write_json(run / "config.json", cfg.to_dict())
     weights = {k: v.detach().clone() for k, v in eval_model.state_dict().items()}
     save_checkpoint(run / "checkpoint.pt", Checkpoint(
         config=cfg, model=weights, ema={k: v.clone() for k, v in weights.items()}, swa=None, swa_count=0,
@@ -225,9 +225,9 @@ def quant_run_dir(tmp_path: Path, quant_config, eval_tokenizer: Path) -> Path:
     """A run directory whose last, EMA and SWA weights all differ (SWA: a sum of 2 snapshots)."""
     import torch
 
-    from windowgpt_cli.artifacts import sha256_file
-    from windowgpt_cli.checkpoint import Checkpoint, save_checkpoint
-    from windowgpt_cli.model import build_model
+    from windowgpt_cli.storage.files import atomic_write_json, sha256_file
+    from windowgpt_cli.artifacts.checkpoint import Checkpoint, save_checkpoint
+    from windowgpt_cli.model.gpt import build_model
 
     torch.manual_seed(0)
     model = build_model(quant_config.model, torch.device("cpu"))
@@ -236,7 +236,7 @@ def quant_run_dir(tmp_path: Path, quant_config, eval_tokenizer: Path) -> Path:
     swa = {k: 2 * v + 0.01 * torch.randn_like(v) for k, v in last.items()}
     run = tmp_path / "run"
     run.mkdir()
-    quant_config.save(run / "config.json")
+    atomic_write_json(run / "config.json", quant_config.to_dict())
     save_checkpoint(run / "checkpoint.pt", Checkpoint(
         config=quant_config, model=last, ema=ema, swa=swa, swa_count=2, step=7, training_time_ms=1.0,
         tokenizer_sha256=sha256_file(eval_tokenizer), state={}))
@@ -248,7 +248,7 @@ def quant_data_dir(tmp_path: Path, eval_tokenizer: Path) -> Path:
     """Shards of random tokens (one for training: GPTQ calibration), with the manifest."""
     import torch
 
-    from windowgpt_cli.shards import shard_name, write_shard
+    from windowgpt_cli.data.shards import shard_name, write_shard
 
     data = tmp_path / "data"
     data.mkdir()
@@ -273,7 +273,7 @@ def eval_single_thread():
 @pytest.fixture(scope="session")
 def tiny_data_dir(tmp_path_factory) -> Path:
     """The shipped demo corpus, prepared once: shards, tokenizer and metadata."""
-    from windowgpt_cli.stages.prepare import prepare
+    from windowgpt_cli.data.prepare import prepare
 
     out = tmp_path_factory.mktemp("tiny-data")
     prepare([REPO / "data" / "demo" / "gutenberg_1mb.jsonl"], out, vocab_size=1024, val_fraction=0.05)
@@ -284,7 +284,7 @@ def tiny_data_dir(tmp_path_factory) -> Path:
 def tiny_run_dir(tmp_path_factory, tiny_data_dir) -> Path:
     """A finished tiny training run (30 steps), shared by the tests of later stages."""
     from windowgpt_cli.config import apply_overrides, tiny_preset
-    from windowgpt_cli.stages.train import train
+    from windowgpt_cli.train.run import train
 
     out = tmp_path_factory.mktemp("tiny-run") / "run"
     cfg = apply_overrides(tiny_preset(), {"data": {"data_path": str(tiny_data_dir)}, "train": {"iterations": 30}})

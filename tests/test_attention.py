@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-from windowgpt_cli import attention
+from windowgpt_cli.model import attention
 from windowgpt_cli.errors import ConfigError
 
 

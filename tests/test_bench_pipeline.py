@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from windowgpt_cli.config import tiny_preset
-from windowgpt_cli.stages.train import summary
-from windowgpt_cli.training import TrainResult
+from windowgpt_cli.train.run import summary
+from windowgpt_cli.train.trainer import TrainResult
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ sys.path.insert(0, str(BENCH))
 import compare_logs  # noqa: E402
 import reference_seed  # noqa: E402
 import train_profile  # noqa: E402
-from windowgpt_cli.training import PHASES  # noqa: E402
+from windowgpt_cli.train.trainer import PHASES  # noqa: E402
 
 
 # --- compare_logs ---------------------------------------------------------------------------

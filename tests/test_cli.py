@@ -9,7 +9,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from windowgpt_cli.cli import app
+from windowgpt_cli.cli.app import app
 from windowgpt_cli.config import GROUP_TYPES, RunConfig, group_fields, tiny_preset
 
 WIDE = {"COLUMNS": "200"}
@@ -51,14 +51,14 @@ def test_root_help_takes_h_and_offers_completion():
 
 def test_train_help_shows_the_documentation_and_both_presets_defaults():
     out = " ".join(run_cli("train", "--help").output.replace("│", " ").split())
-    assert "Seed of the batch sampler; -1 = seed. [default: -1]" in out
-    assert "Optimizer steps the schedule is planned for. [default: 20000; tiny preset: 60]" in out
-    assert "0 = full causal attention everywhere. [default: 0; tiny preset: 32]" in out
+    assert "Seed of the batch sampler; -1 = seed. [default: -1; in -1..18446744073709551615]" in out
+    assert "Optimizer steps the schedule is planned for. [default: 20000; tiny preset: 60; in 0..2147483647]" in out
+    assert "0 = full causal attention everywhere. [default: 0; tiny preset: 32; in 0..4194304]" in out
 
 
 def test_stages_that_start_from_an_artifact_say_so():
     ttt = " ".join(run_cli("eval-ttt", "--help").output.replace("│", " ").split())
-    assert "Passes over each scored chunk; 0 = score only, no training. [default: from the artifact]" in ttt
+    assert "Passes over each scored chunk; 0 = score only, no training. [default: from the artifact; in 0..1000]" in ttt
     assert "[default: 3" not in ttt
     quant = flags("quantize")
     names = {p.name for p in quant.values()}
@@ -141,14 +141,14 @@ import sys
 from typer.testing import CliRunner
 heavy = set(sys.argv[1:])
 sys.argv = ["windowgpt", "--help"]
-from windowgpt_cli.cli import main
+from windowgpt_cli.cli.app import main
 try:
     main()
 except SystemExit as exc:
     assert not exc.code, exc.code
 import typer
-from windowgpt_cli.cli import app
-from windowgpt_cli.record_app import app as record_app
+from windowgpt_cli.cli.app import app
+from windowgpt_cli.cli.record_app import app as record_app
 for each, help_flags in ((app, ("--help", "-h")), (record_app, ("--help",))):
     for command in ([], *([c] for c in sorted(typer.main.get_command(each).commands))):
         for flag in help_flags:
@@ -169,16 +169,16 @@ def test_help_imports_neither_torch_nor_numpy():
 
 
 def test_quantize_help_names_every_compressor():
-    from windowgpt_cli import ptz
+    from windowgpt_cli.artifacts import compressors
 
     text = " ".join(run_cli("quantize", "--help").output.replace("│", " ").split())
-    assert all(name in text for name in ptz.COMPRESSOR_CHOICES)
-    assert f"[default: {ptz.DEFAULT_COMPRESSOR}]" in text
+    assert all(name in text for name in compressors.COMPRESSOR_CHOICES)
+    assert f"[default: {compressors.DEFAULT_COMPRESSOR}]" in text
 
 
 EXIT_PROBE = """
 import sys
-from windowgpt_cli.process import exit_process
+from windowgpt_cli.entry import exit_process
 
 def main():
     case = sys.argv[1]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from windowgpt_cli.corpus import check_inputs, iter_corpus, iter_documents, read_chunks
+from windowgpt_cli.data.corpus import check_inputs, iter_corpus, iter_documents, read_chunks
 from windowgpt_cli.errors import DataError
 
 DOCS = ["first document\nwith two lines", "", "ünïcödé ✓ 日本語 🚀", "a \"quoted\" \\ text\r\nand a CR"]

@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-from windowgpt_cli.data import Prefetcher, TokenStream
+from windowgpt_cli.data.loader import Prefetcher, TokenStream
 from windowgpt_cli.errors import DataError
-from windowgpt_cli.shards import encode_shard, list_shards, load_tokens, read_token_count, write_shard
+from windowgpt_cli.data.shards import encode_shard, list_shards, load_tokens, read_token_count, write_shard
 
 
 @pytest.fixture

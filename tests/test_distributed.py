@@ -18,14 +18,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from typer.testing import CliRunner
 
-from windowgpt_cli.artifacts import tensors_sha256
-from windowgpt_cli.calibration import HESSIANS_FILENAME, calibrate, load_hessians
-from windowgpt_cli.checkpoint import load_checkpoint
-from windowgpt_cli.cli import app
-from windowgpt_cli.model import build_model
-from windowgpt_cli.optim import Muon
-from windowgpt_cli.shards import list_shards
-from windowgpt_cli.stages.evaluate import evaluate_artifact
+from windowgpt_cli.storage.files import tensors_sha256
+from windowgpt_cli.artifacts.checkpoint import HESSIANS_FILENAME
+from windowgpt_cli.quant.calibration import calibrate, load_hessians
+from windowgpt_cli.artifacts.checkpoint import load_checkpoint
+from windowgpt_cli.cli.app import app
+from windowgpt_cli.model.gpt import build_model
+from windowgpt_cli.train.optim import Muon
+from windowgpt_cli.data.shards import list_shards
+from windowgpt_cli.eval.evaluate import evaluate_artifact
 
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 2
@@ -266,7 +267,7 @@ def test_eval_on_two_ranks_equals_one_process(dist_two_rank_run, tiny_data_dir, 
                     "--json")
     two = json.loads(done.stdout)
     with one_thread():
-        one = evaluate_artifact(run, tiny_data_dir, stride=stride, device="cpu").record
+        one = evaluate_artifact(run, tiny_data_dir, settings={"eval": {"eval_stride": stride}}, device="cpu").record
     assert two["mode"] == one["mode"] == ("standard" if stride == 0 else "sliding")
     assert two["tokens"] == one["tokens"] and two["bytes"] == one["bytes"]
     assert abs(two["val_loss"] - one["val_loss"]) < 1e-6 and abs(two["val_bpb"] - one["val_bpb"]) < 1e-6

@@ -11,13 +11,15 @@ import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
-from windowgpt_cli import ptz
-from windowgpt_cli.cli import app
+from windowgpt_cli.artifacts import ptz
+from windowgpt_cli.cli.app import app
 from windowgpt_cli.config import tiny_preset
-from windowgpt_cli.evaluation import CPU_BATCH_WINDOWS, evaluate_sliding, evaluate_standard, evaluate_ttt
-from windowgpt_cli.model import build_model, rebank_state_dict
-from windowgpt_cli.stages import evaluate as evaluate_stage
-from windowgpt_cli.stages.quantize import quantize
+from windowgpt_cli.eval.scoring import CPU_BATCH_WINDOWS, evaluate_sliding, evaluate_standard
+from windowgpt_cli.eval.ttt import evaluate_ttt
+from windowgpt_cli.model.gpt import build_model
+from windowgpt_cli.model.state_dict import rebank_state_dict
+from windowgpt_cli.cli import evaluate as evaluate_stage
+from windowgpt_cli.quant.quantize import quantize
 
 pytestmark = pytest.mark.usefixtures("eval_single_thread")
 
@@ -204,7 +206,7 @@ def test_unknown_artifact(eval_data_dir, tmp_path):
 def test_the_progress_bar_says_compiling_until_the_first_batch(monkeypatch, compiling):
     out = io.StringIO()
     monkeypatch.setattr(evaluate_stage, "err_console", Console(file=out, force_terminal=True, width=100))
-    with evaluate_stage.batch_progress(True, "eval", compiling=compiling) as update:
+    with evaluate_stage.batch_progress("eval", compiling) as update:
         before_first_batch = out.getvalue()
         update(1, 4)
     after = out.getvalue()[len(before_first_batch):]

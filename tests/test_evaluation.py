@@ -12,17 +12,18 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from windowgpt_cli import evaluation
+from windowgpt_cli.eval import scoring as evaluation
+from windowgpt_cli.eval import ttt as ttt_module
 from windowgpt_cli.config import TTTConfig, tiny_preset
 from windowgpt_cli.errors import ConfigError, DataError
-from windowgpt_cli.evaluation import (CPU_BATCH_WINDOWS, MAX_AUTO_BATCH_WINDOWS, WindowScorer,
-                                      activation_bytes_per_token, batch_windows, chunk_windows, evaluate_sliding,
-                                      evaluate_standard, evaluate_ttt, load_validation_tokens, plan_windows,
-                                      rank_share, rows_per_window, select_ttt_parameters, ttt_learning_rate,
-                                      even_batch)
-from windowgpt_cli.model import GPT
-from windowgpt_cli.shards import shard_name, write_shard
-from windowgpt_cli.tokenizer import ByteLuts
+from windowgpt_cli.eval.scoring import (CPU_BATCH_WINDOWS, MAX_AUTO_BATCH_WINDOWS, WindowScorer,
+                                        activation_bytes_per_token, batch_windows, chunk_windows, evaluate_sliding,
+                                        evaluate_standard, plan_windows, rank_share, rows_per_window, even_batch)
+from windowgpt_cli.eval.ttt import evaluate_ttt, select_ttt_parameters, ttt_learning_rate
+from windowgpt_cli.data.loader import load_validation_tokens
+from windowgpt_cli.model.gpt import GPT
+from windowgpt_cli.data.shards import shard_name, write_shard
+from windowgpt_cli.data.tokenizer import ByteLuts
 
 pytestmark = pytest.mark.usefixtures("eval_single_thread")
 
@@ -319,7 +320,7 @@ def test_ttt_builds_its_gradient_kernels_once_beside_the_scorers(eval_model, ttt
     """The window attention's kernels that TTT's steps run are built once, by the scorer's
     set-up (in its threads, before the first chunk is scored), and not at all without training."""
     events = []
-    monkeypatch.setattr(evaluation, "window_kernel_builds",
+    monkeypatch.setattr(ttt_module, "window_kernel_builds",
                         lambda *args, backward, **kwargs: [lambda: events.append(("build", backward))])
     scorer_init = evaluation.WindowScorer.__init__
 
@@ -524,7 +525,7 @@ def test_a_step_that_cannot_be_captured_trains_eagerly_after_one_warning(eval_mo
                                                                          monkeypatch, capfd):
     """A host synchronization in the step (here: reading the gradient norm) breaks the
     capture; the run warns once and trains eagerly, to the same numbers."""
-    from windowgpt_cli.evaluation import ChunkTrainer
+    from windowgpt_cli.eval.ttt import ChunkTrainer
 
     finish = ChunkTrainer._finish_gradients
 

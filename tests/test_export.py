@@ -8,15 +8,16 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from windowgpt_cli import model_io, ptz, tensorfile
-from windowgpt_cli.artifacts import sha256_file
-from windowgpt_cli.checkpoint import load_checkpoint
-from windowgpt_cli.cli import app
+from windowgpt_cli.artifacts import weights as model_io, ptz
+from windowgpt_cli.storage import tensorfile
+from windowgpt_cli.storage.files import sha256_file
+from windowgpt_cli.artifacts.checkpoint import load_checkpoint
+from windowgpt_cli.cli.app import app
 from windowgpt_cli.errors import ArtifactError, ConfigError
-from windowgpt_cli.model import unbank_state_dict
-from windowgpt_cli.stages.export import export
-from windowgpt_cli.codesize import code_bytes
-from windowgpt_cli.stages.quantize import quantize, report_path
+from windowgpt_cli.model.state_dict import unbank_state_dict
+from windowgpt_cli.artifacts.export import export
+from windowgpt_cli.record.codesize import code_bytes
+from windowgpt_cli.quant.quantize import quantize, report_path
 
 pytestmark = pytest.mark.usefixtures("quant_single_thread")
 WIDE = {"COLUMNS": "200"}

@@ -9,8 +9,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from windowgpt_cli.cli import app
-from windowgpt_cli.generation import CachedDecoder, RecomputingDecoder, context_start, generate
+from windowgpt_cli.cli.app import app
+from windowgpt_cli.generate.decoding import CachedDecoder, RecomputingDecoder, context_start, generate
 
 pytestmark = pytest.mark.usefixtures("eval_single_thread")
 
@@ -80,7 +80,7 @@ def test_cached_decoding_equals_recomputation_on_cuda(eval_model):
         pytest.skip("needs CUDA")
     import copy
 
-    from windowgpt_cli.model import use_cuda_dtypes
+    from windowgpt_cli.model.gpt import use_cuda_dtypes
 
     model = copy.deepcopy(eval_model).cuda()  # float32, no autocast: as exact as on the CPU
     assert_cache_matches_recomputation(model, random_tokens(LENGTH), atol=1e-3)

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from windowgpt_cli import cli, ptz, tensorfile
-from windowgpt_cli.shards import shard_name
+from windowgpt_cli.cli import app as cli
+from windowgpt_cli.artifacts import compressors, ptz
+from windowgpt_cli.storage import tensorfile
+from windowgpt_cli.data.shards import shard_name
 
 pytestmark = pytest.mark.usefixtures("eval_single_thread")
 
@@ -47,10 +49,10 @@ def tree(root: Path) -> dict[str, tuple[int, int]]:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tiny_data_dir: Path, tiny_run_dir: Path, eval_tokenizer: Path) -> dict[str, Path]:
-    from windowgpt_cli.stages.export import export
-    from windowgpt_cli.stages.prepare import index_data
-    from windowgpt_cli.stages.quantize import quantize
-    from windowgpt_cli.stages.train import train
+    from windowgpt_cli.artifacts.export import export
+    from windowgpt_cli.data.prepare import index_data
+    from windowgpt_cli.quant.quantize import quantize
+    from windowgpt_cli.train.run import train
     from windowgpt_cli.config import apply_overrides, tiny_preset
 
     root = tmp_path_factory.mktemp("hostile")
@@ -129,7 +131,7 @@ def world(tmp_path_factory, tiny_data_dir: Path, tiny_run_dir: Path, eval_tokeni
     w["old_ptz"] = root / "old.ptz"  # version 1: no size or hash in the header
     w["old_ptz"].write_bytes(ptz.MAGIC + bytes([1, 1]) + lzma.compress(payload))
     w["bomb_ptz"] = root / "bomb.ptz"  # a few kB that would inflate to 20 MB
-    w["bomb_ptz"].write_bytes(ptz.MAGIC + bytes([ptz.FORMAT_VERSION, ptz.COMPRESSORS["lzma"].id])
+    w["bomb_ptz"].write_bytes(ptz.MAGIC + bytes([ptz.FORMAT_VERSION, compressors.COMPRESSORS["lzma"].id])
                               + ptz._SIZE_AND_HASH.pack(len(payload), bytes(32)) + lzma.compress(bytes(20_000_000)))
     w["rans_flipped_ptz"] = root / "rans-flipped.ptz"  # one bit of the rANS-coded words changed
     coded = bytearray(ptz.compress_payload(payload, "rans"))
@@ -167,7 +169,8 @@ CASES = [
     ("prepare --index {a_dir}", 1, "tokenizer.model"),
     ("prepare {corpus} --index {a_dir}", 1, "--index"),
     ("prepare {corpus}", 1, "--out"),
-    ("prepare {text} --tokenizer {tokenizer} --val-fraction 0.001 --out {data}", 1, "no validation documents"),
+    ("prepare {text} --tokenizer {tokenizer} --val-fraction 0.001 --out " + NEW, 1, "no validation documents"),
+    ("prepare {text} --tokenizer {tokenizer} --out {data}", 1, "contains the command's input"),
     # tokenizer-meta
     ("tokenizer-meta {root}/missing.model", 1, "missing.model"),
     ("tokenizer-meta {text}", 1, "notes.txt"),
@@ -178,15 +181,15 @@ CASES = [
     ("tokenizer-meta {tokenizer} --check {root}/[x].npz", 1, "[x].npz"),
     ("tokenizer-meta", 2, "Missing argument"),
     # train
-    ("train --preset tiny --data {data} --out " + NEW + " --num-heads 0", 1, "num_heads=0"),
-    ("train --preset tiny --data {data} --out " + NEW + " --mlp-mult nan", 1, "mlp_mult=nan"),
-    ("train --preset tiny --data {data} --out " + NEW + " --seed -1", 1, "seed=-1"),
-    ("train --preset tiny --data {data} --out " + NEW + " --vocab-size 0", 1, "vocab_size=0"),
-    ("train --preset tiny --data {data} --out " + NEW + " --matrix-lr nan", 1, "matrix_lr=nan"),
-    ("train --preset tiny --data {data} --out " + NEW + " --train-batch-tokens 1000", 1, "train_batch_tokens=1000"),
-    ("train --preset tiny --data {data} --out " + NEW + " --model-dim 100000", 1, "model_dim=100000"),
-    ("train --preset tiny --data {data} --out " + NEW + " --iterations -1", 1, "iterations=-1"),
-    ("train --preset tiny --data {data} --out " + NEW + " --adam-eps inf", 1, "adam_eps=inf"),
+    ("train --preset tiny --data {data} --out " + NEW + " --num-heads 0", 1, "--num-heads 0"),
+    ("train --preset tiny --data {data} --out " + NEW + " --mlp-mult nan", 1, "--mlp-mult nan"),
+    ("train --preset tiny --data {data} --out " + NEW + " --seed -1", 1, "--seed -1"),
+    ("train --preset tiny --data {data} --out " + NEW + " --vocab-size 0", 1, "--vocab-size 0"),
+    ("train --preset tiny --data {data} --out " + NEW + " --matrix-lr nan", 1, "--matrix-lr nan"),
+    ("train --preset tiny --data {data} --out " + NEW + " --train-batch-tokens 1000", 1, "--train-batch-tokens 1000"),
+    ("train --preset tiny --data {data} --out " + NEW + " --model-dim 100000", 1, "--model-dim 100000"),
+    ("train --preset tiny --data {data} --out " + NEW + " --iterations -1", 1, "--iterations -1"),
+    ("train --preset tiny --data {data} --out " + NEW + " --adam-eps inf", 1, "--adam-eps inf"),
     ("train --preset tiny --data {root}/nowhere --out " + NEW, 1, "no such data directory"),
     ("train --preset tiny --data {no_manifest} --out " + NEW, 1, "windowgpt prepare"),
     ("train --preset tiny --data {short_val} --out " + NEW, 1, "bytes, but manifest.json records"),
@@ -240,10 +243,10 @@ CASES = [
     ("eval {ptz} --data {root}/[x]", 1, "[x]"),
     ("eval {ptz} --data {data} --stride x", 2, "--stride"),
     # eval-ttt
-    ("eval-ttt {ptz} --data {data} --ttt-lr nan", 1, "ttt_lr=nan"),
-    ("eval-ttt {ptz} --data {data} --ttt-epochs -1", 1, "ttt_epochs=-1"),
-    ("eval-ttt {ptz} --data {data} --ttt-chunk-tokens 0", 1, "ttt_chunk_tokens=0"),
-    ("eval-ttt {ptz} --data {data} --ttt-momentum 1.5", 1, "ttt_momentum=1.5"),
+    ("eval-ttt {ptz} --data {data} --ttt-lr nan", 1, "--ttt-lr nan"),
+    ("eval-ttt {ptz} --data {data} --ttt-epochs -1", 1, "--ttt-epochs -1"),
+    ("eval-ttt {ptz} --data {data} --ttt-chunk-tokens 0", 1, "--ttt-chunk-tokens 0"),
+    ("eval-ttt {ptz} --data {data} --ttt-momentum 1.5", 1, "--ttt-momentum 1.5"),
     ("eval-ttt {no_info} --data {data}", 1, "export.json"),
     ("eval-ttt {ptz} --data {flipped_val}", 1, "differ from the sha256"),
     ("eval-ttt {huge_export} --data {data}", 1, "differs from the configuration"),
@@ -279,7 +282,7 @@ def test_resuming_a_finished_run_changes_nothing(world):
 
 
 def test_a_full_disk_is_one_line_naming_the_path(world, monkeypatch):
-    from windowgpt_cli import artifacts
+    from windowgpt_cli.storage import files as artifacts
 
     def full(src, dst):
         raise OSError(28, "No space left on device", str(dst))
@@ -309,7 +312,7 @@ TINY_TRAIN = ["--preset", "tiny", "--iterations", "2", "--warmup-steps", "0"]
 
 
 def test_a_second_writer_fails_at_once_naming_the_holder(world, tmp_path):
-    from windowgpt_cli.runlock import run_lock
+    from windowgpt_cli.storage.runlock import run_lock
 
     run = tmp_path / "run"
     with run_lock(run):
@@ -319,7 +322,7 @@ def test_a_second_writer_fails_at_once_naming_the_holder(world, tmp_path):
 
 
 def test_an_interrupted_run_exits_130_and_force_starts_afresh(world, tmp_path, monkeypatch):
-    from windowgpt_cli import training
+    from windowgpt_cli.train import trainer as training
 
     run = tmp_path / "run"
     with monkeypatch.context() as m:  # Ctrl-C arrives during the first step

@@ -9,19 +9,19 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from windowgpt_cli import ptz
-from windowgpt_cli.artifacts import sha256_file
-from windowgpt_cli.cli import app
+from windowgpt_cli.artifacts import ptz
+from windowgpt_cli.storage.files import sha256_file
+from windowgpt_cli.cli.app import app
 from windowgpt_cli.config import apply_overrides, tiny_preset
 from windowgpt_cli.errors import ConfigError
-from windowgpt_cli.metric_sinks import open_sink
-from windowgpt_cli.stages.compare import compare
-from windowgpt_cli.stages.export import export
-from windowgpt_cli.stages.inspect import inspect_artifact
-from windowgpt_cli.stages.plot import plot_runs
-from windowgpt_cli.stages.quantize import quantize
-from windowgpt_cli.stages.train import train
-from windowgpt_cli.training import RunLog
+from windowgpt_cli.train.metric_sinks import open_sink
+from windowgpt_cli.artifacts.compare import compare
+from windowgpt_cli.artifacts.export import export
+from windowgpt_cli.artifacts.inspect import inspect_artifact
+from windowgpt_cli.artifacts.curves import plot_runs
+from windowgpt_cli.quant.quantize import quantize
+from windowgpt_cli.train.run import train
+from windowgpt_cli.train.trainer import RunLog
 
 pytestmark = pytest.mark.usefixtures("eval_single_thread")
 WIDE = {"COLUMNS": "200"}

@@ -12,9 +12,10 @@ from typing import Callable
 
 import pytest
 
-from windowgpt_cli import artifacts, model_io, ptz
-from windowgpt_cli.artifacts import sha256_file
-from windowgpt_cli.datadir import verify_data
+from windowgpt_cli.storage import files as artifacts
+from windowgpt_cli.artifacts import weights as model_io, ptz
+from windowgpt_cli.storage.files import sha256_file
+from windowgpt_cli.data.manifest import verify_data
 from windowgpt_cli.errors import WindowGPTError
 
 pytestmark = pytest.mark.usefixtures("eval_single_thread")
@@ -74,7 +75,7 @@ def write_jsonl(path: Path, texts: list[str]) -> Path:
 
 
 def test_prepare_killed_at_each_write(monkeypatch, tmp_path, eval_tokenizer, data_demo_corpus):
-    from windowgpt_cli.stages.prepare import prepare
+    from windowgpt_cli.data.prepare import prepare
 
     texts = [json.loads(line)["text"][:2000] for line in data_demo_corpus.read_text().splitlines()[:40]]
     a_train, a_val = write_jsonl(tmp_path / "a.jsonl", texts[:15]), write_jsonl(tmp_path / "av.jsonl", texts[15:20])
@@ -107,7 +108,7 @@ def test_prepare_killed_at_each_write(monkeypatch, tmp_path, eval_tokenizer, dat
 
 
 def test_export_killed_at_each_write(monkeypatch, tmp_path, quant_run_dir):
-    from windowgpt_cli.stages.export import export
+    from windowgpt_cli.artifacts.export import export
 
     out = tmp_path / "export"
     old = export(quant_run_dir, out, "ema")["sha256"]
@@ -131,7 +132,7 @@ def test_export_killed_at_each_write(monkeypatch, tmp_path, quant_run_dir):
 
 
 def test_quantize_killed_at_each_write(monkeypatch, tmp_path, quant_run_dir):
-    from windowgpt_cli.stages.quantize import quantize, report_path
+    from windowgpt_cli.quant.quantize import quantize, report_path
 
     out = tmp_path / "m.ptz"
     quantize(quant_run_dir, out, compressor="lzma", device="cpu")
@@ -159,8 +160,8 @@ def test_quantize_killed_at_each_write(monkeypatch, tmp_path, quant_run_dir):
 
 def test_train_killed_at_each_write(monkeypatch, tmp_path, tiny_data_dir):
     from windowgpt_cli.config import apply_overrides, tiny_preset
-    from windowgpt_cli.stages.export import export
-    from windowgpt_cli.stages.train import train
+    from windowgpt_cli.artifacts.export import export
+    from windowgpt_cli.train.run import train
 
     cfg = apply_overrides(tiny_preset(), {"data": {"data_path": str(tiny_data_dir)},
                                           "train": {"iterations": 2, "warmup_steps": 0}})

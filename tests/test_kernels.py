@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from windowgpt_cli.config import RunConfig
-from windowgpt_cli.model import TORCH_OPS, Residual, ValueInjection, build_model, rotary_inv_freq, rotary_tables, smear
+from windowgpt_cli.model.ops import TORCH_OPS, Residual, ValueInjection, smear
+from windowgpt_cli.model.gpt import build_model
+from windowgpt_cli.model.rotary import rotary_inv_freq, rotary_tables
 
 from conftest import interpret_kernels_without_cuda
 from test_model import perturbed_tiny
@@ -22,8 +24,8 @@ interpret_kernels_without_cuda()
 
 import triton  # noqa: E402
 
-from windowgpt_cli import kernels  # noqa: E402
-from windowgpt_cli.kernels import FusedOps  # noqa: E402
+from windowgpt_cli.kernels import elementwise as kernels  # noqa: E402
+from windowgpt_cli.model.fused_ops import FusedOps  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("interpreter_fixes")
 FUSED = FusedOps()

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from windowgpt_cli.config import ModelConfig, tiny_preset
-from windowgpt_cli.attention import may_attend
-from windowgpt_cli.model import (GPT, build_model, matmul_dtype, rebank_state_dict, rms_norm, scaled_rms_norm,
-                                 unbank_state_dict, use_cuda_dtypes, window_key_rows)
+from windowgpt_cli.model.attention import may_attend
+from windowgpt_cli.model.gpt import GPT, build_model, matmul_dtype, use_cuda_dtypes, window_key_rows
+from windowgpt_cli.model.state_dict import rebank_state_dict, unbank_state_dict
+from windowgpt_cli.model.ops import rms_norm, scaled_rms_norm
 
 
 def perturbed_tiny(**changes) -> GPT:

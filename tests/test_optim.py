@@ -4,8 +4,8 @@ import dataclasses
 import torch
 
 from windowgpt_cli.config import OptimConfig, TrainConfig, tiny_preset
-from windowgpt_cli.model import build_model
-from windowgpt_cli.optim import (WeightAverages, build_optimizers, lr_scale, muon_momentum_at, newton_schulz5)
+from windowgpt_cli.model.gpt import build_model
+from windowgpt_cli.train.optim import WeightAverages, build_optimizers, lr_scale, muon_momentum_at, newton_schulz5
 
 
 def test_newton_schulz_output_is_close_to_orthogonal():

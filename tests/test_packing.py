@@ -8,10 +8,10 @@ import sys
 import zipfile
 from pathlib import Path
 
-from windowgpt_cli import codesize
-from windowgpt_cli.artifacts import sha256_file
-from windowgpt_cli.packing import FIXED_TIME, MAIN_MEMBER, MAIN_SOURCE, pack
-from windowgpt_cli.stages.quantize import quantize
+from windowgpt_cli.record import codesize
+from windowgpt_cli.storage.files import sha256_file
+from windowgpt_cli.record.archive import FIXED_TIME, MAIN_MEMBER, MAIN_SOURCE, pack
+from windowgpt_cli.quant.quantize import quantize
 
 
 def test_packing_is_reproducible_and_holds_exactly_the_record_modules(tmp_path: Path):
@@ -24,8 +24,8 @@ def test_packing_is_reproducible_and_holds_exactly_the_record_modules(tmp_path: 
         assert archive.read(MAIN_MEMBER).decode() == MAIN_SOURCE
     names = [m.filename for m in members]
     assert names == first.files == [MAIN_MEMBER, *codesize.record_modules()]
-    assert "windowgpt_cli/record_app.py" in names and "windowgpt_cli/stages/train.py" in names
-    assert not {"windowgpt_cli/cli.py", "windowgpt_cli/stages/prepare.py", "windowgpt_cli/packing.py"} & set(names)
+    assert "windowgpt_cli/cli/record_app.py" in names and "windowgpt_cli/cli/train.py" in names
+    assert not {"windowgpt_cli/cli/app.py", "windowgpt_cli/cli/prepare.py", "windowgpt_cli/record/packing.py"} & set(names)
     assert all(m.compress_type == zipfile.ZIP_DEFLATED and m.date_time == FIXED_TIME for m in members)
     assert first.bytes == len(data) and first.source_bytes == sum(m.file_size for m in members)
     assert first.source_bytes == codesize.code_bytes() + len(MAIN_SOURCE) > 2 * first.bytes
@@ -58,7 +58,7 @@ def test_the_archive_alone_runs_a_record_stage_and_counts_itself(tiny_run_dir: P
 def test_pack_command_writes_the_archive_and_says_what_it_counts(tmp_path: Path):
     from typer.testing import CliRunner
 
-    from windowgpt_cli.cli import app
+    from windowgpt_cli.cli.app import app
 
     result = CliRunner().invoke(app, ["pack", "--out", str(tmp_path / "code.pyz")], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
@@ -69,14 +69,14 @@ def test_pack_command_writes_the_archive_and_says_what_it_counts(tmp_path: Path)
 
 def test_a_child_process_of_the_packed_code_finds_the_archive(tmp_path: Path):
     """Run as `python code.pyz`, the package is on no path a child inherits; the background
-    compile's process (`process.module_process`) still imports it from the archive. Python
+    compile's process (`bytecode.module_process`) still imports it from the archive. Python
     runs without site-packages (-S), where an installed windowgpt would hide the difference."""
     archive = tmp_path / "code.pyz"
     pack(archive)
     work = tmp_path / "elsewhere"
     work.mkdir()
-    script = (f"import subprocess, sys; sys.path.insert(0, {str(archive)!r}); from windowgpt_cli import process; "
-              "argv, env = process.module_process('windowgpt_cli.process'); "
+    script = (f"import subprocess, sys; sys.path.insert(0, {str(archive)!r}); from windowgpt_cli import bytecode as process; "
+              "argv, env = process.module_process('windowgpt_cli.bytecode'); "
               "done = subprocess.run([argv[0], '-S', *argv[1:]], env=env, capture_output=True, text=True); "
               "print(process.__file__); print(done.returncode); print(done.stderr.splitlines()[0])")
     done = subprocess.run([sys.executable, "-S", "-c", script], cwd=work, capture_output=True, text=True, timeout=60,
@@ -84,4 +84,4 @@ def test_a_child_process_of_the_packed_code_finds_the_archive(tmp_path: Path):
     assert done.returncode == 0, done.stderr
     imported_from, child_status, child_says = done.stdout.splitlines()
     assert imported_from.startswith(str(archive))
-    assert child_status == "2" and child_says.startswith("usage: python -m windowgpt_cli.process")
+    assert child_status == "2" and child_says.startswith("usage: python -m windowgpt_cli.bytecode")

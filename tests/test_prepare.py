@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from windowgpt_cli.artifacts import sha256_file
-from windowgpt_cli.cli import app
+from windowgpt_cli.storage.files import sha256_file
+from windowgpt_cli.cli.app import app
 from windowgpt_cli.errors import ConfigError, DataError
-from windowgpt_cli.shards import list_shards, load_tokens, read_token_count
-from windowgpt_cli.stages.prepare import prepare, validation_score
-from windowgpt_cli.tokenizer import check_tokenizer_meta, load_sentencepiece
+from windowgpt_cli.data.shards import list_shards, load_tokens, read_token_count
+from windowgpt_cli.data.prepare import prepare
+from windowgpt_cli.data.encoding import validation_score
+from windowgpt_cli.data.tokenizer import check_tokenizer_meta, load_sentencepiece
 
 WIDE = {"COLUMNS": "200"}
 WORDS = ("river stone light garden window quiet number seven café naïve Zürich 東京 дом λόγος "

@@ -2,6 +2,7 @@
 validation, and no loader that ever runs code from a file."""
 from __future__ import annotations
 
+import functools
 import io
 import json
 import lzma
@@ -13,12 +14,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from windowgpt_cli import model_io, ptz, tensorfile
-from windowgpt_cli.checkpoint import load_checkpoint
-from windowgpt_cli.cli import app
+from windowgpt_cli.artifacts import compressors, ptz
+from windowgpt_cli.artifacts import weights as model_io
+from windowgpt_cli.storage import tensorfile
+from windowgpt_cli.artifacts.checkpoint import load_checkpoint
+from windowgpt_cli.cli.app import app
 from windowgpt_cli.config import tiny_preset
 from windowgpt_cli.errors import ArtifactError
-from windowgpt_cli.quant import quantize_state_dict
+from windowgpt_cli.quant.gptq import quantize_state_dict
 
 pytestmark = pytest.mark.usefixtures("quant_single_thread")
 WIDE = {"COLUMNS": "200"}
@@ -92,15 +95,15 @@ def _artifact() -> ptz.PtzArtifact:
     return ptz.PtzArtifact(cfg, quantize_state_dict(sd), "cd" * 32, {"kind": "export", "sha256": "ef" * 32})
 
 
-@pytest.mark.parametrize("compressor", ptz.COMPRESSOR_CHOICES)
+@pytest.mark.parametrize("compressor", compressors.COMPRESSOR_CHOICES)
 def test_ptz_round_trip_restores_dequantized_tensors_and_config(tmp_path: Path, compressor: str):
     artifact = _artifact()
     path = tmp_path / "m.ptz"
     size = ptz.save(path, artifact, compressor)
     assert size == path.stat().st_size
     used = ptz.compressor_of(path.read_bytes())
-    assert used == compressor or compressor == ptz.AUTO and used in ptz.COMPRESSORS
-    assert path.read_bytes()[:7] == b"WGPTZ" + bytes([ptz.FORMAT_VERSION, ptz.COMPRESSORS[used].id])
+    assert used == compressor or compressor == compressors.AUTO and used in compressors.COMPRESSORS
+    assert path.read_bytes()[:7] == b"WGPTZ" + bytes([ptz.FORMAT_VERSION, compressors.COMPRESSORS[used].id])
     back = ptz.load(path)
     assert back.config.to_dict() == artifact.config.to_dict()
     assert back.tokenizer_sha256 == artifact.tokenizer_sha256 and back.source == artifact.source
@@ -113,7 +116,8 @@ def test_ptz_round_trip_restores_dequantized_tensors_and_config(tmp_path: Path, 
 
 
 def test_loading_a_ptz_gives_banked_weights_for_the_model(tmp_path: Path):
-    from windowgpt_cli.model import build_model, unbank_state_dict
+    from windowgpt_cli.model.gpt import build_model
+    from windowgpt_cli.model.state_dict import unbank_state_dict
 
     cfg = tiny_preset().resolved()
     torch.manual_seed(0)
@@ -262,27 +266,27 @@ def test_rans_codes_int8_tensors_near_their_entropy_and_below_lzma():
     p = counts[counts > 0] / codes.numel()
     entropy_bytes = float(-(p * p.log2()).sum()) * codes.numel() / 8
     coded = ptz.compress_payload(payload, "rans")
-    overhead = 4 * ptz.rans_lanes(codes.numel()) + 1_000  # lane states, header, table, the lzma-coded rest
+    overhead = 4 * compressors.rans_lanes(codes.numel()) + 1_000  # lane states, header, table, the lzma-coded rest
     assert len(coded) <= entropy_bytes * 1.002 + overhead
     assert len(coded) < len(ptz.compress_payload(payload, "lzma"))
     assert ptz.decompress_payload(coded, "x") == payload
 
 
 def test_rans_lanes_grow_with_the_symbols_within_bounds():
-    lanes = [ptz.rans_lanes(n) for n in (0, 10_000, 4_000_000, 27_000_000, 10**9)]
-    assert lanes == sorted(lanes) and lanes[0] == ptz.RANS_MIN_LANES and lanes[-1] == ptz.RANS_MAX_LANES
+    lanes = [compressors.rans_lanes(n) for n in (0, 10_000, 4_000_000, 27_000_000, 10**9)]
+    assert lanes == sorted(lanes) and lanes[0] == compressors.RANS_MIN_LANES and lanes[-1] == compressors.RANS_MAX_LANES
     assert all(n & (n - 1) == 0 for n in lanes)  # powers of two
-    assert 27_000_000 // lanes[3] >= ptz.RANS_SYMBOLS_PER_LANE
+    assert 27_000_000 // lanes[3] >= compressors.RANS_SYMBOLS_PER_LANE
 
 
 def test_auto_keeps_the_smaller_of_rans_and_lzma_on_a_small_payload():
     noisy = tensorfile.dumps({"a.q": _codes(300, 400, 6, 3)})  # independent codes: rans is smaller
     periodic = tensorfile.dumps({"a.q": (torch.arange(120_000) % 50 - 25).to(torch.int8)})  # lzma's kind
-    assert len(noisy) < ptz.AUTO_TRIES_LZMA_BELOW and len(periodic) < ptz.AUTO_TRIES_LZMA_BELOW
+    assert len(noisy) < compressors.AUTO_TRIES_LZMA_BELOW and len(periodic) < compressors.AUTO_TRIES_LZMA_BELOW
     winners = set()
     for payload in (noisy, periodic):
-        sizes = {name: len(ptz.compress_payload(payload, name)) for name in ptz.COMPRESSORS}
-        auto = ptz.compress_payload(payload, ptz.AUTO)
+        sizes = {name: len(ptz.compress_payload(payload, name)) for name in compressors.COMPRESSORS}
+        auto = ptz.compress_payload(payload, compressors.AUTO)
         assert len(auto) == min(sizes.values()) and sizes[ptz.compressor_of(auto)] == len(auto)
         assert ptz.decompress_payload(auto, "x") == payload
         winners.add(ptz.compressor_of(auto))
@@ -291,17 +295,17 @@ def test_auto_keeps_the_smaller_of_rans_and_lzma_on_a_small_payload():
 
 def test_auto_codes_large_payloads_with_rans_alone(monkeypatch: pytest.MonkeyPatch):
     payload = tensorfile.dumps({"a.q": (torch.arange(120_000) % 50 - 25).to(torch.int8)})  # lzma would win
-    monkeypatch.setattr(ptz, "AUTO_TRIES_LZMA_BELOW", len(payload))
-    assert ptz.compressor_of(ptz.compress_payload(payload, ptz.AUTO)) == "rans"
+    monkeypatch.setattr(compressors, "AUTO_TRIES_LZMA_BELOW", len(payload))
+    assert ptz.compressor_of(ptz.compress_payload(payload, compressors.AUTO)) == "rans"
 
 
 def _as_rans_v1(coded: bytes) -> bytes:
     """A 1024-lane stream of compressor id 3 rewritten as compressor id 2, the first rans
     format (the same stream without the lane count in its header)."""
     header, body = coded[:ptz.HEADER_BYTES], coded[ptz.HEADER_BYTES:]
-    assert ptz._RANS_HEADER.unpack_from(body)[-1] == ptz.RANS_V1_LANES
-    return (header[:6] + bytes([2]) + header[7:] + body[:ptz._RANS_V1_HEADER.size]
-            + body[ptz._RANS_HEADER.size:])
+    assert compressors._RANS_HEADER.unpack_from(body)[-1] == compressors.RANS_V1_LANES
+    return (header[:6] + bytes([2]) + header[7:] + body[:compressors._RANS_V1_HEADER.size]
+            + body[compressors._RANS_HEADER.size:])
 
 
 def _rans_streams(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[bytes, int]]:
@@ -310,9 +314,9 @@ def _rans_streams(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[bytes, int
     artifact = _artifact()
     current = ptz.encode(artifact, "rans")
     with monkeypatch.context() as patch:
-        patch.setattr(ptz, "rans_lanes", lambda symbols: ptz.RANS_V1_LANES)
+        patch.setattr(compressors, "rans_lanes", lambda symbols: compressors.RANS_V1_LANES)
         first = _as_rans_v1(ptz.encode(artifact, "rans"))
-    return {"current": (current, ptz._RANS_HEADER.size), "first": (first, ptz._RANS_V1_HEADER.size)}
+    return {"current": (current, compressors._RANS_HEADER.size), "first": (first, compressors._RANS_V1_HEADER.size)}
 
 
 def test_the_first_rans_format_still_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -338,7 +342,7 @@ def test_rans_refuses_altered_or_truncated_streams(tmp_path: Path, monkeypatch: 
     }
     if version == "current":
         lanes_at = header - 4
-        for lanes in (0, ptz.RANS_MAX_LANES + 1, struct.unpack_from("<I", good, lanes_at)[0] // 2):
+        for lanes in (0, compressors.RANS_MAX_LANES + 1, struct.unpack_from("<I", good, lanes_at)[0] // 2):
             variants[f"{lanes} lanes"] = good[:lanes_at] + struct.pack("<I", lanes) + good[header:]
     for name, data in variants.items():
         path = tmp_path / f"{name.replace(' ', '_')}.ptz"
@@ -352,20 +356,20 @@ def test_decoding_refuses_a_corrupt_rans_stream_as_corrupt_payload(monkeypatch: 
     """Every prefix and every single-byte change of a small stream raises CorruptPayload
     (or decodes to exactly the payload, which the header's hash then confirms)."""
     payload = tensorfile.dumps({"a.q": _codes(64, 80, 3, 5), "b": torch.arange(6, dtype=torch.float32)})
-    for lanes in (ptz.RANS_V1_LANES, 64):
-        monkeypatch.setattr(ptz, "rans_lanes", lambda symbols: lanes)
+    for lanes in (compressors.RANS_V1_LANES, 64):
+        monkeypatch.setattr(compressors, "rans_lanes", lambda symbols: lanes)
         stream = ptz.compress_payload(payload, "rans")
-        if lanes == ptz.RANS_V1_LANES:
+        if lanes == compressors.RANS_V1_LANES:
             stream = _as_rans_v1(stream)
-        decompress = ptz._DECOMPRESSORS[stream[6]][1]
+        decompress = functools.partial(compressors.decompress, stream[6])
         body = stream[ptz.HEADER_BYTES:]
         assert decompress(body, len(payload)) == payload
         for cut in range(0, len(body), 7):
-            with pytest.raises(ptz.CorruptPayload):
+            with pytest.raises(compressors.CorruptPayload):
                 decompress(body[:cut], len(payload))
         for at in range(0, len(body), 5):
             altered = body[:at] + bytes([body[at] ^ 0x21]) + body[at + 1:]
             try:
                 assert decompress(altered, len(payload)) == payload, at
-            except ptz.CorruptPayload:
+            except compressors.CorruptPayload:
                 pass

@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from windowgpt_cli import quant
-from windowgpt_cli.quant import (CONTROL, INT6, INT8, PASSTHROUGH, QuantizedTensor, choose_scheme, collect_hessians,
-                                 gptq_quantize_batch, quantize_int6_rtn, quantize_int8, quantize_state_dict)
+from windowgpt_cli.artifacts.quantized import CONTROL, INT6, INT8, PASSTHROUGH, QuantizedTensor
+from windowgpt_cli.quant.schemes import choose_scheme, quantize_int6_rtn, quantize_int8
+from windowgpt_cli.quant.calibration import HESSIAN_DAMPING, collect_hessians
+from windowgpt_cli.quant.gptq import gptq_quantize_batch, quantize_state_dict
 
 pytestmark = pytest.mark.usefixtures("quant_single_thread")
 
@@ -253,7 +254,7 @@ def test_state_dict_gptq_covers_the_matrices_with_hessians_and_keeps_order():
 # --- Calibration -----------------------------------------------------------------------------
 
 def test_hessians_are_averaged_per_batch_and_damped(quant_config):
-    from windowgpt_cli.model import build_model
+    from windowgpt_cli.model.gpt import build_model
 
     torch.manual_seed(0)
     model = build_model(quant_config.model, torch.device("cpu"))
@@ -274,5 +275,5 @@ def test_hessians_are_averaged_per_batch_and_damped(quant_config):
         x0 = model.embed(x)
         inputs = torch.nn.functional.rms_norm(x0, (dim,)).reshape(-1, dim)
     raw = inputs.T @ inputs
-    expected = raw + quant.HESSIAN_DAMPING * raw.diag().mean() * torch.eye(dim)
+    expected = raw + HESSIAN_DAMPING * raw.diag().mean() * torch.eye(dim)
     assert torch.allclose(once[tuple(f"blocks.0.attn.c_{k}.weight" for k in "qkv")], expected, rtol=1e-4, atol=1e-4)

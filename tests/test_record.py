@@ -13,16 +13,18 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from windowgpt_cli import codesize
-from windowgpt_cli.artifacts import tensors_sha256
-from windowgpt_cli.calibration import AFTER_TRAINING, HESSIANS_FILENAME, INSIDE_TRAINING, load_hessians
-from windowgpt_cli.checkpoint import load_checkpoint
-from windowgpt_cli.cli import app
+from windowgpt_cli.record import codesize
+from windowgpt_cli.storage.files import tensors_sha256
+from windowgpt_cli.challenge import AFTER_TRAINING, INSIDE_TRAINING
+from windowgpt_cli.artifacts.checkpoint import HESSIANS_FILENAME
+from windowgpt_cli.quant.calibration import load_hessians
+from windowgpt_cli.artifacts.checkpoint import load_checkpoint
+from windowgpt_cli.cli.app import app
 from windowgpt_cli.errors import ArtifactError, ConfigError
-from windowgpt_cli.packing import MAIN_SOURCE, pack
-from windowgpt_cli.record import FAIL, NOT_APPLICABLE, PASS, Rules, write_report
-from windowgpt_cli.stages.export import export
-from windowgpt_cli.stages.quantize import quantize
+from windowgpt_cli.record.archive import MAIN_SOURCE, pack
+from windowgpt_cli.record.rules import FAIL, NOT_APPLICABLE, PASS, Rules, write_report
+from windowgpt_cli.artifacts.export import export
+from windowgpt_cli.quant.quantize import quantize
 
 REPO = Path(__file__).resolve().parents[1]
 CAP_S, RESERVE_S = 20.0, 18.0  # two seconds of training, then calibration with room to spare
@@ -36,11 +38,10 @@ import json, sys
 from pathlib import Path
 import torch
 from windowgpt_cli.config import apply_overrides, tiny_preset
-from windowgpt_cli.stages.train import train
-from windowgpt_cli.stages.export import export
-from windowgpt_cli.stages.quantize import quantize
-from windowgpt_cli.stages.evaluate import evaluate_artifact
-from windowgpt_cli.stages.eval_ttt import ttt_evaluate_artifact
+from windowgpt_cli.train.run import train
+from windowgpt_cli.artifacts.export import export
+from windowgpt_cli.quant.quantize import quantize
+from windowgpt_cli.eval.evaluate import evaluate_artifact, ttt_evaluate_artifact
 
 torch.set_num_threads(1)
 data, out, cap, reserve = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
@@ -142,8 +143,8 @@ def test_code_bytes_count_every_module_the_record_run_imports(record_flow):
     out, imported = record_flow
     closure = codesize.import_closure()
     assert set(imported) <= set(closure), sorted(set(imported) - set(closure))
-    assert "windowgpt_cli.stages.train" in imported and "windowgpt_cli.calibration" in imported
-    assert not {"windowgpt_cli.cli", "windowgpt_cli.stages.prepare", "windowgpt_cli.record"} & set(closure)
+    assert "windowgpt_cli.train.run" in imported and "windowgpt_cli.quant.calibration" in imported
+    assert not {"windowgpt_cli.cli.app", "windowgpt_cli.cli.prepare", "windowgpt_cli.record.rules"} & set(closure)
     whole_package = sum(p.stat().st_size for p in codesize.PACKAGE_DIR.rglob("*.py"))
     report = json.loads((out / "model.ptz.json").read_text())
     # Counted: the archive the stages ran from; beside it, the same files' source.
@@ -216,7 +217,7 @@ def test_report_flags_broken_rules_and_the_command_exits_1(record_flow, tmp_path
 def test_a_reserve_too_small_for_calibration_is_logged_and_fails_the_report(record_flow, tiny_data_dir, tmp_path,
                                                                           quant_single_thread):
     from windowgpt_cli.config import apply_overrides, tiny_preset
-    from windowgpt_cli.stages.train import train
+    from windowgpt_cli.train.run import train
 
     cap = 3.0
     cfg = apply_overrides(tiny_preset(), {"data": {"data_path": str(tiny_data_dir)},

@@ -13,11 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from windowgpt_cli.cli import app
+from windowgpt_cli.cli.app import app
 from windowgpt_cli.errors import DataError
-from windowgpt_cli.tokenizer import (ByteLuts, build_byte_tables, count_text_bytes, default_meta_path,
-                                     has_byte_fallback, load_byte_luts, load_sentencepiece, read_tokenizer_meta,
-                                     resolve_tokenizer, tokenizer_vocab_size, write_tokenizer_meta)
+from windowgpt_cli.data.tokenizer import (ByteLuts, build_byte_tables, count_text_bytes, default_meta_path,
+                                          has_byte_fallback, load_byte_luts, load_sentencepiece, read_tokenizer_meta,
+                                          resolve_tokenizer, tokenizer_vocab_size, write_tokenizer_meta)
 
 WIDE = {"COLUMNS": "200"}
 
@@ -159,21 +159,22 @@ def test_read_meta_refuses_other_versions_and_other_files(tmp_path, data_bytefal
         read_tokenizer_meta(tmp_path / "absent.meta.npz")
 
 
-def test_load_byte_luts_prefers_the_meta_file_and_pads(tmp_path, data_bytefallback_tokenizer):
+def test_load_byte_luts_reads_the_meta_file_pads_and_refuses_tables_of_another_tokenizer(
+        tmp_path, data_bytefallback_tokenizer):
     model = copy_tokenizer(data_bytefallback_tokenizer, tmp_path)
     computed = load_byte_luts(model, None, 512)  # no .meta.npz yet: computed from the model
     assert computed.table_size == 512
     meta = write_tokenizer_meta(model)
+    from_file = load_byte_luts(model, None, 600)
+    assert from_file.table_size == 600
+    assert torch.equal(from_file.base_bytes[:512], computed.base_bytes)
+    assert bool(from_file.is_boundary_token[599]) and int(from_file.base_bytes[599]) == 0
     base = read_tokenizer_meta(meta)["base_bytes"].copy()
     base[300] += 5
     tamper(meta, meta, base_bytes=base)  # now the file and the model disagree at token 300
-    from_file = load_byte_luts(model, None, 600)
-    assert from_file.table_size == 600
-    assert int(from_file.base_bytes[300]) == int(computed.base_bytes[300]) + 5
-    assert bool(from_file.is_boundary_token[599]) and int(from_file.base_bytes[599]) == 0
     with pytest.raises(DataError, match="base_bytes differs at token id 300"):
-        load_byte_luts(model, None, 512, validate=True)
-    only_meta = load_byte_luts(None, meta, 512)
+        load_byte_luts(model, None, 512)
+    only_meta = load_byte_luts(None, meta, 512)  # without the tokenizer there is nothing to compare with
     assert torch.equal(only_meta.base_bytes, torch.as_tensor(base))
     with pytest.raises(DataError, match="no tokenizer"):
         load_byte_luts(None, None, 512)

@@ -7,10 +7,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from windowgpt_cli.checkpoint import load_checkpoint
-from windowgpt_cli.cli import app
+from windowgpt_cli.artifacts.checkpoint import load_checkpoint
+from windowgpt_cli.cli.app import app
 from windowgpt_cli.config import RunConfig, apply_overrides, tiny_preset
-from windowgpt_cli.stages.train import train
+from windowgpt_cli.train.run import train
 
 runner = CliRunner()
 WIDE = {"COLUMNS": "200"}
@@ -62,7 +62,7 @@ def test_the_final_checkpoint_is_written_while_the_ema_weights_are_scored(tiny_d
     """Its file is written by a thread alongside the EMA evaluation: a failed write still
     fails the run (no summary), and what is written does not depend on when: the last
     step's weights, not the EMA weights the model holds meanwhile."""
-    from windowgpt_cli import training
+    from windowgpt_cli.train import trainer as training
     from windowgpt_cli.errors import ArtifactError
 
     writers = []
@@ -166,7 +166,7 @@ def test_train_ends_with_a_table_or_json(tiny_data_dir, tmp_path):
 
 
 def test_the_bar_plans_for_the_wallclock_cap():
-    from windowgpt_cli.stages.train import planned_steps
+    from windowgpt_cli.cli.train import planned_steps
 
     info = {"step": 2, "iterations": 1000, "elapsed_ms": 2000.0, "wallclock_ms": 3000.0}
     assert planned_steps(info) == (3, 1.0)  # the cap stops it after one more step of 1 s
@@ -177,7 +177,7 @@ def test_the_bar_plans_for_the_wallclock_cap():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_bar_shows_a_finished_cuda_loss_without_waiting_for_the_current_one():
-    from windowgpt_cli.stages.train import _FinishedLoss
+    from windowgpt_cli.cli.train import _FinishedLoss
 
     loss = _FinishedLoss()
     assert loss.read(torch.tensor(1.5, device="cuda")) in {"-", "1.5000"}
@@ -195,7 +195,7 @@ def test_validation_runs_through_the_compiled_training_graph(tiny_data_dir, tmp_
     from torch._dynamo.testing import CompileCounter
 
     from windowgpt_cli.distributed import DistContext
-    from windowgpt_cli.training import RunLog, Trainer, build_setup
+    from windowgpt_cli.train.trainer import RunLog, Trainer, build_setup
 
     cfg = tiny_cfg(tiny_data_dir, iterations=2, warmup_steps=1).resolved()
     setup = build_setup(cfg, DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
@@ -214,7 +214,7 @@ def test_validation_runs_through_the_compiled_training_graph(tiny_data_dir, tmp_
 
 def test_warm_up_takes_one_micro_batch_per_step_and_undoes_itself(tiny_data_dir, tmp_path):
     from windowgpt_cli.distributed import DistContext
-    from windowgpt_cli.training import RunLog, Trainer, build_setup
+    from windowgpt_cli.train.trainer import RunLog, Trainer, build_setup
 
     cfg = tiny_cfg(tiny_data_dir, iterations=2, warmup_steps=3).resolved()
     setup = build_setup(cfg, DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
@@ -234,7 +234,7 @@ def test_warm_up_takes_one_micro_batch_per_step_and_undoes_itself(tiny_data_dir,
 def _one_step(data_dir, per_pass: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
     """(weights before, weights after one training step, its loss) with per_pass micro-batches a pass."""
     from windowgpt_cli.distributed import DistContext
-    from windowgpt_cli.training import RunLog, Trainer, build_setup
+    from windowgpt_cli.train.trainer import RunLog, Trainer, build_setup
 
     cfg = tiny_cfg(data_dir, iterations=1, warmup_steps=0, micro_batches_per_pass=per_pass).resolved()
     setup = build_setup(cfg, DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
@@ -259,8 +259,7 @@ def test_micro_batches_per_pass_fit_the_gpu_memory_and_divide_the_step(monkeypat
     from types import SimpleNamespace
 
     from windowgpt_cli.errors import ConfigError
-    from windowgpt_cli.training import (TRAIN_MEMORY_FRACTION, micro_batches_per_pass_for,
-                                        training_bytes_per_token)
+    from windowgpt_cli.train.trainer import TRAIN_MEMORY_FRACTION, micro_batches_per_pass_for, training_bytes_per_token
 
     cfg = RunConfig()  # the reference's model: 786,432 tokens in 8 micro-batches on one GPU
     cuda = torch.device("cuda")

@@ -9,14 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from windowgpt_cli.model import TORCH_OPS, rotary_inv_freq, rotary_tables
+from windowgpt_cli.model.ops import TORCH_OPS
+from windowgpt_cli.model.rotary import rotary_inv_freq, rotary_tables
 
 from conftest import interpret_kernels_without_cuda
 from test_model import perturbed_tiny
 
 interpret_kernels_without_cuda()
 
-from windowgpt_cli.train_kernels import TrainingOps  # noqa: E402
+from windowgpt_cli.model.fused_train_ops import TrainingOps  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("interpreter_fixes")
 TRAINING = TrainingOps()

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from windowgpt_cli import attention
+from windowgpt_cli.model import attention
 from windowgpt_cli.errors import ConfigError
 
 from conftest import interpret_kernels_without_cuda
@@ -22,7 +22,7 @@ from conftest import interpret_kernels_without_cuda
 interpret_kernels_without_cuda()
 INTERPRETED = not torch.cuda.is_available()
 
-from windowgpt_cli.window_attention import Tuning, window_attention  # noqa: E402
+from windowgpt_cli.kernels.window_attention import Tuning, window_attention  # noqa: E402
 
 TINY = Tuning(fwd_block_m=16, fwd_block_n=16, fwd_warps=1, fwd_stages=1,
               bwd_block_own=16, bwd_block_loop=16, bwd_warps=1, bwd_stages=1)
@@ -191,7 +191,7 @@ def test_eager_flex_calls_run_the_triton_kernels():
 
 def test_inference_launches_the_kernel_without_the_op_dispatch(monkeypatch):
     """The op's dispatch imports TorchDynamo at its first call; eager scoring needs neither."""
-    from windowgpt_cli import window_attention as module
+    from windowgpt_cli.kernels import window_attention as module
 
     def dispatched(*args):
         raise AssertionError("went through the custom op")
@@ -228,7 +228,7 @@ class LaunchRecorder:
 def test_each_build_launches_one_of_the_kernels_a_call_runs(monkeypatch, backward):
     """So that run_in_threads builds them side by side: one kernel per build, together
     those of a forward (and its backward)."""
-    from windowgpt_cli import window_attention as module
+    from windowgpt_cli.kernels import window_attention as module
 
     launched: list[str] = []
     for name in KERNEL_NAMES:
@@ -253,7 +253,7 @@ def test_each_build_launches_one_of_the_kernels_a_call_runs(monkeypatch, backwar
 def test_window_kernels_are_built_only_where_windowed_layers_run_them(monkeypatch):
     """The same rule as `attention.attention`'s: the triton backend always, flex only
     eagerly, nothing without Triton's GPU or windowed layers that differ from causal ones."""
-    from windowgpt_cli import window_attention as module
+    from windowgpt_cli.kernels import window_attention as module
     from windowgpt_cli.config import ModelConfig
 
     monkeypatch.setattr(module, "kernel_builds", lambda device, **sizes: [sizes])
@@ -281,7 +281,7 @@ def test_a_call_after_the_builds_builds_nothing():
     """The builds' zeros specialize the kernels as a real batch does (Triton keys a kernel
     on its arguments' dtypes and divisibility): a forward and backward of three sequences
     afterwards finds every kernel it runs already built."""
-    from windowgpt_cli import window_attention as module
+    from windowgpt_cli.kernels import window_attention as module
     from windowgpt_cli.runtime import run_in_threads
 
     device = torch.device("cuda")

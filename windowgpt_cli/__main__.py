@@ -1,4 +1,4 @@
-from .process import windowgpt
+from .entry import windowgpt
 
 if __name__ == "__main__":
     windowgpt()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, SettingError
 
 
 def setting(default: Any, help: str) -> Any:
@@ -83,7 +83,6 @@ class DataConfig:
     tokenizer_path: str = setting("", "SentencePiece model; empty = DATA_PATH/tokenizer.model.")
     tokenizer_meta_path: str = setting("", "Byte tables (.meta.npz) for bits per byte; empty = the tokenizer's "
                                            ".meta.npz when it exists, else computed from the tokenizer.")
-    tokenizer_meta_validate: bool = setting(False, "Check the byte tables against the tokenizer before training.")
 
 
 @dataclass
@@ -184,6 +183,7 @@ class TTTConfig:
     ttt_lr: float = setting(0.002, "SGD learning rate at the first chunk, decayed to 0 over the chunks (cosine).")
     ttt_epochs: int = setting(3, "Passes over each scored chunk; 0 = score only, no training.")
     ttt_chunk_tokens: int = setting(32768, "Validation tokens per chunk: scored first, then trained on.")
+    ttt_seq_len: int = setting(0, "Tokens per TTT window and training sequence; 0 = train_seq_len, as the reference.")
     ttt_freeze_blocks: int = setting(2, "The first N blocks stay frozen; 0 = train every block.")
     ttt_freeze_bank_slices: bool = setting(True, "Also freeze the frozen blocks' slices of the parameter banks "
                                                  "(the reference freezes only their scalars).")
@@ -235,11 +235,6 @@ class RunConfig:
             setattr(cfg, name, _group_from_dict(getattr(cfg, name), values, f"{source}: [{name}]"))
         return cfg
 
-    def save(self, path: Path) -> Path:
-        from .artifacts import atomic_write_json
-
-        return atomic_write_json(path, self.to_dict())
-
     @classmethod
     def load(cls, path: Path, check: bool = True) -> "RunConfig":
         """A saved configuration (JSON or TOML); with check=False its values are left for
@@ -253,7 +248,9 @@ class RunConfig:
         return cfg
 
     def resolved(self) -> "RunConfig":
-        """A copy with derived fields filled in and every setting checked."""
+        """A copy with derived fields filled in and every setting checked (first as given,
+        so that a bad value is named by the setting that holds it, not one derived from it)."""
+        validate(self)
         cfg = dataclasses.replace(self, model=dataclasses.replace(self.model))
         longest = max(cfg.train.train_seq_len, cfg.train.train_seq_len_long)
         cfg.model.rope_train_seq_len = longest
@@ -320,9 +317,14 @@ def _jsonable(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+# Settings that older windowgpts wrote and that no longer choose anything: read and dropped.
+RETIRED_SETTINGS = {"tokenizer_meta_validate"}  # the byte tables are now always checked against the tokenizer
+
+
 def _group_from_dict(base: Any, values: Any, source: str) -> Any:
     if not isinstance(values, dict):
         raise ConfigError(f"{source} must be an object")
+    values = {k: v for k, v in values.items() if k not in RETIRED_SETTINGS}
     hints = typing.get_type_hints(type(base))
     unknown = sorted(set(values) - set(hints))
     if unknown:
@@ -370,12 +372,30 @@ def _type_name(hint: Any) -> str:
 
 
 def apply_overrides(cfg: RunConfig, overrides: dict[str, dict[str, Any]]) -> RunConfig:
-    """Set the given fields ({group: {field: value}}) on a copy of cfg."""
+    """Set the given fields ({group: {field: value}}) on a copy of cfg, each value checked
+    against its bounds or choices (the combinations are validate()'s)."""
     groups = {name: dataclasses.replace(getattr(cfg, name)) for name in GROUP_TYPES}
     for group, values in overrides.items():
         for name, value in values.items():
-            setattr(groups[group], name, coerce(field_type(group, name), value, f"--{name.replace('_', '-')}"))
+            value = coerce(field_type(group, name), value, f"--{name.replace('_', '-')}")
+            check_setting(name, value)
+            setattr(groups[group], name, value)
     return RunConfig(**groups)
+
+
+def grad_accum_steps_for(cfg: RunConfig, world_size: int) -> int:
+    """Micro-batches per step on each rank: the setting, or 8 // world_size as the reference."""
+    if cfg.train.grad_accum_steps > 0:
+        return cfg.train.grad_accum_steps
+    if 8 % world_size != 0:
+        raise ConfigError(f"world size {world_size} does not divide 8; set --grad-accum-steps explicitly")
+    return 8 // world_size
+
+
+
+# Settings that a resumed run may change: where its data lies and how it runs, never what it computes.
+RESUMABLE_SETTINGS = ("data_path", "tokenizer_path", "tokenizer_meta_path", "device", "attn_backend", "compile",
+                      "micro_batches_per_pass", "sample_every", "sample_prompt", "logger")
 
 
 # --- Presets ----------------------------------------------------------------------------
@@ -416,50 +436,75 @@ def preset(name: str) -> RunConfig:
 
 # --- Validation -------------------------------------------------------------------------
 
-# Inclusive bounds of numeric settings; None: unbounded on that side. The upper bounds keep
-# a hostile or mistyped stored configuration from allocating absurd amounts of memory.
+# The one table of what each setting may be, read by validate(), by the command line's
+# flags (their help, and the choices a shell completes) and so by every stage. Inclusive
+# bounds of numeric settings (None: unbounded on that side; the upper bounds keep a hostile
+# or mistyped stored configuration from allocating absurd amounts of memory), and the
+# choices of settings that name one.
+INT_MAX = 2**31 - 1
 BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "vocab_size": (2, 65536), "num_layers": (1, 128), "model_dim": (2, 16384), "num_heads": (1, 1024),
     "num_kv_heads": (1, 1024), "mlp_mult": (1e-6, 64), "tied_embed_init_std": (0, None), "logit_softcap": (1e-6, None),
-    "rope_base": (1e-6, None), "rope_dims": (0, None), "xsa_last_n": (0, None), "bigram_vocab_size": (0, 1 << 22),
+    "rope_base": (1e-6, None), "rope_dims": (0, 1 << 14), "xsa_last_n": (0, 128), "bigram_vocab_size": (0, 1 << 22),
     "bigram_dim": (1, 16384), "ve_dim": (1, 16384), "window_attn_size": (0, 1 << 22), "num_sink_tokens": (0, 1 << 22),
     "rope_train_seq_len": (1, 1 << 22),
     "embed_lr": (0, None), "head_lr": (0, None), "tied_embed_lr": (0, None), "matrix_lr": (0, None),
     "scalar_lr": (0, None), "muon_momentum": (0, 1), "muon_backend_steps": (1, 100),
-    "muon_momentum_warmup_start": (0, 1), "muon_momentum_warmup_steps": (0, None), "muon_wd": (0, None),
+    "muon_momentum_warmup_start": (0, 1), "muon_momentum_warmup_steps": (0, INT_MAX), "muon_wd": (0, None),
     "beta1": (0, 0.999999), "beta2": (0, 0.999999), "adam_eps": (1e-30, 1), "adam_wd": (0, None),
     "grad_clip_norm": (0, None),
     # data_seed: 64-bit, as the seeds the reference derives from its shard paths (bench/reference_seed.py)
-    "seed": (0, 2**32 - 1), "data_seed": (-1, 2**64 - 1), "iterations": (0, None), "warmdown_iters": (0, None),
-    "warmup_steps": (0, None), "train_batch_tokens": (1, 1 << 40), "train_seq_len": (1, 1 << 22),
+    "seed": (0, 2**32 - 1), "data_seed": (-1, 2**64 - 1), "iterations": (0, INT_MAX), "warmdown_iters": (0, INT_MAX),
+    "warmup_steps": (0, INT_MAX), "train_batch_tokens": (1, 1 << 40), "train_seq_len": (1, 1 << 22),
     "train_seq_len_long": (0, 1 << 22), "num_gpus_long": (0, 1 << 16), "grad_accum_steps": (0, 1 << 16),
     "micro_batches_per_pass": (0, 1 << 16),
-    "max_wallclock_seconds": (0, None), "val_loss_every": (0, None), "train_log_every": (0, None),
+    "max_wallclock_seconds": (0, None), "val_loss_every": (0, INT_MAX), "train_log_every": (0, INT_MAX),
     "val_batch_size": (1, 1 << 40), "ema_decay": (0, 0.999999999), "warmdown_max_fraction": (1e-9, 1),
-    "swa_every": (1, None), "checkpoint_every": (0, None),
+    "swa_every": (1, INT_MAX), "checkpoint_every": (0, INT_MAX), "sample_every": (0, INT_MAX),
     "eval_seq_len": (1, 1 << 22), "eval_stride": (0, 1 << 22), "eval_batch_seqs": (0, 1 << 20),
-    "quant_clip_range": (1, 127), "quant_passthrough_max_numel": (0, None), "gptq_calib_samples": (0, 1 << 20),
-    "gptq_block_size": (1, 1 << 16), "gptq_percdamp": (0, 1),
-    "ttt_lr": (0, None), "ttt_epochs": (0, 1000), "ttt_chunk_tokens": (1, 1 << 30), "ttt_freeze_blocks": (0, None),
+    "quant_clip_range": (1, 127), "quant_passthrough_max_numel": (0, 1 << 40), "gptq_calib_samples": (0, 1 << 20),
+    "gptq_block_size": (1, 1 << 16), "gptq_percdamp": (0, 1), "gptq_reserve_seconds": (0, None),
+    "ttt_lr": (0, None), "ttt_epochs": (0, 1000), "ttt_chunk_tokens": (1, 1 << 30), "ttt_seq_len": (0, 1 << 22),
+    "ttt_freeze_blocks": (0, 128),
     "ttt_momentum": (0, 1), "ttt_batch_seqs": (1, 1 << 20), "ttt_grad_clip": (0, None),
+}
+CHOICES: dict[str, tuple[str, ...]] = {
+    "device": ("auto", "cpu", "cuda"),
+    "attn_backend": ("auto", "fa3", "flex", "triton", "sdpa"),
+    "logger": ("none", "tensorboard", "wandb"),
 }
 MAX_PARAMETERS = 4_000_000_000  # about 150 times the reference model
 
 
-def _check_numbers(cfg: RunConfig) -> None:
-    """Every numeric setting is finite and within BOUNDS."""
+def bounds_text(name: str) -> str:
+    """What a setting may be, in words ("in 1..128", "at least 0", "one of auto, cpu, cuda"); "" when free."""
+    if name in CHOICES:
+        return "one of " + ", ".join(CHOICES[name])
+    lo, hi = BOUNDS.get(name, (None, None))
+    if lo is None and hi is None:
+        return ""
+    return f"at least {lo}" if hi is None else f"at most {hi}" if lo is None else f"in {lo}..{hi}"
+
+
+def check_setting(name: str, value: Any) -> None:
+    """SettingError unless value is finite and within the setting's bounds or choices."""
+    if name in CHOICES and value not in CHOICES[name]:
+        raise SettingError(name, f"{name}={value!r} must be {bounds_text(name)}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SettingError(name, f"{name}={value} must be a finite number")
+    lo, hi = BOUNDS.get(name, (None, None))
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise SettingError(name, f"{name}={value} must be {bounds_text(name)}")
+
+
+def _check_settings(cfg: RunConfig) -> None:
+    """Every setting within its bounds or choices (BOUNDS, CHOICES)."""
     for group in GROUP_TYPES:
         section = getattr(cfg, group)
         for f in dataclasses.fields(section):
-            value = getattr(section, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{f.name}={value} must be a finite number")
-            lo, hi = BOUNDS.get(f.name, (None, None))
-            if (lo is not None and value < lo) or (hi is not None and value > hi):
-                where = f"at least {lo}" if hi is None else f"at most {hi}" if lo is None else f"in {lo}..{hi}"
-                raise ConfigError(f"{f.name}={value} must be {where}")
+            check_setting(f.name, getattr(section, f.name))
 
 
 def parameter_estimate(m: ModelConfig) -> int:
@@ -471,55 +516,46 @@ def parameter_estimate(m: ModelConfig) -> int:
 
 def validate(cfg: RunConfig) -> None:
     """Raise ConfigError naming the first invalid setting or combination."""
-    _check_numbers(cfg)
+    _check_settings(cfg)
     m, t = cfg.model, cfg.train
-    checks: list[tuple[bool, str]] = [
-        (parameter_estimate(m) <= MAX_PARAMETERS, f"the model's shape gives about {parameter_estimate(m):,} "
-                                                  f"parameters, more than {MAX_PARAMETERS:,}"),
+    checks: list[tuple[bool, str | None, str]] = [  # (holds, the setting it is about, message)
+        (parameter_estimate(m) <= MAX_PARAMETERS, None, f"the model's shape gives about {parameter_estimate(m):,} "
+                                                        f"parameters, more than {MAX_PARAMETERS:,}"),
         (t.grad_accum_steps == 0 or t.train_batch_tokens % (t.grad_accum_steps * t.train_seq_len) == 0,
-         f"train_batch_tokens={t.train_batch_tokens} must be a multiple of grad_accum_steps x train_seq_len = "
-         f"{max(t.grad_accum_steps, 1) * t.train_seq_len} (the loader takes whole sequences)"),
-        (cfg.eval.eval_stride <= cfg.eval.eval_seq_len, f"eval_stride={cfg.eval.eval_stride} must be at most "
-                                                        f"eval_seq_len={cfg.eval.eval_seq_len}"),
-        (m.vocab_size > 0 and m.vocab_size <= 65536, f"vocab_size={m.vocab_size} must be in 1..65536 (tokens are stored as uint16)"),
-        (m.num_layers > 0, f"num_layers={m.num_layers} must be positive"),
-        (m.num_heads > 0 and m.num_kv_heads > 0, "num_heads and num_kv_heads must be positive"),
-        (m.model_dim % m.num_heads == 0, f"num_heads={m.num_heads} does not divide model_dim={m.model_dim}"),
-        (m.num_heads % m.num_kv_heads == 0, f"num_kv_heads={m.num_kv_heads} does not divide num_heads={m.num_heads}"),
-        (m.head_dim % 2 == 0, f"head_dim={m.head_dim} (model_dim/num_heads) must be even for rotary embeddings"),
-        (0 <= m.rope_dims <= m.head_dim and m.rope_dims % 2 == 0, f"rope_dims={m.rope_dims} must be even and at most head_dim={m.head_dim}"),
-        (m.rope_dims != 2, "rope_dims=2 leaves nothing to rescale beyond the training length; use 0 or at least 4"),
-        (m.mlp_dim > 0, f"mlp_mult={m.mlp_mult} gives an empty MLP"),
-        (m.logit_softcap > 0, f"logit_softcap={m.logit_softcap} must be positive"),
-        (0 <= m.xsa_last_n <= m.num_layers, f"xsa_last_n={m.xsa_last_n} must be in 0..num_layers={m.num_layers}"),
-        (m.bigram_vocab_size == 0 or m.bigram_vocab_size >= 2, "bigram_vocab_size must be 0 (off) or at least 2"),
-        (m.window_attn_size >= 0 and m.num_sink_tokens >= 0, "window_attn_size and num_sink_tokens must not be negative"),
-        (m.num_sink_tokens == 0 or m.window_attn_size > 0, "num_sink_tokens needs window_attn_size > 0"),
-        (t.train_batch_tokens > 0 and t.train_seq_len > 0, "train_batch_tokens and train_seq_len must be positive"),
-        (t.iterations >= 0 and t.warmup_steps >= 0 and t.warmdown_iters >= 0, "iterations, warmup_steps and warmdown_iters must not be negative"),
-        (t.train_seq_len_long == 0 or t.num_gpus_long > 0, "train_seq_len_long needs num_gpus_long > 0"),
-        (t.device in {"auto", "cpu", "cuda"}, f"device={t.device!r} must be auto, cpu or cuda"),
-        (t.attn_backend in {"auto", "fa3", "flex", "triton", "sdpa"},
-         f"attn_backend={t.attn_backend!r} must be auto, fa3, flex, triton or sdpa"),
-        (0.0 <= t.ema_decay < 1.0, f"ema_decay={t.ema_decay} must be in [0, 1)"),
-        (t.swa_every > 0, "swa_every must be positive"),
-        (t.sample_every >= 0, f"sample_every={t.sample_every} must not be negative (0: no samples)"),
-        (t.logger in {"none", "tensorboard", "wandb"}, f"logger={t.logger!r} must be none, tensorboard or wandb"),
-        (0.0 < t.warmdown_max_fraction <= 1.0, f"warmdown_max_fraction={t.warmdown_max_fraction} must be in (0, 1]"),
-        (cfg.eval.eval_stride >= 0 and cfg.eval.eval_seq_len > 0, "eval_stride must not be negative and eval_seq_len must be positive"),
-        (cfg.eval.eval_batch_seqs >= 0, "eval_batch_seqs must not be negative (0: as many as fit)"),
-        (cfg.ttt.ttt_chunk_tokens > 0 and cfg.ttt.ttt_batch_seqs > 0, "ttt_chunk_tokens and ttt_batch_seqs must be positive"),
-        (1 <= cfg.quant.quant_clip_range <= 127, f"quant_clip_range={cfg.quant.quant_clip_range} must be in 1..127"),
-        (cfg.quant.gptq_reserve_seconds >= 0, "gptq_reserve_seconds must not be negative"),
+         "train_batch_tokens", f"train_batch_tokens={t.train_batch_tokens} must be a multiple of grad_accum_steps x "
+         f"train_seq_len = {max(t.grad_accum_steps, 1) * t.train_seq_len} (the loader takes whole sequences)"),
+        (cfg.eval.eval_stride <= cfg.eval.eval_seq_len, "eval_stride",
+         f"eval_stride={cfg.eval.eval_stride} must be at most eval_seq_len={cfg.eval.eval_seq_len} (0 or "
+         f"{cfg.eval.eval_seq_len}: consecutive sequences)"),
+        (m.model_dim % m.num_heads == 0, "num_heads",
+         f"num_heads={m.num_heads} does not divide model_dim={m.model_dim}"),
+        (m.num_heads % m.num_kv_heads == 0, "num_kv_heads",
+         f"num_kv_heads={m.num_kv_heads} does not divide num_heads={m.num_heads}"),
+        (m.head_dim % 2 == 0, "model_dim", f"head_dim={m.head_dim} (model_dim/num_heads) must be even for rotary "
+                                           "embeddings"),
+        (m.rope_dims <= m.head_dim and m.rope_dims % 2 == 0, "rope_dims",
+         f"rope_dims={m.rope_dims} must be even and at most head_dim={m.head_dim}"),
+        (m.rope_dims != 2, "rope_dims", "rope_dims=2 leaves nothing to rescale beyond the training length; use 0 or "
+                                        "at least 4"),
+        (m.mlp_dim > 0, "mlp_mult", f"mlp_mult={m.mlp_mult} gives an empty MLP"),
+        (m.xsa_last_n <= m.num_layers, "xsa_last_n", f"xsa_last_n={m.xsa_last_n} must be in 0..num_layers="
+                                                     f"{m.num_layers}"),
+        (m.bigram_vocab_size != 1, "bigram_vocab_size", "bigram_vocab_size=1 must be 0 (off) or at least 2"),
+        (m.num_sink_tokens == 0 or m.window_attn_size > 0, "num_sink_tokens",
+         f"num_sink_tokens={m.num_sink_tokens} needs window_attn_size > 0"),
+        (t.train_seq_len_long == 0 or t.num_gpus_long > 0, "train_seq_len_long",
+         f"train_seq_len_long={t.train_seq_len_long} needs num_gpus_long > 0"),
+        (not cfg.quant.use_gptq or cfg.quant.gptq_calib_samples >= 1, "gptq_calib_samples",
+         f"gptq_calib_samples={cfg.quant.gptq_calib_samples} must be at least 1 with GPTQ"),
         (not (cfg.quant.use_gptq and 0 < t.max_wallclock_seconds <= cfg.quant.gptq_reserve_seconds),
-         f"gptq_reserve_seconds={cfg.quant.gptq_reserve_seconds} leaves no training time within "
-         f"max_wallclock_seconds={t.max_wallclock_seconds}"),
+         "gptq_reserve_seconds", f"gptq_reserve_seconds={cfg.quant.gptq_reserve_seconds} leaves no training time "
+         f"within max_wallclock_seconds={t.max_wallclock_seconds}"),
     ]
-    for ok, message in checks:
+    for ok, name, message in checks:
         if not ok:
-            raise ConfigError(message)
+            raise ConfigError(message) if name is None else SettingError(name, message)
     for name, layers in (("ve_layers", m.ve_layers if m.ve_enabled else ()),
                          ("window_attn_layers", m.window_attn_layers if m.window_attn_size else ())):
         bad = [i for i in layers if not 0 <= i < m.num_layers]
         if bad:
-            raise ConfigError(f"{name} names layer {bad[0]}, but the model has layers 0..{m.num_layers - 1}")
+            raise SettingError(name, f"{name} names layer {bad[0]}, but the model has layers 0..{m.num_layers - 1}")

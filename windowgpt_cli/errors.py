@@ -9,12 +9,26 @@ class ConfigError(WindowGPTError):
     """An invalid setting or combination of settings."""
 
 
+class SettingError(ConfigError):
+    """One setting's value out of its bounds or choices. The message names it as
+    `setting=value`; a command whose flag the user typed names the flag instead."""
+
+    def __init__(self, setting: str, message: str):
+        super().__init__(message)
+        self.setting = setting
+
+
 class DataError(WindowGPTError):
     """Unreadable, malformed or inconsistent data, tokenizer or metadata files."""
 
 
 class ArtifactError(WindowGPTError):
     """A checkpoint, export or .ptz that is missing, truncated or of another format."""
+
+
+class OutputRefused(WindowGPTError):
+    """An output path that names what the command may not replace: a user's files, or the
+    command's own input."""
 
 
 class RecordError(WindowGPTError):

@@ -1,0 +1,116 @@
+"""Training checkpoints: everything needed to resume, and the weights later stages use;
+and the names of the other files of a run directory.
+
+A checkpoint is read with `torch.load(weights_only=True)`, which refuses to run code, and
+records a hash of its weights (live, EMA and SWA) that loading checks, with the sha256 of
+the tokenizer the run trained with.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import RunConfig
+from ..errors import ArtifactError, ConfigError
+from ..storage.files import atomic_torch_save, is_sha256, tensors_sha256
+
+FORMAT = "windowgpt.checkpoint"
+VERSION = 2  # 2: weights_sha256, and tokenizer_sha256 required
+# A run directory's files: train writes them, later stages find them by these names.
+FILENAME = "checkpoint.pt"
+RUN_CONFIG = "config.json"
+TRAIN_LOG = "train.log"
+METRICS = "metrics.jsonl"
+HESSIANS_FILENAME = "hessians.safetensors"  # GPTQ's Hessians, collected inside training
+SUMMARY = "summary.json"  # written when a run finishes
+RUN_FILES = (RUN_CONFIG, TRAIN_LOG, METRICS, FILENAME, HESSIANS_FILENAME, SUMMARY)
+WEIGHT_CHOICES = ("ema", "swa", "last")
+
+
+@dataclass
+class Checkpoint:
+    config: RunConfig
+    model: dict[str, torch.Tensor]  # the live weights after the last step
+    ema: dict[str, torch.Tensor]  # float32 exponential moving average
+    swa: dict[str, torch.Tensor] | None  # running sum of SWA snapshots
+    swa_count: int
+    step: int
+    training_time_ms: float
+    tokenizer_sha256: str
+    state: dict[str, Any]  # optimizer, loader and RNG state for resuming
+
+    def weights_sha256(self) -> str:
+        named = {f"model.{k}": v for k, v in self.model.items()}
+        named.update({f"ema.{k}": v for k, v in self.ema.items()})
+        named.update({f"swa.{k}": v for k, v in (self.swa or {}).items()})
+        return tensors_sha256(named)
+
+    def weights(self, which: str = "ema") -> dict[str, torch.Tensor]:
+        """The chosen weights, cast to the live model's dtypes."""
+        if which == "last":
+            return dict(self.model)
+        if which == "ema":
+            source = self.ema
+        elif which == "swa":
+            if not self.swa or self.swa_count < 1:
+                raise ArtifactError("this run collected no SWA snapshots (SWA starts once the learning rate "
+                                    "falls below 0.2 of its peak); export --weights ema or last instead")
+            source = {k: v.float() / self.swa_count for k, v in self.swa.items()}
+        else:
+            raise ArtifactError(f"unknown weights {which!r}; choose from {', '.join(WEIGHT_CHOICES)}")
+        return {k: source[k].to(self.model[k].dtype) for k in self.model}
+
+
+def checkpoint_path(run_dir_or_file: Path) -> Path:
+    path = Path(run_dir_or_file)
+    return path / FILENAME if path.is_dir() else path
+
+
+def save_checkpoint(path: Path, ckpt: Checkpoint) -> Path:
+    payload = {
+        "format": FORMAT, "version": VERSION, "config": ckpt.config.to_dict(),
+        "model": ckpt.model, "ema": ckpt.ema, "swa": ckpt.swa, "swa_count": ckpt.swa_count,
+        "step": ckpt.step, "training_time_ms": ckpt.training_time_ms,
+        "tokenizer_sha256": ckpt.tokenizer_sha256, "weights_sha256": ckpt.weights_sha256(), "state": ckpt.state,
+    }
+    return atomic_torch_save(payload, path)
+
+
+def load_checkpoint(run_dir_or_file: Path, map_location: str | torch.device = "cpu") -> Checkpoint:
+    path = checkpoint_path(run_dir_or_file)
+    if not path.is_file():
+        raise ArtifactError(f"{path}: no checkpoint here (train writes RUN_DIR/{FILENAME})")
+    try:
+        raw = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # truncated zip, pickle refused by weights_only, ...
+        raise ArtifactError(f"{path}: not a readable windowgpt checkpoint ({type(exc).__name__})") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise ArtifactError(f"{path}: not a windowgpt checkpoint")
+    if raw.get("version") != VERSION:
+        raise ArtifactError(f"{path}: checkpoint version {raw.get('version')} is not supported (expected {VERSION})")
+    try:
+        config = RunConfig.from_dict(raw["config"], source=f"{path} config")
+        ckpt = Checkpoint(
+            config=config, model=_tensors(raw["model"]), ema=_tensors(raw["ema"]),
+            swa=None if raw["swa"] is None else _tensors(raw["swa"]), swa_count=int(raw["swa_count"]),
+            step=int(raw["step"]), training_time_ms=float(raw["training_time_ms"]),
+            tokenizer_sha256=raw["tokenizer_sha256"], state=raw["state"],
+        )
+    except ConfigError as exc:
+        raise ArtifactError(str(exc)) from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ArtifactError(f"{path}: malformed checkpoint ({type(exc).__name__}: {exc})") from None
+    if not is_sha256(ckpt.tokenizer_sha256):
+        raise ArtifactError(f"{path}: the checkpoint records no tokenizer sha256")
+    if raw.get("weights_sha256") != ckpt.weights_sha256():
+        raise ArtifactError(f"{path}: its weights do not match the hash it records (corrupt or altered)")
+    return ckpt
+
+
+def _tensors(value: Any) -> dict[str, torch.Tensor]:
+    if not isinstance(value, dict) or not all(isinstance(v, torch.Tensor) for v in value.values()):
+        raise TypeError("expected a dict of tensors")
+    return value

@@ -1,0 +1,345 @@
+"""The compressors of a `.ptz` payload, each named by an id in the `.ptz` header.
+
+`lzma` (xz preset 6, the reference's) and `rans`, which entropy-codes the int6/int8 codes
+with their own per-tensor statistics and gives the rest to lzma. `auto`, the default, is no
+format of its own: it codes with rans and, on payloads under AUTO_TRIES_LZMA_BELOW bytes
+(where xz takes a few seconds at most), also with lzma, keeping the smaller. On the payload
+of a full-size model xz preset 6 takes tens of seconds where rans takes about one, and rans
+is the smaller; on a tiny model its lane states and frequency tables can outweigh what it
+saves. `python3 bench/compressors.py MODEL.ptz` measures every compressor, and other lzma
+settings, zlib and bz2, on a model's payload.
+
+Every decompressor stops at the size the header declares, so a small file cannot inflate
+beyond it, and raises `CorruptPayload` on anything it cannot decode.
+"""
+from __future__ import annotations
+
+import lzma
+import struct
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+from ..storage import tensorfile
+
+
+class CorruptPayload(ValueError):
+    """A compressed payload that does not decode (truncated, altered or inconsistent)."""
+
+
+@dataclass(frozen=True)
+class Compressor:
+    id: int  # stored in the .ptz header
+    compress: Callable[[bytes], bytes]
+    decompress: Callable[[bytes, int], bytes]  # (data, max output bytes); raises CorruptPayload
+
+
+def _lzma(b: bytes) -> bytes:
+    return lzma.compress(b, preset=6)
+
+
+def _unlzma(data: bytes, limit: int) -> bytes:
+    """Decompress one xz stream, refusing truncated or trailing data."""
+    decompressor = lzma.LZMADecompressor()
+    try:
+        out = decompressor.decompress(data, limit)
+    except lzma.LZMAError as exc:
+        raise CorruptPayload(f"corrupt compressed payload ({_first_line(exc)})") from None
+    if not decompressor.eof:
+        if not decompressor.needs_input:
+            raise CorruptPayload(f"the payload inflates beyond the {limit:,} bytes its header declares")
+        raise CorruptPayload("truncated (the compressed payload ends early)")
+    if decompressor.unused_data:
+        raise CorruptPayload("unexpected bytes after the compressed payload")
+    return out
+
+
+# --- rANS for int8 codes -------------------------------------------------------------------
+#
+# LZ-style compressors spend several percent more than the entropy of int6/int8 codes,
+# which are nearly independent draws from a per-tensor distribution. The "rans" compressor
+# codes every int8 tensor of the payload with an interleaved range asymmetric numeral
+# system (Duda 2013; 32-bit states, 16-bit output words) under that tensor's own symbol
+# frequencies, within a few bytes per lane of their order-0 entropy, and leaves the rest
+# (header, scales, kept tensors, frequency tables: the side bytes) to lzma, which runs in
+# a thread beside the coder. Symbol i goes to lane i % lanes, and numpy advances all lanes
+# at once, so the Python loop takes symbols / lanes steps; each lane's final state costs 4
+# bytes, so the lane count grows with the payload.
+#
+# Stream (compressor id 3): _RANS_HEADER, the side bytes (one xz stream), the lanes' final
+# states (uint32), the words in decoding order (uint16). Compressor id 2, the first
+# version, is the same without the lane count in its header, always RANS_V1_LANES lanes.
+
+RANS_SCALE_BITS = 15  # symbol frequencies sum to 2**15
+RANS_LOW = 1 << 16  # states live in [2**16, 2**32)
+RANS_MIN_SYMBOLS = 4096  # smaller int8 tensors stay with lzma
+RANS_MAX_RANGES = 4096  # int8 tensors coded at most (the largest); bounds the decoder's tables
+RANS_SYMBOLS_PER_LANE = 4096  # lanes: the largest power of two giving each lane at least this many
+
+
+RANS_MIN_LANES, RANS_MAX_LANES = 64, 8192
+
+
+RANS_V1_LANES = 1024
+_RANS_HEADER = struct.Struct("<QQQII")  # side bytes, words, symbols, crc32 of the payload, lanes
+_RANS_V1_HEADER = struct.Struct("<QQQI")  # id 2: the same without lanes
+_SLOT_MASK = (1 << RANS_SCALE_BITS) - 1
+
+
+def rans_lanes(symbols: int) -> int:
+    """The lane count for this many symbols (a power of two)."""
+    return min(RANS_MAX_LANES, max(RANS_MIN_LANES, 1 << max(0, (symbols // RANS_SYMBOLS_PER_LANE).bit_length() - 1)))
+
+
+def _symbol_frequencies(symbols: np.ndarray) -> np.ndarray:
+    """Counts scaled to sum to 2**RANS_SCALE_BITS, every symbol present keeping at least 1."""
+    counts = np.bincount(symbols, minlength=256).astype(np.int64)
+    total = 1 << RANS_SCALE_BITS
+    freq = np.where(counts > 0, np.maximum(1, counts * total // max(1, counts.sum())), 0)
+    freq[np.argmax(freq)] += total - freq.sum()  # the most frequent symbol absorbs rounding
+    return freq
+
+
+def _rans_encode(freq: np.ndarray, cum: np.ndarray, lanes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Code symbol i of frequency freq[i] and cumulative frequency cum[i] (uint16 arrays)
+    into lane i % lanes. Returns (16-bit words in decoding order, final lane states)."""
+    x = np.full(lanes, RANS_LOW, dtype=np.uint32)
+    chunks = []
+    for start in reversed(range(0, len(freq), lanes)):  # rANS codes backwards
+        stop = min(start + lanes, len(freq))
+        xs, f = x[:stop - start], freq[start:stop]
+        emit = xs >> (32 - RANS_SCALE_BITS) >= f  # x >= f * 2**17 would overflow at f = 2**15
+        chunks.append((xs[emit] & 0xFFFF).astype(np.uint16))
+        xs = np.where(emit, xs >> 16, xs)
+        q, r = np.divmod(xs, f)
+        x[:stop - start] = (q << RANS_SCALE_BITS) + r + cum[start:stop]
+    words = np.concatenate(chunks[::-1]) if chunks else np.zeros(0, dtype=np.uint16)
+    return words, x
+
+
+def _rans_decode(words: np.ndarray, states: np.ndarray, row_at: np.ndarray, symbol_of: np.ndarray,
+                 step_of: np.ndarray) -> np.ndarray:
+    """Decode len(row_at) symbols; symbol i uses the slot tables starting at row_at[i]:
+    symbol_of[slot] and step_of[slot] = frequency << 16 | (slot - cumulative frequency)."""
+    x, lanes = states.astype(np.uint32), len(states)
+    out = np.empty(len(row_at), dtype=np.uint8)
+    words = words.astype(np.uint32)
+    pos = 0
+    for start in range(0, len(row_at), lanes):
+        stop = min(start + lanes, len(row_at))
+        xs = x[:stop - start]
+        slot = row_at[start:stop] + (xs & _SLOT_MASK)
+        out[start:stop] = symbol_of[slot]
+        step = step_of[slot]
+        xs = (step >> 16) * (xs >> RANS_SCALE_BITS) + (step & 0xFFFF)  # < 2**32 for any input
+        refill = np.flatnonzero(xs < RANS_LOW)
+        if pos + len(refill) > len(words):
+            raise CorruptPayload("rANS stream ends early")
+        xs[refill] = (xs[refill] << 16) | words[pos:pos + len(refill)]
+        pos += len(refill)
+        x[:stop - start] = xs
+    if pos != len(words) or np.any(x != RANS_LOW):
+        raise CorruptPayload("rANS stream does not decode to its initial state")
+    return out
+
+
+def _decoding_tables(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per frequency row, each of the 2**15 slots' symbol and decoding step (see _rans_decode)."""
+    slots = np.arange(1 << RANS_SCALE_BITS, dtype=np.uint32)
+    symbol_of, step_of = [], []
+    for f in freq.astype(np.uint32):
+        symbol = np.repeat(np.arange(256, dtype=np.uint8), f)
+        symbol_of.append(symbol)
+        step_of.append((f[symbol] << 16) | (slots - (np.cumsum(f) - f)[symbol]))
+    if not symbol_of:
+        return np.zeros(0, np.uint8), np.zeros(0, np.uint32)
+    return np.concatenate(symbol_of), np.concatenate(step_of)
+
+
+def _int8_ranges(payload: bytes) -> list[tuple[int, int]]:
+    """Absolute byte ranges of the payload's int8 tensors worth entropy coding."""
+    entries, _, start = tensorfile.layout(payload, "payload")
+    ranges = [(start + b, start + e) for dtype, _, (b, e) in entries.values()
+              if dtype == torch.int8 and e - b >= RANS_MIN_SYMBOLS]
+    return sorted(sorted(ranges, key=lambda r: r[0] - r[1])[:RANS_MAX_RANGES])
+
+
+def _rans_compress(payload: bytes) -> bytes:
+    ranges = _int8_ranges(payload)
+    view = np.frombuffer(payload, dtype=np.uint8)
+    pieces = [view[b:e] ^ np.uint8(0x80) for b, e in ranges]  # int8 + 128: the codes' range is contiguous
+    freq = np.stack([_symbol_frequencies(p) for p in pieces]) if pieces else np.zeros((0, 256), np.int64)
+    cum = np.cumsum(freq, axis=1) - freq
+    n_symbols = sum(len(p) for p in pieces)
+    lanes = rans_lanes(n_symbols)
+    with ThreadPoolExecutor(1) as pool:  # lzma releases the GIL: the side bytes compress meanwhile
+        side = pool.submit(_rans_side, payload, ranges, freq)
+        words, states = _rans_encode(_per_symbol(freq, pieces), _per_symbol(cum, pieces), lanes)
+        side = side.result()
+    return (_RANS_HEADER.pack(len(side), len(words), n_symbols, zlib.crc32(payload), lanes) + side
+            + states.astype("<u4").tobytes() + words.astype("<u2").tobytes())
+
+
+def _per_symbol(table: np.ndarray, pieces: list[np.ndarray]) -> np.ndarray:
+    """table[k][symbol] for every symbol of every piece k, as one uint16 array."""
+    rows = table.astype(np.uint16)
+    return np.concatenate([row[p] for row, p in zip(rows, pieces)]) if pieces else np.zeros(0, np.uint16)
+
+
+def _rans_side(payload: bytes, ranges: list[tuple[int, int]], freq: np.ndarray) -> bytes:
+    """lzma of: the ranges, each range's nonzero frequency span, and the payload's other bytes."""
+    index = [struct.pack("<I", len(ranges))]
+    for (b, e), f in zip(ranges, freq):
+        nonzero = np.flatnonzero(f)
+        lo, hi = int(nonzero[0]), int(nonzero[-1]) + 1
+        index.append(struct.pack("<QQHH", b, e, lo, hi) + f[lo:hi].astype("<u2").tobytes())
+    rest, cursor = [], 0
+    for b, e in ranges:
+        rest.append(payload[cursor:b])
+        cursor = e
+    rest.append(payload[cursor:])
+    return _lzma(b"".join(index) + b"".join(rest))
+
+
+def _rans_decompress(data: bytes, limit: int) -> bytes:
+    if len(data) < _RANS_HEADER.size:
+        raise CorruptPayload("truncated (no rANS header)")
+    side_len, n_words, n_symbols, crc, lanes = _RANS_HEADER.unpack_from(data)
+    if not 1 <= lanes <= RANS_MAX_LANES:
+        raise CorruptPayload(f"rANS lane count {lanes} is outside 1..{RANS_MAX_LANES}")
+    return _rans_decode_stream(data, _RANS_HEADER.size, side_len, n_words, n_symbols, crc, lanes, limit)
+
+
+def _rans_v1_decompress(data: bytes, limit: int) -> bytes:
+    if len(data) < _RANS_V1_HEADER.size:
+        raise CorruptPayload("truncated (no rANS header)")
+    side_len, n_words, n_symbols, crc = _RANS_V1_HEADER.unpack_from(data)
+    return _rans_decode_stream(data, _RANS_V1_HEADER.size, side_len, n_words, n_symbols, crc, RANS_V1_LANES, limit)
+
+
+def _rans_decode_stream(data: bytes, side_at: int, side_len: int, n_words: int, n_symbols: int, crc: int,
+                        lanes: int, limit: int) -> bytes:
+    states_at = side_at + side_len
+    words_at = states_at + 4 * lanes
+    if words_at + 2 * n_words != len(data):
+        raise CorruptPayload(f"truncated or padded ({len(data)} bytes, the header implies {words_at + 2 * n_words})")
+    side = _unlzma(data[side_at:states_at], limit)
+    ranges, freq, rest = _parse_rans_side(side)
+    lengths = [e - b for b, e in ranges]
+    if sum(lengths) != n_symbols or n_symbols + len(rest) > limit:
+        raise CorruptPayload("rANS index does not match its stream")
+    symbol_of, step_of = _decoding_tables(freq)
+    row_at = np.repeat(np.arange(len(ranges), dtype=np.uint32) << RANS_SCALE_BITS, lengths)
+    states = np.frombuffer(data, dtype="<u4", count=lanes, offset=states_at)
+    words = np.frombuffer(data, dtype="<u2", count=n_words, offset=words_at)
+    symbols = _rans_decode(words, states, row_at, symbol_of, step_of) ^ np.uint8(0x80)
+    payload = _interleave(rest, ranges, symbols.tobytes())
+    if zlib.crc32(payload) != crc:
+        raise CorruptPayload("payload checksum mismatch")
+    return payload
+
+
+def _parse_rans_side(side: bytes) -> tuple[list[tuple[int, int]], np.ndarray, bytes]:
+    try:
+        (count,) = struct.unpack_from("<I", side)
+        if count > RANS_MAX_RANGES:
+            raise ValueError(f"{count} ranges, more than {RANS_MAX_RANGES}")
+        pos, ranges, freqs = 4, [], []
+        for _ in range(count):
+            b, e, lo, hi = struct.unpack_from("<QQHH", side, pos)
+            pos += 20
+            f = np.zeros(256, dtype=np.int64)
+            f[lo:hi] = np.frombuffer(side, dtype="<u2", count=hi - lo, offset=pos)
+            pos += 2 * (hi - lo)
+            if f.sum() != 1 << RANS_SCALE_BITS or not (ranges[-1][1] if ranges else 0) <= b <= e - RANS_MIN_SYMBOLS:
+                raise ValueError("bad frequency table or range")
+            ranges.append((b, e))
+            freqs.append(f)
+    except (struct.error, ValueError) as exc:
+        raise CorruptPayload(f"corrupt rANS index ({_first_line(exc)})") from None
+    return ranges, np.stack(freqs) if freqs else np.zeros((0, 256), np.int64), side[pos:]
+
+
+def _interleave(rest: bytes, ranges: list[tuple[int, int]], coded: bytes) -> bytes:
+    """Put the decoded ranges back between the other bytes."""
+    out, rest_at, coded_at, cursor = [], 0, 0, 0
+    for b, e in ranges:
+        out.append(rest[rest_at:rest_at + b - cursor])
+        rest_at += b - cursor
+        out.append(coded[coded_at:coded_at + e - b])
+        coded_at += e - b
+        cursor = e
+    out.append(rest[rest_at:])
+    return b"".join(out)
+
+
+# --- Choosing a compressor -----------------------------------------------------------------
+#
+# "auto" codes with rans, and on payloads small enough for lzma to be cheap also with lzma
+# (in a thread, concurrently), keeping the smaller: rans loses there when the lane states
+# and frequency tables outweigh what it saves. Larger payloads are mostly int6/int8 codes,
+# on which rans is the smaller (`bench/compressors.py` measures both).
+
+AUTO = "auto"
+AUTO_TRIES_LZMA_BELOW = 4_000_000  # payload bytes: xz preset 6 takes a few seconds at most
+COMPRESSORS: dict[str, Compressor] = {
+    "lzma": Compressor(1, _lzma, _unlzma),  # the reference's: xz, preset 6
+    "rans": Compressor(3, _rans_compress, _rans_decompress),
+}
+
+
+COMPRESSOR_CHOICES = (AUTO, *COMPRESSORS)
+DEFAULT_COMPRESSOR = AUTO
+
+
+# Every compressor id a .ptz may name, with the name reports give it: id 2 is rans's first
+# version, read but no longer written.
+_DECOMPRESSORS: dict[int, tuple[str, Callable[[bytes, int], bytes]]] = {
+    **{c.id: (name, c.decompress) for name, c in COMPRESSORS.items()},
+    2: ("rans", _rans_v1_decompress),
+}
+
+
+def _compress_auto(payload: bytes) -> tuple[Compressor, bytes]:
+    rans = COMPRESSORS["rans"]
+    if len(payload) >= AUTO_TRIES_LZMA_BELOW:
+        return rans, rans.compress(payload)
+    with ThreadPoolExecutor(1) as pool:
+        lzma_body = pool.submit(_lzma, payload)
+        rans_body = rans.compress(payload)
+        lzma_body = lzma_body.result()
+    return (rans, rans_body) if len(rans_body) < len(lzma_body) else (COMPRESSORS["lzma"], lzma_body)
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def compress(payload: bytes, compressor: str = DEFAULT_COMPRESSOR) -> tuple[int, bytes]:
+    """(the id the header records, the compressed bytes); for "auto", lzma's or rans's."""
+    if compressor == AUTO:
+        spec, body = _compress_auto(payload)
+        return spec.id, body
+    if compressor not in COMPRESSORS:
+        raise ConfigError(f"unknown compressor {compressor!r}; choose from {', '.join(COMPRESSOR_CHOICES)}")
+    spec = COMPRESSORS[compressor]
+    return spec.id, spec.compress(payload)
+
+
+def is_known(compressor_id: int) -> bool:
+    return compressor_id in _DECOMPRESSORS
+
+
+def name_of(compressor_id: int) -> str:
+    """The compressor's name ("id N" for an unknown id)."""
+    return _DECOMPRESSORS[compressor_id][0] if compressor_id in _DECOMPRESSORS else f"id {compressor_id}"
+
+
+def decompress(compressor_id: int, data: bytes, limit: int) -> bytes:
+    """At most `limit` bytes decoded by the compressor the id names; CorruptPayload otherwise."""
+    return _DECOMPRESSORS[compressor_id][1](data, limit)

@@ -1,0 +1,247 @@
+"""The `.ptz` artifact: a quantized model in a format that cannot run code.
+
+Layout: the magic bytes `WGPTZ`, one byte of format version, one byte naming the
+compressor, the payload's size (8 bytes, little-endian) and sha256 (32 bytes), then the
+compressed payload. Decompression stops at the declared size, so a small file cannot
+inflate beyond it, and the payload must match its hash. The payload is a safetensors file (see
+`tensorfile`) holding the int8 codes, scales and kept tensors, whose metadata holds one
+JSON document: the format version, the run configuration, how each tensor was quantized
+(scheme, original dtype, shape), the tokenizer's sha256 and where the weights came from.
+
+Compressors: `lzma` (xz preset 6, the reference's) and `rans`, which entropy-codes the
+int6/int8 codes with their own per-tensor statistics and gives the rest to lzma. `auto`, the
+default, is no format of its own: it codes with rans and, on payloads under
+AUTO_TRIES_LZMA_BELOW bytes (where xz takes a few seconds at most), also with lzma, keeping
+the smaller; the header names the one kept. On the payload of a full-size model xz preset 6
+takes tens of seconds where rans takes about one, and rans is the smaller; on a tiny model
+its lane states and frequency tables can outweigh what it saves. `python3
+bench/compressors.py MODEL.ptz` measures every compressor, and other lzma settings, zlib and
+bz2, on a model's payload.
+
+The reference wrote an lzma-compressed pickle; loading one can execute arbitrary code, so
+windowgpt never unpickles an artifact, and anything that is not a `.ptz` of this version
+is refused with one line.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..config import RunConfig
+from ..errors import ArtifactError, ConfigError
+from ..storage import tensorfile
+from ..storage.files import atomic_write_bytes, is_sha256
+from . import compressors
+from .quantized import CONTROL, INT6, INT8, PASSTHROUGH, SCHEMES, QuantizedTensor, dequantize_state_dict
+
+MAGIC = b"WGPTZ"
+FORMAT_VERSION = 2  # 2: the payload's size and sha256 in the header
+_SIZE_AND_HASH = struct.Struct("<Q32s")
+HEADER_BYTES = len(MAGIC) + 2 + _SIZE_AND_HASH.size
+METADATA_KEY = "windowgpt.ptz"
+# Artifacts are meant to fit in 16 MB compressed; no payload of a sensible model nears this.
+MAX_PAYLOAD_BYTES = 1 << 30
+DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in tensorfile.DTYPE_CODES}
+
+
+@dataclass
+class PtzArtifact:
+    config: RunConfig
+    tensors: dict[str, QuantizedTensor]  # per-layer names (model.unbank_state_dict)
+    tokenizer_sha256: str | None = None
+    source: dict[str, Any] = field(default_factory=dict)  # where the weights came from
+    clip_range: int = 31
+
+    def dequantized(self) -> dict[str, Tensor]:
+        return dequantize_state_dict(self.tensors)
+
+
+# --- Writing -----------------------------------------------------------------------------
+
+def payload_tensors(tensors: dict[str, QuantizedTensor]) -> dict[str, Tensor]:
+    """The stored tensors: `name.q` (codes) and `name.scale` for quantized ones, `name` for
+    kept ones; all codes first, then kept tensors, then scales, so that like bytes are
+    contiguous for the compressor."""
+    codes = {name + ".q": qt.values for name, qt in tensors.items() if qt.scale is not None}
+    kept = {name: qt.values for name, qt in tensors.items() if qt.scale is None}
+    scales = {name + ".scale": qt.scale for name, qt in tensors.items() if qt.scale is not None}
+    return {**codes, **kept, **scales}
+
+
+def payload_bytes(artifact: PtzArtifact) -> bytes:
+    """The uncompressed payload: a safetensors file."""
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "config": artifact.config.to_dict(),
+        "clip_range": artifact.clip_range,
+        "tensors": {name: _tensor_meta(qt) for name, qt in artifact.tensors.items()},
+        "tokenizer_sha256": artifact.tokenizer_sha256,
+        "source": artifact.source,
+    }
+    text = json.dumps(meta, separators=(",", ":"))
+    return tensorfile.dumps(payload_tensors(artifact.tensors), {METADATA_KEY: text})
+
+
+def _tensor_meta(qt: QuantizedTensor) -> dict[str, Any]:
+    meta: dict[str, Any] = {"scheme": qt.scheme, "dtype": str(qt.dtype).removeprefix("torch."), "shape": list(qt.shape)}
+    if qt.method:
+        meta["method"] = qt.method
+    return meta
+
+
+def encode(artifact: PtzArtifact, compressor: str = compressors.DEFAULT_COMPRESSOR) -> bytes:
+    return compress_payload(payload_bytes(artifact), compressor)
+
+
+def compress_payload(payload: bytes, compressor: str = compressors.DEFAULT_COMPRESSOR) -> bytes:
+    """The .ptz bytes; its header names the compressor used (`compressor_of`), which for
+    "auto" is lzma's or rans's."""
+    compressor_id, body = compressors.compress(payload, compressor)
+    digest = hashlib.sha256(payload).digest()
+    return MAGIC + bytes([FORMAT_VERSION, compressor_id]) + _SIZE_AND_HASH.pack(len(payload), digest) + body
+
+
+def compressor_of(data: bytes) -> str:
+    """The name of the compressor a .ptz's header names ("id N" for an unknown id)."""
+    return compressors.name_of(data[len(MAGIC) + 1])
+
+
+def save(path: Path, artifact: PtzArtifact, compressor: str = compressors.DEFAULT_COMPRESSOR) -> int:
+    """Write the artifact atomically; returns its size in bytes."""
+    data = encode(artifact, compressor)
+    atomic_write_bytes(path, data)
+    return len(data)
+
+
+# --- Reading -----------------------------------------------------------------------------
+
+def load(path: Path) -> PtzArtifact:
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except IsADirectoryError:
+        raise ArtifactError(f"{path}: is a directory, not a .ptz file") from None
+    except OSError as exc:
+        raise ArtifactError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    return decode(data, str(path))
+
+
+def decode(data: bytes, source: str = ".ptz") -> PtzArtifact:
+    payload = decompress_payload(data, source)
+    stored, metadata = tensorfile.loads(payload, source=f"{source} (payload)")
+    meta = _parse_metadata(metadata, source)
+    try:
+        config = RunConfig.from_dict(meta["config"], source=f"{source} config")
+    except ConfigError as exc:
+        raise ArtifactError(str(exc)) from None
+    clip_range = meta.get("clip_range")
+    if not isinstance(clip_range, int) or not 1 <= clip_range <= 127:
+        raise ArtifactError(f"{source}: invalid clip_range {clip_range!r}")
+    tensors = _rebuild_tensors(meta["tensors"], stored, clip_range, source)
+    tokenizer = meta.get("tokenizer_sha256")
+    if not is_sha256(tokenizer):
+        raise ArtifactError(f"{source}: records no tokenizer sha256")
+    source_info = meta.get("source") if isinstance(meta.get("source"), dict) else {}
+    return PtzArtifact(config, tensors, tokenizer, source_info, clip_range)
+
+
+def decompress_payload(data: bytes, source: str) -> bytes:
+    if data[:len(MAGIC)] != MAGIC:
+        raise ArtifactError(f"{source}: not a windowgpt .ptz file{_foreign_format_hint(data)}")
+    if len(data) < HEADER_BYTES:
+        raise ArtifactError(f"{source}: truncated .ptz header ({len(data)} bytes)")
+    version, compressor_id = data[len(MAGIC)], data[len(MAGIC) + 1]
+    if version != FORMAT_VERSION:
+        raise ArtifactError(f"{source}: .ptz format version {version} is not supported (this windowgpt reads "
+                            f"version {FORMAT_VERSION}); quantize the model again")
+    if not compressors.is_known(compressor_id):
+        raise ArtifactError(f"{source}: unknown compressor id {compressor_id}")
+    size, digest = _SIZE_AND_HASH.unpack_from(data, len(MAGIC) + 2)
+    if size > MAX_PAYLOAD_BYTES:
+        raise ArtifactError(f"{source}: declares a payload of {size:,} bytes, more than the {MAX_PAYLOAD_BYTES:,} "
+                            "any artifact needs")
+    try:
+        payload = compressors.decompress(compressor_id, data[HEADER_BYTES:], size)
+    except compressors.CorruptPayload as exc:
+        raise ArtifactError(f"{source}: {exc}") from None
+    if len(payload) != size:
+        raise ArtifactError(f"{source}: the payload is {len(payload):,} bytes, the header declares {size:,}")
+    if hashlib.sha256(payload).digest() != digest:
+        raise ArtifactError(f"{source}: the payload does not match the sha256 in its header (corrupt or altered)")
+    return payload
+
+
+def _foreign_format_hint(data: bytes) -> str:
+    if data[:6] == b"\xfd7zXZ\x00" or data[:1] == b"\x80" or data[:2] == b"PK":
+        return (" (it looks like a pickle, compressed or in a torch.save zip, as the reference writes; "
+                "windowgpt never unpickles, since that can run code)")
+    return ""
+
+
+def _parse_metadata(metadata: dict[str, str], source: str) -> dict[str, Any]:
+    if METADATA_KEY not in metadata:
+        raise ArtifactError(f"{source}: payload has no {METADATA_KEY} metadata")
+    try:
+        meta = json.loads(metadata[METADATA_KEY])
+    except ValueError:
+        raise ArtifactError(f"{source}: {METADATA_KEY} metadata is not valid JSON") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        raise ArtifactError(f"{source}: payload format version {version!r} is not supported (expected {FORMAT_VERSION})")
+    if not isinstance(meta.get("config"), dict) or not isinstance(meta.get("tensors"), dict):
+        raise ArtifactError(f"{source}: metadata lacks the config or the tensor list")
+    return meta
+
+
+def _rebuild_tensors(described: dict[str, Any], stored: dict[str, Tensor], clip_range: int,
+                     source: str) -> dict[str, QuantizedTensor]:
+    tensors: dict[str, QuantizedTensor] = {}
+    used: set[str] = set()
+    for name, info in described.items():
+        qt = _rebuild_one(name, info, stored, clip_range, f"{source}: tensor {name!r}")
+        tensors[name] = qt
+        used.update([name] if qt.scale is None else [name + ".q", name + ".scale"])
+    extra = sorted(set(stored) - used)
+    if extra:
+        raise ArtifactError(f"{source}: payload holds tensors the metadata does not describe ({extra[0]}, ...)")
+    return tensors
+
+
+def _rebuild_one(name: str, info: Any, stored: dict[str, Tensor], clip_range: int, where: str) -> QuantizedTensor:
+    if not isinstance(info, dict) or info.get("scheme") not in SCHEMES or info.get("dtype") not in DTYPES:
+        raise ArtifactError(f"{where} has an invalid description {info!r}")
+    scheme, dtype = info["scheme"], DTYPES[info["dtype"]]
+    shape = tuple(info.get("shape", ()))
+    method = info.get("method", "")
+    if scheme in (PASSTHROUGH, CONTROL):
+        values = _stored(stored, name, where)
+        expected = {CONTROL: {torch.float32}, PASSTHROUGH: {torch.float16} if dtype.is_floating_point else {dtype}}
+        if values.dtype not in expected[scheme] or tuple(values.shape) != shape:
+            raise ArtifactError(f"{where} is stored as {values.dtype} {tuple(values.shape)}, "
+                                f"which does not match {scheme} {shape}")
+        return QuantizedTensor(scheme, dtype, values, None, method)
+    codes, scale = _stored(stored, name + ".q", where), _stored(stored, name + ".scale", where)
+    limit = clip_range if scheme == INT6 else 127
+    scale_shape = (shape[0],) if len(shape) == 2 else ()
+    if codes.dtype != torch.int8 or tuple(codes.shape) != shape or tuple(scale.shape) != scale_shape \
+            or not scale.dtype.is_floating_point:
+        raise ArtifactError(f"{where}: stored codes or scales do not match its {scheme} description")
+    if codes.numel() and int(codes.to(torch.int16).abs().max()) > limit:
+        raise ArtifactError(f"{where}: codes exceed the {scheme} range of +-{limit}")
+    assert scheme in (INT6, INT8)
+    return QuantizedTensor(scheme, dtype, codes, scale, method)
+
+
+def _stored(stored: dict[str, Tensor], key: str, where: str) -> Tensor:
+    if key not in stored:
+        raise ArtifactError(f"{where}: payload lacks {key!r}")
+    return stored[key]
+
+

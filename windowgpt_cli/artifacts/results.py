@@ -1,0 +1,42 @@
+"""Evaluation results, saved by `eval` and `eval-ttt` as JSON beside the artifact they
+scored, where `inspect` and `compare` find them."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..errors import ArtifactError
+from ..storage.files import atomic_write_json, read_json_object
+from .checkpoint import FILENAME as CHECKPOINT_FILENAME
+from .export import EXPORT_WEIGHTS
+
+EVAL_MODES = ("standard", "sliding", "ttt")
+
+
+def eval_result_path(artifact: Path, mode: str) -> Path:
+    """RUN/eval-MODE.json or EXPORT/eval-MODE.json for a directory (or the file in it),
+    MODEL.ptz.eval-MODE.json for a .ptz."""
+    artifact = Path(artifact)
+    if artifact.is_dir():
+        return artifact / f"eval-{mode}.json"
+    if artifact.name in (CHECKPOINT_FILENAME, EXPORT_WEIGHTS):
+        return artifact.parent / f"eval-{mode}.json"
+    return artifact.with_name(f"{artifact.name}.eval-{mode}.json")
+
+
+def save_eval_result(artifact: Path, record: dict[str, Any]) -> Path:
+    return atomic_write_json(eval_result_path(artifact, record["mode"]), record)
+
+
+def find_eval_results(artifact: Path) -> dict[str, dict[str, Any]]:
+    """The saved results of `eval` and `eval-ttt` on this artifact, by mode."""
+    found = {mode: read_json(eval_result_path(artifact, mode)) for mode in EVAL_MODES}
+    return {mode: record for mode, record in found.items() if record is not None}
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object, or None where there is none to read (results are optional)."""
+    try:
+        return read_json_object(path)
+    except ArtifactError:
+        return None

@@ -1,0 +1,23 @@
+"""The Parameter Golf challenge's limits and the words its records use, written once.
+
+The track: the code plus the compressed model in at most 16,000,000 bytes, training
+(GPTQ calibration on training data included) in at most 600 s on 8 H100s, evaluation in at
+most 600 s on the same, and test-time training only on tokens already scored. `record`
+checks a run against these; `quantize` and `inspect` measure an artifact against the budget.
+"""
+from __future__ import annotations
+
+BUDGET_BYTES = 16_000_000  # code plus compressed model
+TRAIN_SECONDS = 600.0  # training plus GPTQ calibration, on GPUS GPUs
+EVAL_SECONDS = 600.0  # every evaluation command together, on GPUS GPUs
+GPUS = 8
+GPU_MODEL = "H100"
+
+# Where GPTQ's Hessians came from, as quantize reports it: only Hessians collected inside
+# training's budget make a record artifact.
+INSIDE_TRAINING = "inside training"
+AFTER_TRAINING = "calibrated after training"
+
+# The order test-time training keeps, as records state it: each chunk is scored before the
+# model trains on it, so no token is scored by a model that has seen it.
+TTT_ORDER = "score-first"

@@ -1,0 +1,75 @@
+"""`windowgpt inspect`: what a run, an export or a `.ptz` holds, without building its model."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from ..challenge import BUDGET_BYTES
+from .support import console, user_errors_exit_1
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def inspect_table(r: dict[str, Any]) -> Table:
+    table = Table(title=f"{r['artifact']} ({r['kind']}, format {r['format_version']})", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    table.add_row("sha256", r["sha256"])
+    table.add_row("size", f"{r['file_bytes']:,} bytes")
+    if r["step"] is not None:
+        seconds = f", {r['training_time_ms'] / 1000:.1f} s of training" if r["training_time_ms"] else ""
+        table.add_row("step", f"{r['step']:,}{seconds}")
+    table.add_row("parameters", f"{r['parameters']:,}")
+    for name, g in r["groups"].items():
+        schemes = ", ".join(f"{k} x{n}" for k, n in g.get("schemes", {}).items())
+        table.add_row(f"  {name}", f"{g['params']:,} params in {g['tensors']} tensors, {g['bytes']:,} bytes"
+                      + (f" ({schemes})" if schemes else ""))
+    if r["kind"] == "ptz":
+        style = "green" if r["within_budget"] else "bold red"
+        table.add_row("compressor", r["compressor"])
+        table.add_row("budget", f"[{style}]{r['total_bytes']:,}[/] bytes (model {r['file_bytes']:,} + code "
+                      f"{r['code_bytes']:,}) of {r['budget_bytes']:,}")
+    for key, value in r["lineage"].items():
+        table.add_row(f"from: {key}", _number(value))
+    if r["training"]:
+        t = r["training"]
+        table.add_row("trained", f"val_bpb {_number(t['val_bpb'])}, post-EMA {_number(t['post_ema_val_bpb'])} "
+                      f"at step {_number(t['step'])}")
+    for mode, e in r["evals"].items():
+        table.add_row(f"eval {mode}", f"val_bpb {e['val_bpb']:.6f} (seq_len {e['seq_len']}, stride {e['stride']})")
+    table.add_section()
+    if not r["config_changes"]:
+        table.add_row("settings", "the reference's defaults")
+    for key, change in r["config_changes"].items():
+        table.add_row(key, f"{_number(change['value'])}  [dim](default {_number(change['default'])})[/]")
+    return table
+
+
+@user_errors_exit_1
+def command(
+    artifact: Annotated[Path, typer.Argument(help="A training run directory, an export directory or a .ptz.",
+                                             show_default=False)],
+    budget: Annotated[int, typer.Option("--budget", help="Bytes allowed for code plus compressed model.")]
+    = BUDGET_BYTES,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of a table.")] = False,
+) -> None:
+    """Show what an artifact holds: settings, sizes by group, quantization, budget, hashes and lineage."""
+    from ..artifacts.inspect import inspect_artifact  # imports torch: only when the command runs
+
+    record = inspect_artifact(artifact, budget)
+    if as_json:
+        typer.echo(json.dumps(record, indent=2))
+    else:
+        console.print(inspect_table(record))

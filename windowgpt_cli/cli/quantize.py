@@ -1,0 +1,122 @@
+"""`windowgpt quantize`: a run or export into a `.ptz` (`quant.quantize`), with its budget table."""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterator, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ..challenge import BUDGET_BYTES, INSIDE_TRAINING
+from ..errors import ArtifactError
+from .support import console, err_console, option_help, user_errors_exit_1, with_config_flags
+
+if TYPE_CHECKING:  # torch is imported only when a command runs, so that --help answers at once
+    from ..quant.quantize import StartPhase
+
+
+@contextlib.contextmanager
+def _progress_bars(enabled: bool) -> Iterator[StartPhase | None]:
+    if not enabled:
+        yield None
+        return
+    columns = (TextColumn("{task.description:12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err_console, transient=True) as bars:
+        def start(description: str, total: int) -> Callable[[int], None]:
+            task = bars.add_task(description, total=total)
+            return lambda n: bars.advance(task, n)
+
+        yield start
+
+
+def _budget_table(report: dict[str, Any]) -> Table:
+    chosen = f" by {report['compressor_option']}" if report["compressor_option"] != report["compressor"] else ""
+    table = Table(title=f"{report['artifact']} ({report['compressor']}{chosen}, clip {report['clip_range']}"
+                        f"{', GPTQ' if report['gptq'] else ''})")
+    for col in ("group", "tensors", "params", "raw bytes", "quantized bytes"):
+        table.add_column(col, justify="left" if col == "group" else "right")
+    for name, row in report["groups"].items():
+        if row["tensors"]:
+            table.add_row(name, str(row["tensors"]), f"{row['params']:,}", f"{row['raw_bytes']:,}",
+                          f"{row['quantized_bytes']:,}")
+    table.add_section()
+    table.add_row("payload", "", "", "", f"{report['payload_bytes']:,}")
+    table.add_row("compressed model", "", "", "", f"{report['model_bytes']:,}")
+    table.add_row("code", "", "", "", f"{report['code_bytes']:,}")
+    style = "green" if report["within_budget"] else "bold red"
+    table.add_row("total", "", "", "", f"[{style}]{report['total_bytes']:,}[/]")
+    table.add_row("budget", "", "", "", f"{report['budget_bytes']:,}")
+    table.add_row("headroom", "", "", "", f"[{style}]{report['headroom_bytes']:,}[/]")
+    return table
+
+
+def _timing_line(report: dict[str, Any]) -> str:
+    return "time: " + ", ".join(f"{k} {v:.2f}s" for k, v in report["timings_s"].items()) + f" on {report['device']}"
+
+
+def _code_line(report: dict[str, Any]) -> str:
+    """Which form of the code was counted, with the source figure beside a packed one."""
+    line = f"code: {report['code_counted']}, {report['code_bytes']:,} bytes"
+    if report["code_archive"]:
+        return line + f" ({report['code_archive']}; its source uncompressed: {report['code_source_bytes']:,} bytes)"
+    return line + f" ({len(report['code_modules'])} modules; `windowgpt pack` packs them smaller)"
+
+
+def _calibration_line(report: dict[str, Any]) -> str | None:
+    """Where GPTQ's Hessians came from: only Hessians from inside training make a record artifact."""
+    if report["calibration"] is None:
+        return None
+    info = report["calibration_info"]
+    line = (f"calibration: {report['calibration']} ({info['batches']} batches, {info['tokens']:,} tokens, "
+            f"{info['seconds']:.1f}s")
+    if report["calibration"] == INSIDE_TRAINING:
+        return line + f" at step {info['step']}, {info['hessians']})"
+    return line + "): outside the training budget, not a record artifact"
+
+
+QUANT_FLAG_ALIASES = {"use_gptq": ("--gptq",), "gptq_calib_samples": ("--calib-batches",),
+                      "quant_clip_range": ("--clip-range",)}
+
+
+@user_errors_exit_1
+@with_config_flags("quant", from_artifact=True, aliases=QUANT_FLAG_ALIASES)
+def command(
+    model_dir: Annotated[Path, typer.Argument(help="An export directory, or a run directory (its EMA weights).",
+                                              show_default=False)],
+    out: Annotated[Path, typer.Option("--out", help="The .ptz file to write.", show_default=False)],
+    data: Annotated[Optional[Path], typer.Option("--data", help=option_help(
+        "Training shards for GPTQ calibration, when the run holds no Hessians from training.",
+        "the artifact's data_path"), show_default=False)] = None,
+    compressor: Annotated[Optional[str], typer.Option("--compressor", help=option_help(
+        "Payload compressor: auto (rans, or lzma where that is smaller on a small payload), rans, or lzma "
+        "(the reference's xz preset 6).", "auto"), show_default=False)] = None,
+    budget: Annotated[int, typer.Option("--budget", help="Bytes allowed for code plus compressed model; "
+                      "exceeding it exits 1 (the artifact is still written).")] = BUDGET_BYTES,
+    device: Annotated[str, typer.Option("--device", help="auto (CUDA when available), cpu or cuda.")] = "auto",
+    recalibrate: Annotated[bool, typer.Option("--recalibrate", help="Calibrate GPTQ on --data even when the run "
+                           "holds Hessians from training.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON instead of a table.")] = False,
+    overrides: dict[str, dict[str, Any]] | None = None,
+) -> None:
+    """Quantize to int6/int8 (optionally GPTQ), compress, and check the size budget."""
+    from ..quant.quantize import quantize, report_path
+
+    with _progress_bars(not json_output) as progress:
+        report = quantize(model_dir, out, data_dir=data, compressor=compressor, budget=budget, device=device,
+                          recalibrate=recalibrate, settings=(overrides or {}).get("quant"), progress=progress)
+    if json_output:
+        console.print_json(data=report)
+    else:
+        console.print(_budget_table(report))
+        console.print(_timing_line(report), highlight=False)
+        console.print(_code_line(report), highlight=False, soft_wrap=True)
+        calibration = _calibration_line(report)
+        if calibration:
+            console.print(calibration, highlight=False)
+        console.print(f"wrote {out} (sha256 {report['sha256'][:16]}...) and {report_path(out)}", highlight=False)
+    if not report["within_budget"]:
+        raise ArtifactError(f"{out}: {report['total_bytes']:,} bytes (model {report['model_bytes']:,} + code "
+                            f"{report['code_bytes']:,}) exceed the budget of {report['budget_bytes']:,} by "
+                            f"{-report['headroom_bytes']:,}")

@@ -1,0 +1,48 @@
+"""`windowgpt report OUT`: the record report of a `make record` run, and its rule checks."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ..errors import RecordError
+from ..record.rules import FAIL, PASS, RECORD_JSON, RECORD_README, Rules, failed_checks, write_report
+from .support import console, user_errors_exit_1
+
+STATUS_STYLE = {PASS: "green", FAIL: "bold red"}
+
+
+@user_errors_exit_1
+def command(
+    out: Annotated[Path, typer.Argument(help="The OUT directory of `make record` or `make smoke-gpu`.",
+                                        show_default=False)],
+    train_budget: Annotated[float, typer.Option("--train-budget", help="Seconds allowed for training "
+                            "plus GPTQ calibration.")] = Rules.train_seconds,
+    eval_budget: Annotated[float, typer.Option("--eval-budget", help="Seconds allowed for evaluation "
+                           "(sliding and TTT commands together).")] = Rules.eval_seconds,
+    artifact_budget: Annotated[int, typer.Option("--artifact-budget", help="Bytes allowed for code plus "
+                               "compressed model.")] = Rules.artifact_bytes,
+    gpus: Annotated[int, typer.Option("--gpus", help="The GPU count the time limits are defined on.")] = Rules.gpus,
+    json_output: Annotated[bool, typer.Option("--json", help="Print record.json instead of a table.")] = False,
+) -> None:
+    """Write OUT/record.json and OUT/README.md; exit 1 when the run breaks a rule."""
+    rules = Rules(train_seconds=train_budget, eval_seconds=eval_budget, artifact_bytes=artifact_budget, gpus=gpus)
+    record = write_report(out, rules)
+    if json_output:
+        console.print_json(data=record)
+    else:
+        table = Table(title=f"record {out}: val_bpb {record['val_bpb']['sliding']:.8f} (sliding), "
+                            f"{record['val_bpb']['ttt']:.8f} (TTT)")
+        for column in ("rule", "status", "value", "limit", "note"):
+            table.add_column(column)
+        for c in record["checks"]:
+            style = STATUS_STYLE.get(c["status"], "yellow")
+            table.add_row(c["rule"], f"[{style}]{c['status']}[/]", c["value"], c["limit"], c["note"])
+        console.print(table)
+        console.print(f"wrote {Path(out) / RECORD_JSON} and {Path(out) / RECORD_README}", highlight=False)
+    failed = failed_checks(record)
+    if failed:
+        raise RecordError("the run breaks " + "; ".join(f"{c['rule']} ({c['value']} against {c['limit']})"
+                                                        for c in failed))

@@ -1,0 +1,7 @@
+"""Text to tokens and back: reading corpora (`corpus`), SentencePiece tokenizers and the
+byte tables behind bits per byte (`tokenizer`, `tokenizer_meta`), the shard format
+(`shards`), a data directory's manifest (`manifest`), the prepare stage and its worker
+pool (`prepare`, `encoding`), and what training and scoring read (`loader`).
+
+May import: ground, storage.
+"""

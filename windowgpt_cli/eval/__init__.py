@@ -1,0 +1,5 @@
+"""Scoring: standard and sliding-window evaluation (`scoring`), score-first test-time
+training (`ttt`), and the eval and eval-ttt stages (`evaluate`).
+
+May import: ground, storage, kernels, data, model, artifacts.
+"""

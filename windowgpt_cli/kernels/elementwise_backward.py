@@ -1,0 +1,101 @@
+"""The backward kernels of the fused steps that eager training steps differentiate
+(Triton): the per-head norm, rotation and gain of queries and keys (after
+`elementwise._head_prep_kernel`), and the MLP's LeakyReLU². `model.fused_train_ops` wraps
+them in autograd functions.
+
+Backwards compute in float32 from the stored inputs and round once, to the input's dtype.
+Importing this module imports Triton.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .elementwise import (
+    ELEMENTS,
+    FLOAT32_EPS,
+    HEAD_POSITIONS,
+    HEAD_WARPS,
+    float32_values,
+    head_positions,
+    head_table_strides,
+    pair_partners,
+    rotary_at,
+)
+
+# --- Kernels -----------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["positions", "heads", "has_gain", "rows_per_seq"])
+def _head_prep_backward_kernel(grad_ptr, x_ptr, cos_ptr, sin_ptr, gain_ptr, dx_ptr, gain_rows_ptr, positions,
+                               rows_per_seq, cos_seq_stride, cos_row_stride, eps, heads, has_gain,
+                               HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr, POSITIONS: tl.constexpr):
+    """The gradient of `_head_prep_kernel` for every head at POSITIONS positions: with
+    respect to x (stored in dx's dtype) and, if has_gain, each row's (head's at a position)
+    share of its head's gain gradient (float32)."""
+    position, col, live, seq, pos = head_positions(positions, rows_per_seq, HEAD_DIM, POSITIONS)
+    cos, sin = rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_stride, ROPE_HALF)
+    for head in range(heads):
+        row = position * heads + head
+        offsets = row * HEAD_DIM + col
+        x = tl.load(x_ptr + offsets, mask=live, other=0.0).to(tl.float32)
+        grad = tl.load(grad_ptr + offsets, mask=live, other=0.0).to(tl.float32)
+        inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+        normed = x * inv_rms
+        if has_gain:
+            out = _rotated(normed, pair_partners(normed, POSITIONS, HEAD_DIM, ROPE_HALF), cos, sin, HEAD_DIM,
+                           ROPE_HALF)
+            tl.store(gain_rows_ptr + row, tl.sum(grad * out, axis=1)[:, None], mask=live)
+            grad = grad * tl.load(gain_ptr + head)
+        # the rotation's transpose: the rotation by the opposite angle
+        grad_normed = _rotated(grad, pair_partners(grad, POSITIONS, HEAD_DIM, ROPE_HALF), cos, -sin, HEAD_DIM,
+                               ROPE_HALF)
+        # the norm's: (g - normed * mean(g * normed)) / rms
+        dx = inv_rms * (grad_normed - normed * (tl.sum(grad_normed * normed, axis=1) / HEAD_DIM)[:, None])
+        tl.store(dx_ptr + offsets, dx, mask=live)
+
+
+@triton.jit
+def _rotated(x, partner, cos, sin, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr):
+    """Rows of heads x rotated in float32, each channel's partner in its pair given:
+    (x1, x2) -> (x1 cos + x2 sin, x2 cos - x1 sin) on the first 2 * ROPE_HALF channels, the
+    others as they are."""
+    col = tl.arange(0, HEAD_DIM)[None, :]
+    rotated = tl.where(col < ROPE_HALF, x * cos + partner * sin, partner * -sin + x * cos)
+    return tl.where(col < 2 * ROPE_HALF, rotated, x)
+
+
+@triton.jit
+def _leaky_square_backward_kernel(h_ptr, grad_ptr, dh_ptr, numel, negative_slope, BLOCK: tl.constexpr):
+    """d/dh of leaky_relu(h)^2 times grad: 2 h where h > 0, else 2 slope^2 h."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    h = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    slope = tl.where(h > 0, 1.0, negative_slope)
+    tl.store(dh_ptr + offsets, grad * 2.0 * h * slope * slope, mask=mask)
+
+
+# --- Launches ----------------------------------------------------------------------------
+
+def head_prep_backward(grad: Tensor, x: Tensor, cos: Tensor, sin: Tensor,
+                       gain: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """(the gradient with respect to x, and to gain if given) of `kernels.head_prep`."""
+    b, t, heads, head_dim = x.shape
+    dx = torch.empty_like(x)
+    gain_rows = torch.empty(b * t * heads, device=x.device, dtype=torch.float32) if gain is not None else cos
+    _head_prep_backward_kernel[(triton.cdiv(b * t, HEAD_POSITIONS),)](
+        grad.contiguous(), x, cos, sin, float32_values(gain, cos), dx, gain_rows, b * t, t, *head_table_strides(cos),
+        FLOAT32_EPS, heads, int(gain is not None), HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1),
+        POSITIONS=HEAD_POSITIONS, num_warps=HEAD_WARPS)
+    return dx, (gain_rows.view(-1, heads).sum(0) if gain is not None else None)
+
+
+def leaky_square_backward(grad: Tensor, h: Tensor, negative_slope: float) -> Tensor:
+    dh = torch.empty_like(h)
+    _leaky_square_backward_kernel[(triton.cdiv(h.numel(), ELEMENTS),)](h, grad.contiguous(), dh, h.numel(),
+                                                                       negative_slope, BLOCK=ELEMENTS)
+    return dh
+
+

@@ -1,0 +1,469 @@
+"""The GPT of the reference, with one trunk shared by the loss and the logits.
+
+Matrices of all blocks live in four parameter banks (3-D tensors) so that Muon
+orthogonalizes every layer in one batched call. Names, shapes and initialization follow
+the reference, so its state dicts load with `strict=True`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import ModelConfig
+from .attention import attention, attention_at, resolve_backend
+from .ops import TORCH_OPS, Residual, TorchOps, ValueInjection, pick_positions, smear
+from .rotary import rotary_inv_freq, rotary_tables
+from .state_dict import BANK_NAMES, is_control_tensor
+
+LinearObserver = Callable[[tuple[str, ...], Tensor], None]
+
+
+class CastedLinear(nn.Linear):
+    """A linear layer whose float32 weight is cast to the activations' dtype."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, self.weight.to(x.dtype), bias)
+
+
+# --- Blocks ------------------------------------------------------------------------------
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.rope_dims = cfg.rope_dims
+        self.q_gain = nn.Parameter(torch.full((cfg.num_heads,), cfg.qk_gain_init, dtype=torch.float32))
+        windowed = cfg.window_attn_size > 0 and layer in cfg.window_attn_layers
+        self.window = cfg.window_attn_size if windowed else 0
+        self.sinks = cfg.num_sink_tokens if windowed else 0
+        self.use_xsa = layer >= cfg.num_layers - cfg.xsa_last_n
+        self.backend = "sdpa"
+        self.observer: LinearObserver | None = None
+        self.kv_cache: Any = None  # set during incremental decoding (`generate.decoding.LayerCache`)
+
+    def forward(self, x: Tensor, q_w: Tensor, k_w: Tensor, v_w: Tensor, out_w: Tensor,
+                rotary: tuple[Tensor, Tensor], v_embed: ValueInjection | None, queries: Tensor | None = None,
+                ops: TorchOps = TORCH_OPS, rows: Tensor | None = None, keys: KeyRows | None = None) -> Tensor:
+        """Attention output at every position, or only at `queries` [B, K] (keys and values
+        still come from every position). With `rows` [B, R]: attention at every position,
+        the output kept only at those rows. With `keys`: x holds only the rows keys.positions
+        of the sequences (rotary given there too) and queries index them; the attention sees
+        their keys and values where the whole sequence's would be, so it adds as before."""
+        b, t, dim = x.shape
+        self._observe(("c_q", "c_k", "c_v"), x)
+        x_q = x if queries is None else pick_positions(x, queries)
+        q = F.linear(x_q, q_w).reshape(b, x_q.size(1), self.num_heads, self.head_dim)
+        k = F.linear(x, k_w).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v, v_xsa = ops.values(F.linear(x, v_w), v_embed)
+        v, v_xsa = (values.reshape(b, t, self.num_kv_heads, self.head_dim) for values in (v, v_xsa))
+        cos, sin = rotary
+        k = ops.head_prep(k, cos, sin, self.rope_dims, None)
+        q_cos, q_sin = (cos, sin) if queries is None else (table_rows(cos, queries), table_rows(sin, queries))
+        q = ops.head_prep(q, q_cos, q_sin, self.rope_dims, self.q_gain)
+        if self.kv_cache is not None:  # new positions against the cached ones
+            y, v_q = self.kv_cache.attend(q, k, v, self.window, self.sinks), v_xsa
+        elif queries is None:
+            y, v_q = attention(q, k, v, self.window, self.sinks, self.backend), v_xsa
+            if rows is not None:
+                y, v_q = pick_positions(y, rows), pick_positions(v_xsa, rows)
+        elif keys is None:
+            y, v_q = attention_at(q, k, v, queries, self.window, self.sinks), pick_positions(v_xsa, queries)
+        else:
+            y = attention_at(q, keys.spread(k), keys.spread(v), pick_positions(keys.positions, queries), self.window,
+                             self.sinks)
+            v_q = pick_positions(v_xsa, queries)
+        if self.use_xsa:
+            y = ops.exclude_self_value(y, v_q)
+        y = y.reshape(b, y.size(1), dim)
+        self._observe(("proj",), y)
+        return F.linear(y, out_w)
+
+    def _observe(self, weights: tuple[str, ...], x: Tensor) -> None:
+        if self.observer is not None:
+            self.observer(tuple(f"blocks.{self.layer}.attn.{w}.weight" for w in weights), x.detach())
+
+
+def matmul_dtype(x: Tensor) -> torch.dtype:
+    """The dtype matrix products on x's device run in: autocast's where it is on, else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def table_rows(table: Tensor, positions: Tensor) -> Tensor:
+    """A rotary table [1 or B, T, 1, R] at positions [B, K]: [B, K, 1, R]."""
+    return pick_positions(table.expand(positions.size(0), *table.shape[1:]), positions)
+
+
+@dataclass(frozen=True)
+class KeyRows:
+    """The rows of sequences of seq_len that a last block attending in windows reads when
+    it serves a run of queries per sequence (`window_key_rows`)."""
+
+    positions: Tensor  # [B, R] sequence positions, sorted (clamped into the sequence)
+    valid: Tensor  # [B, R] which rows stand for their position (the others repeat one or lie outside)
+    queries: Tensor  # [B, K] each query's index among the rows
+    seq_len: int
+
+    def spread(self, x: Tensor) -> Tensor:
+        """x [B, R, ...] at the rows, placed at their positions in zeros [B, seq_len, ...]."""
+        # rows that stand for no position go to one extra slot, cut off after
+        index = torch.where(self.valid, self.positions, self.seq_len)
+        index = index.reshape(*index.shape, *([1] * (x.dim() - 2))).expand_as(x)
+        out = x.new_zeros(x.size(0), self.seq_len + 1, *x.shape[2:])
+        return out.scatter(1, index, x)[:, :self.seq_len]
+
+
+def window_key_rows(queries: Tensor, seq_len: int, window: int, sinks: int) -> KeyRows:
+    """For queries [B, K] that lie within K consecutive positions of each sequence (a run,
+    as sliding evaluation's rows do), the positions a layer attending in windows of `window`
+    with `sinks` sink tokens reads: the sinks, then the window + K positions that end with
+    the run. A sink the second part holds too (or that follows every query) is left out
+    there; so is a position outside the sequence."""
+    batch, count = queries.shape
+    start = queries.min(dim=1, keepdim=True).values - window
+    span = start + torch.arange(window + count, device=queries.device)
+    sink = torch.arange(sinks, device=queries.device).expand(batch, sinks)
+    positions = torch.cat([sink, span], dim=1)
+    valid = torch.cat([sink < start, (span >= 0) & (span < seq_len)], dim=1)
+    return KeyRows(positions.clamp(0, seq_len - 1), valid, sinks + queries - start, seq_len)
+
+
+class MLP(nn.Module):
+    """LeakyReLU(slope) squared."""
+
+    def __init__(self, layer: int, negative_slope: float):
+        super().__init__()
+        self.layer = layer
+        self.negative_slope = negative_slope
+        self.observer: LinearObserver | None = None
+
+    def forward(self, x: Tensor, up_w: Tensor, down_w: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
+        self._observe("fc", x)
+        hidden = ops.mlp_hidden(x, up_w, self.negative_slope)
+        self._observe("proj", hidden)
+        return F.linear(hidden, down_w)
+
+    def _observe(self, weight: str, x: Tensor) -> None:
+        if self.observer is not None:
+            self.observer((f"blocks.{self.layer}.mlp.{weight}.weight",), x.detach())
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        dim = cfg.model_dim
+        self.attn = CausalSelfAttention(cfg, layer)
+        self.mlp = MLP(layer, cfg.negative_slope)
+        self.attn_scale = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.mlp_scale = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.resid_mix = nn.Parameter(torch.stack((torch.ones(dim), torch.zeros(dim))).float())
+        # A tensor, not a Python float: a compiled model then has one set of kernels for all
+        # its blocks, instead of one per layer with its factor written into the code.
+        factor = 1.0 / math.sqrt(layer + 1) if cfg.ln_scale else 1.0
+        self.register_buffer("ln_scale_factor", torch.tensor(factor, dtype=torch.float32), persistent=False)
+
+    def forward(self, stream: Residual, x0: Any, weights: tuple[Tensor, ...], rotary: tuple[Tensor, Tensor],
+                v_embed: ValueInjection | None, queries: Tensor | None = None, ops: TorchOps = TORCH_OPS,
+                keep_input: bool = False, rows: Tensor | None = None,
+                keys: KeyRows | None = None) -> tuple[Tensor | None, Residual]:
+        """(the stream's sum at the block's input if keep_input, the stream at its output),
+        at every position or, with `queries` [B, K] (or `rows`, see `CausalSelfAttention`),
+        only there."""
+        q_w, k_w, v_w, out_w, up_w, down_w = weights
+        kept, x_in, normed = ops.block_input(stream, x0, self.resid_mix, self.ln_scale_factor, keep_input)
+        attn_out = self.attn(normed, q_w, k_w, v_w, out_w, rotary, v_embed, queries, ops, rows, keys)
+        if queries is not None or rows is not None:
+            x_in = pick_positions(x_in, queries if queries is not None else rows)
+        stream, normed = ops.residual_norm(Residual(x_in).plus(attn_out, self.attn_scale), self.ln_scale_factor)
+        mlp_out = self.mlp(normed, up_w, down_w, ops)
+        return kept, stream.plus(mlp_out, self.mlp_scale)
+
+
+# --- Embeddings --------------------------------------------------------------------------
+
+class SmearGate(nn.Module):
+    """Blend each position with the previous one through a learned per-channel gate."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.gate = nn.Parameter(torch.zeros(dim, dtype=torch.float32))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return smear(x, self.gate)
+
+
+class ProjectedEmbedding(nn.Module):
+    """A low-dimensional embedding table projected to out_dim, and a learned scale that the
+    step adding the embedding applies (`TorchOps.embed`, `TorchOps.shared_values`)."""
+
+    def __init__(self, num: int, dim: int, out_dim: int, scale: float, init_embed: Callable[[Tensor], object]):
+        super().__init__()
+        self.embed = nn.Embedding(num, dim)
+        init_embed(self.embed.weight)  # before the projection exists: keeps the reference's draw order
+        self.proj = CastedLinear(dim, out_dim, bias=False) if dim != out_dim else None
+        if self.proj is not None:
+            nn.init.zeros_(self.proj.weight)
+        self.scale = nn.Parameter(torch.tensor(scale, dtype=torch.float32))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """The looked-up rows, projected but not yet scaled."""
+        h = self.embed(ids)
+        return self.proj(h) if self.proj is not None else h
+
+
+class BigramHashEmbedding(ProjectedEmbedding):
+    """An embedding of (previous token, token) pairs hashed into a small table."""
+
+    def __init__(self, buckets: int, dim: int, model_dim: int):
+        super().__init__(buckets, dim, model_dim, scale=0.05, init_embed=nn.init.zeros_)
+        self.buckets = buckets
+
+    def hash(self, tokens: Tensor) -> Tensor:
+        t = tokens.to(torch.int32)
+        mod = self.buckets - 1
+        out = torch.empty_like(t)
+        out[..., 0] = mod  # the first position has no predecessor
+        out[..., 1:] = torch.bitwise_xor(36313 * t[..., 1:], 27191 * t[..., :-1]) % mod
+        return out.long()
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return super().forward(self.hash(tokens))
+
+
+class ValueEmbedding(ProjectedEmbedding):
+    """Token identity re-injected into the attention values of chosen layers."""
+
+    def __init__(self, vocab_size: int, dim: int, kv_dim: int):
+        super().__init__(vocab_size, dim, kv_dim, scale=0.1, init_embed=lambda w: nn.init.normal_(w, std=0.01))
+
+
+# --- The model ---------------------------------------------------------------------------
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, initialize: bool = True):
+        """initialize=False skips the reference's initialization, for weights loaded next."""
+        super().__init__()
+        self.cfg = cfg
+        n, dim = cfg.num_layers, cfg.model_dim
+        # Creation order matters: it fixes which random numbers each tensor's init draws.
+        self.tok_emb = nn.Embedding(cfg.vocab_size, dim)
+        self.bigram = BigramHashEmbedding(cfg.bigram_vocab_size, cfg.bigram_dim, dim) if cfg.bigram_vocab_size > 0 else None
+        self.smear = SmearGate(dim)
+        self.num_encoder_layers = n // 2
+        self.num_decoder_layers = n - self.num_encoder_layers
+        self.skip_weights = nn.Parameter(torch.ones(min(self.num_encoder_layers, self.num_decoder_layers), dim))
+        self.qo_bank = nn.Parameter(torch.empty(2 * n, dim, dim))
+        self.kv_bank = nn.Parameter(torch.empty(2 * n, cfg.kv_dim, dim))
+        self.mlp_up_bank = nn.Parameter(torch.empty(n, cfg.mlp_dim, dim))
+        self.mlp_down_bank = nn.Parameter(torch.empty(n, dim, cfg.mlp_dim))
+        self.blocks = nn.ModuleList([Block(cfg, i) for i in range(n)])
+        self.ve_layer_indices = list(cfg.ve_layers) if cfg.ve_enabled else []
+        self.ve_shared = ValueEmbedding(cfg.vocab_size, cfg.ve_dim, cfg.kv_dim) if self.ve_layer_indices else None
+        self.ve_layer_scales = nn.ParameterList(
+            [nn.Parameter(torch.ones(1, dtype=torch.float32)) for _ in self.ve_layer_indices])
+        self.lm_head = None if cfg.tie_embeddings else CastedLinear(dim, cfg.vocab_size, bias=False)
+        if initialize:
+            self._init_weights()
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+    @property
+    def rotary_dims(self) -> int:
+        return self.cfg.rope_dims or self.cfg.head_dim
+
+    def _init_weights(self) -> None:
+        cfg, n = self.cfg, self.cfg.num_layers
+        if cfg.tie_embeddings:
+            nn.init.normal_(self.tok_emb.weight, mean=0.0, std=cfg.tied_embed_init_std)
+        proj_scale = 1.0 / math.sqrt(2 * n)
+        for i in range(n):  # output projections start at zero
+            nn.init.orthogonal_(self.qo_bank.data[i])
+            nn.init.zeros_(self.qo_bank.data[n + i])
+            nn.init.orthogonal_(self.kv_bank.data[i])
+            nn.init.orthogonal_(self.kv_bank.data[n + i])
+            nn.init.orthogonal_(self.mlp_up_bank.data[i])
+            nn.init.zeros_(self.mlp_down_bank.data[i])
+            self.qo_bank.data[n + i].mul_(proj_scale)
+            self.mlp_down_bank.data[i].mul_(proj_scale)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                if module is self.lm_head:
+                    nn.init.zeros_(module.weight)
+                elif module.weight.shape[0] >= 64 and module.weight.shape[1] >= 64:
+                    nn.init.orthogonal_(module.weight)
+
+    # --- backends and observation ---
+
+    def set_attention_backend(self, name: str, device: torch.device) -> str:
+        backend = resolve_backend(name, device)
+        for block in self.blocks:
+            block.attn.backend = backend
+        return backend
+
+    @property
+    def attention_backend(self) -> str:
+        return self.blocks[0].attn.backend
+
+    @contextlib.contextmanager
+    def observe_linear_inputs(self, callback: LinearObserver) -> Iterator[None]:
+        """Call callback(weight_names, x) with the input of every block matrix (for GPTQ)."""
+        modules = [m for block in self.blocks for m in (block.attn, block.mlp)]
+        for m in modules:
+            m.observer = callback
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.observer = None
+
+    # --- forward ---
+
+    def layer_weights(self, dtype: torch.dtype) -> list[tuple[Tensor, ...]]:
+        """Each layer's (q, k, v, out, up, down) matrices in `dtype`: slices of the banks,
+        each bank cast once (one kernel per bank, not one per slice)."""
+        qo, kv, up, down = (bank.to(dtype) for bank in (self.qo_bank, self.kv_bank, self.mlp_up_bank,
+                                                         self.mlp_down_bank))
+        n = self.num_layers
+        return [(qo[i], kv[i], kv[n + i], qo[n + i], up[i], down[i]) for i in range(n)]
+
+    def embed(self, input_ids: Tensor, ops: TorchOps = TORCH_OPS) -> Any:
+        """x0: token and bigram embeddings, normed, each position blended with the previous."""
+        bigram, bigram_scale = None, None
+        if self.bigram is not None:
+            bigram, bigram_scale = self.bigram(input_ids), self.bigram.scale
+        return ops.embed(input_ids, self.tok_emb.weight, bigram, bigram_scale, self.smear.gate)
+
+    def hidden_states(self, input_ids: Tensor, queries: Tensor | None = None, ops: TorchOps = TORCH_OPS,
+                      query_runs: bool = False) -> Tensor:
+        """The trunk: final-normed hidden states [B, T, model_dim], or [B, K, model_dim] at
+        queries [B, K] only (the last block then runs its queries and MLP only there). With
+        query_runs (each sequence's queries lie within K consecutive positions) and a last
+        block that attends in windows, the block before it runs everything after its
+        attention only at the rows the last block reads (`window_key_rows`), and the last
+        block only over those.
+
+        The encoder's outputs come back in reverse order as skips into the decoder. An
+        encoder block's output is the next block's input sum, kept when that block forms it;
+        the last one is the first decoder block's own input sum, so that block adds its sum
+        to itself."""
+        x0 = self.embed(input_ids, ops)
+        return self.trunk(input_ids, x0, self.rotary(input_ids.shape[1], input_ids.device), queries, ops, query_runs)
+
+    def rotary(self, seq_len: int, device: torch.device, start: int = 0) -> tuple[Tensor, Tensor]:
+        """cos and sin at positions start..seq_len - 1 of a sequence of seq_len tokens."""
+        inv_freq = rotary_inv_freq(self.rotary_dims, self.cfg.rope_base, seq_len, self.cfg.rope_train_seq_len,
+                                   device=device)
+        cos, sin = rotary_tables(seq_len, inv_freq)
+        return cos[:, start:], sin[:, start:]
+
+    def trunk(self, input_ids: Tensor, x0: Any, rotary: tuple[Tensor, Tensor], queries: Tensor | None = None,
+              ops: TorchOps = TORCH_OPS, query_runs: bool = False) -> Tensor:
+        """The blocks and the final norm over the positions of input_ids, whose x0 and rotary
+        tables are given (see `hidden_states`)."""
+        ve_shared = None
+        if self.ve_shared is not None:
+            ve_shared = ops.shared_values(self.ve_shared(input_ids), self.ve_shared.scale)
+        weights = self.layer_weights(matmul_dtype(self.tok_emb.weight))
+        stream, skips = Residual(x0), []
+        encoder, last = self.num_encoder_layers, self.num_layers - 1
+        keys = self.last_block_reads(queries, input_ids.shape[1]) if query_runs and queries is not None else None
+        for i, block in enumerate(self.blocks):
+            if i == encoder and encoder > 0:  # the last encoder block's output: this block's input
+                stream = stream.plus_skip(None, self.skip_weights[0])
+            elif i > encoder and skips:
+                skip = skips.pop()
+                if keys is not None and i == last:
+                    skip = pick_positions(skip, keys.positions)
+                stream = stream.plus_skip(skip, self.skip_weights[i - encoder])
+            keep = 0 < i < encoder
+            injection = self._value_injection(i, ve_shared)
+            if keys is None:
+                kept, stream = block(stream, x0, weights[i], rotary, injection, queries if i == last else None, ops,
+                                     keep_input=keep)
+            elif i == last - 1:  # past its attention, this block runs only where the last one reads
+                kept, stream = block(stream, x0, weights[i], rotary, injection, ops=ops, keep_input=keep,
+                                     rows=keys.positions)
+                x0 = ops.at_rows(x0, keys.positions)
+                ve_shared = ops.at_rows(ve_shared, keys.positions) if ve_shared is not None else None
+                rotary = (table_rows(rotary[0], keys.positions), table_rows(rotary[1], keys.positions))
+            else:
+                kept, stream = block(stream, x0, weights[i], rotary, injection, keys.queries if i == last else None,
+                                     ops, keep_input=keep, keys=keys if i == last else None)
+            if keep:
+                skips.append(kept)
+        return ops.final_norm(stream)
+
+    def last_block_reads(self, queries: Tensor, seq_len: int) -> KeyRows | None:
+        """The rows the last block reads for runs of queries (`window_key_rows`), where it
+        attends in windows and they are fewer than the sequence; else None."""
+        attn = self.blocks[-1].attn
+        if self.num_layers < 2 or attn.window <= 0 or attn.sinks + attn.window + queries.size(1) >= seq_len:
+            return None
+        return window_key_rows(queries, seq_len, attn.window, attn.sinks)
+
+    def _value_injection(self, layer: int, ve_shared: Any) -> ValueInjection | None:
+        if ve_shared is None or layer not in self.ve_layer_indices:
+            return None
+        return ValueInjection(ve_shared, self.ve_layer_scales[self.ve_layer_indices.index(layer)])
+
+    def logits(self, hidden: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
+        """Soft-capped logits for hidden states of any leading shape."""
+        weight = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+        return ops.softcap(F.linear(hidden, weight.to(hidden.dtype)), self.cfg.logit_softcap)
+
+    def forward_logits(self, input_ids: Tensor) -> Tensor:
+        return self.logits(self.hidden_states(input_ids))
+
+    def token_nll(self, input_ids: Tensor, target_ids: Tensor) -> Tensor:
+        """Per-token cross-entropy [B, T] in float32."""
+        logits = self.forward_logits(input_ids)
+        return F.cross_entropy(logits.float().flatten(0, 1), target_ids.flatten(), reduction="none").view_as(target_ids)
+
+    def logits_at(self, input_ids: Tensor, positions: Tensor, ops: TorchOps = TORCH_OPS,
+                  query_runs: bool = False) -> Tensor:
+        """Logits [B, K, V] at positions[b, k] of input_ids[b]: the trunk runs over whole
+        windows, the last block's queries, its MLP and the output layer only where a
+        prediction is scored (query_runs: see `hidden_states`)."""
+        return self.logits(self.hidden_states(input_ids, positions, ops, query_runs), ops)
+
+    def forward(self, input_ids: Tensor, target_ids: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
+        """Mean cross-entropy, as the reference's training forward."""
+        logits = self.logits(self.hidden_states(input_ids, ops=ops).flatten(0, 1), ops)
+        return F.cross_entropy(logits.float(), target_ids.reshape(-1), reduction="mean")
+
+
+def build_model(cfg: ModelConfig, device: torch.device, initialize: bool = True) -> GPT:
+    """Build on the CPU (so initialization draws the same numbers everywhere), then move.
+    On CUDA the reference's dtypes apply (`use_cuda_dtypes`); on the CPU all is float32.
+    initialize=False leaves the weights to be loaded (`load_state_dict`)."""
+    model = GPT(cfg, initialize)
+    if device.type == "cuda":
+        use_cuda_dtypes(model)
+    return model.to(device)
+
+
+def use_cuda_dtypes(model: GPT) -> None:
+    """The reference's dtype policy: embedding tables in bf16; banks, linear weights, control
+    and low-dimensional tensors in float32, their values rounded to bf16 first as the
+    reference's model.bfloat16() does. Buffers (constants such as ln_scale_factor) are kept
+    exact in float32."""
+    for name, p in model.named_parameters():
+        p.data = p.data.bfloat16()
+        if name in BANK_NAMES or p.ndim < 2 or is_control_tensor(name) or _is_linear_weight(model, name):
+            p.data = p.data.float()
+
+
+def _is_linear_weight(model: GPT, name: str) -> bool:
+    module_name = name.rsplit(".", 1)[0]
+    return isinstance(model.get_submodule(module_name), nn.Linear) if "." in name else False
+

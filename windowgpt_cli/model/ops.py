@@ -1,0 +1,162 @@
+"""The element-wise steps between the matrix products and the attention, in plain torch:
+the seam (`TorchOps`) through which the model runs them, so that `fused_ops.FusedOps`
+(inference) and `fused_train_ops.TrainingOps` (training) can run the same steps as fused
+kernels. `Residual` and `ValueInjection` carry a step's inputs unsummed, so a fused kernel
+forms the sum while it reads them once."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .rotary import apply_rotary
+
+
+def rms_norm(x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def scaled_rms_norm(x: Tensor, factor: Tensor) -> Tensor:
+    """rms_norm(x) * factor, rounded as with a Python float factor: in float32, then back to
+    the norm's dtype (a bfloat16 tensor would otherwise round the factor first)."""
+    normed = rms_norm(x)
+    return (normed.float() * factor).to(normed.dtype)
+
+
+@dataclass
+class Residual:
+    """The residual stream as a sum not yet formed: base + scale_1 * delta_1 + ..., then plus
+    skip_weight * skip when a skip is added (skip None: the sum itself, as in the first
+    decoder block, whose skip is its own input). The step that next reads the stream forms
+    the sum, so that a fused kernel can do it while reading its inputs once.
+
+    At the first block, base is x0 as the ops represent it (see `TorchOps.embed`)."""
+
+    base: Any
+    deltas: tuple[tuple[Tensor, Tensor], ...] = ()
+    skip: Tensor | None = None
+    skip_weight: Tensor | None = None
+
+    def plus(self, delta: Tensor, scale: Tensor) -> "Residual":
+        return replace(self, deltas=self.deltas + ((delta, scale),))
+
+    def plus_skip(self, skip: Tensor | None, weight: Tensor) -> "Residual":
+        return replace(self, skip=skip, skip_weight=weight)
+
+
+@dataclass
+class ValueInjection:
+    """A layer's value embedding: the shared one (`TorchOps.shared_values`) times the layer's
+    scale, left as its factors for the step that adds it to the values."""
+
+    shared: Any
+    layer_scale: Tensor
+
+
+def smear(x: Tensor, gate: Tensor) -> Tensor:
+    """Blend each position with the previous one through a per-channel gate (sigmoid)."""
+    g = torch.sigmoid(gate.to(dtype=x.dtype))[None, None, :]
+    x_prev = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+    return (1 - g) * x + g * x_prev
+
+
+class TorchOps:
+    """The element-wise steps between the matrix products and the attention, in plain torch:
+    the model's definition (any device, autograd, torch.compile). `kernels.FusedOps` runs
+    the same steps as fused GPU kernels.
+
+    x0 (the embedding every block mixes in) is whatever `embed` returns: here a tensor."""
+
+    def embed(self, ids: Tensor, table: Tensor, bigram: Tensor | None, bigram_scale: Tensor | None,
+              gate: Tensor) -> Tensor:
+        """x0: token embeddings plus bigram * bigram_scale, normed, then smeared."""
+        x = F.embedding(ids, table)
+        if bigram is not None:
+            x = x + bigram * bigram_scale.to(dtype=bigram.dtype)
+        return smear(rms_norm(x), gate)
+
+    def stream_sum(self, stream: Residual) -> Tensor:
+        x = stream.base
+        for delta, scale in stream.deltas:
+            x = x + scale.to(dtype=x.dtype)[None, None, :] * delta
+        if stream.skip_weight is not None:
+            skip = x if stream.skip is None else stream.skip
+            x = x + stream.skip_weight.to(dtype=x.dtype)[None, None, :] * skip
+        return x
+
+    def block_input(self, stream: Residual, x0: Tensor, mix: Tensor, factor: Tensor,
+                    keep_sum: bool) -> tuple[Tensor | None, Tensor, Tensor]:
+        """(the stream's sum if keep_sum, the block's input x_in = mix[0] * x + mix[1] * x0,
+        and x_in normed and scaled by the layer's factor)."""
+        x = self.stream_sum(stream)
+        mix = mix.to(dtype=x.dtype)
+        x_in = mix[0][None, None, :] * x + mix[1][None, None, :] * x0
+        return (x if keep_sum else None), x_in, scaled_rms_norm(x_in, factor)
+
+    def residual_norm(self, stream: Residual, factor: Tensor) -> tuple[Residual, Tensor]:
+        """(the stream, and its sum normed and scaled by factor). The stream comes back
+        summed here; a fused kernel may leave it a sum, formed again where it is next read."""
+        x = self.stream_sum(stream)
+        return Residual(x), scaled_rms_norm(x, factor)
+
+    def final_norm(self, stream: Residual) -> Tensor:
+        return rms_norm(self.stream_sum(stream))
+
+    def at_rows(self, value: Tensor, positions: Tensor) -> Tensor:
+        """x0 or the shared value embedding (as `embed` and `shared_values` give them) at
+        positions [B, R] of each sequence."""
+        return pick_positions(value, positions)
+
+    def shared_values(self, projected: Tensor, scale: Tensor) -> Tensor:
+        """The value embedding the layers that take one share: projected * scale."""
+        return projected * scale.to(dtype=projected.dtype)
+
+    def values(self, v: Tensor, injection: ValueInjection | None) -> tuple[Tensor, Tensor]:
+        """(the values the attention reads, the values XSA reads): v plus the layer's value
+        embedding, if it has one."""
+        if injection is not None:
+            shared = injection.shared
+            v = v + shared * injection.layer_scale.to(dtype=shared.dtype)
+        return v, v
+
+    def head_prep(self, x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None) -> Tensor:
+        """Queries or keys [B, T, H, D]: each head normed, rotated, and scaled by its gain."""
+        x = rms_norm(x)
+        x = apply_rotary(x, cos.to(dtype=x.dtype), sin.to(dtype=x.dtype), rope_dims)
+        return x if gain is None else x * gain.to(dtype=x.dtype)[None, None, :, None]
+
+    def exclude_self_value(self, y: Tensor, v: Tensor) -> Tensor:
+        return exclude_self_value(y, v)
+
+    def leaky_square(self, h: Tensor, negative_slope: float) -> Tensor:
+        return F.leaky_relu(h, negative_slope=negative_slope).square()
+
+    def mlp_hidden(self, x: Tensor, up_w: Tensor, negative_slope: float) -> Tensor:
+        """The MLP's hidden layer: `leaky_square` of x's product with up_w."""
+        return self.leaky_square(F.linear(x, up_w), negative_slope)
+
+    def softcap(self, logits: Tensor, cap: float) -> Tensor:
+        return cap * torch.tanh(logits / cap)
+
+
+TORCH_OPS = TorchOps()
+
+
+def pick_positions(x: Tensor, positions: Tensor) -> Tensor:
+    """x[b, positions[b, k]] for x of shape [B, T, ...]: [B, K, ...]."""
+    index = positions.reshape(*positions.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
+    return x.gather(1, index)
+
+
+def exclude_self_value(y: Tensor, v: Tensor) -> Tensor:
+    """XSA: remove from each head's output its component along its own (normalized) value.
+    y [B, T, H, D], v [B, T, Hkv, D]; heads of a GQA group share one value."""
+    b, t, h, d = y.shape
+    hkv = v.size(-2)
+    y_grouped = y.reshape(b, t, hkv, h // hkv, d)
+    v_unit = F.normalize(v, dim=-1).unsqueeze(-2)
+    projection = (y_grouped * v_unit).sum(dim=-1, keepdim=True) * v_unit
+    return (y_grouped - projection).reshape(b, t, h, d)

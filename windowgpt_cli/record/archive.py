@@ -1,0 +1,48 @@
+"""The record's code, packed: a zipapp of exactly the modules a record run imports.
+
+`python code.pyz train ...` (or `torchrun code.pyz ...`) runs the record stages from the
+archive alone, so the archive is both the code that ran and the code counted. Members are
+deflated at the highest level (zipimport reads no other compression) in a fixed order with
+fixed timestamps and modes: the same source gives the same bytes.
+"""
+from __future__ import annotations
+
+import io
+import zipfile
+from pathlib import Path
+
+from . import codesize
+
+MAIN_MEMBER = "__main__.py"
+MAIN_SOURCE = f"from {codesize.ENTRY} import run\nrun({codesize.RECORD_ENTRY!r})\n"
+FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest a zip entry can carry
+
+
+def archive_members() -> list[tuple[str, bytes]]:
+    """(name, bytes) of each member: the entry point, then the record modules, sorted."""
+    sources = [(path, (codesize.PACKAGE_DIR.parent / path).read_bytes()) for path in codesize.record_modules()]
+    return [(MAIN_MEMBER, MAIN_SOURCE.encode()), *sorted(sources)]
+
+
+def archive_bytes(members: list[tuple[str, bytes]]) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for name, data in members:
+            info = zipfile.ZipInfo(name, FIXED_TIME)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.create_system = 3  # unix, whatever the machine packing
+            info.external_attr = 0o644 << 16
+            archive.writestr(info, data, compresslevel=9)
+    return buffer.getvalue()
+
+
+def pack(out: Path) -> codesize.CodeCount:
+    """Write the record's code as a runnable zipapp at `out`; returns what it counts."""
+    from ..storage.files import atomic_write_bytes, sha256_bytes  # imports torch: only when packing
+
+    out = Path(out)
+    members = archive_members()
+    data = archive_bytes(members)
+    atomic_write_bytes(out, data)
+    return codesize.CodeCount(len(data), codesize.archive_form(len(members), out), [name for name, _ in members],
+                              sum(len(source) for _, source in members), str(out), sha256_bytes(data))

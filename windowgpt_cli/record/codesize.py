@@ -1,0 +1,127 @@
+"""The code bytes of the artifact: the modules a record run imports.
+
+The challenge counts the bytes of the code that trains and evaluates the model. A record
+run runs the stages train, export, quantize, eval and eval-ttt through a small command line
+(`record_app.py`); what they import, directly or not (found by reading their import
+statements, including those inside functions), is the record's code. The full command line
+(`cli.py`, which also registers prepare and the other commands), data preparation, tests and
+benchmarks are not.
+
+Run from the packed archive (`windowgpt pack`, see archive.py), the code counted is that
+archive, the file that ran; run from the source tree, it is the modules' source as on disk.
+"""
+from __future__ import annotations
+
+import ast
+import zipfile
+import zipimport
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE = "windowgpt_cli"
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+RECORD_STAGES = tuple(f"{PACKAGE}.cli.{name}" for name in ("train", "export", "quantize", "evaluate", "eval_ttt"))
+RECORD_ENTRY = f"{PACKAGE}.cli.record_app"
+ENTRY = f"{PACKAGE}.entry"  # the packed code's __main__ starts there
+RECORD_ROOTS = (*RECORD_STAGES, RECORD_ENTRY, ENTRY)
+SOURCE_FORM = "Python source as on disk (uncompressed), not packed"
+
+
+def module_file(module: str, package_dir: Path = PACKAGE_DIR) -> Path | None:
+    """The file of a module of the package, or None if it is not one."""
+    parts = module.split(".")
+    if parts[0] != PACKAGE:
+        return None
+    base = package_dir.joinpath(*parts[1:])
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def imported_modules(module: str, package_dir: Path = PACKAGE_DIR) -> set[str]:
+    """The package's modules that `module`'s import statements name (with their packages)."""
+    path = module_file(module, package_dir)
+    assert path is not None, module
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(module, is_package, node.module, node.level)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from . import ptz`
+    with_parents = {".".join(name.split(".")[:i + 1]) for name in found for i in range(name.count(".") + 1)}
+    return {name for name in with_parents if module_file(name, package_dir) is not None}
+
+
+def _absolute(module: str, is_package: bool, target: str | None, level: int) -> str:
+    if level == 0:
+        return target or ""
+    parts = module.split(".")
+    anchor = parts if is_package else parts[:-1]
+    anchor = anchor[:len(anchor) - (level - 1)]
+    return ".".join(anchor + ([target] if target else []))
+
+
+def import_closure(roots: tuple[str, ...] = RECORD_ROOTS, package_dir: Path = PACKAGE_DIR) -> list[str]:
+    """The roots and every package module they import, directly or not, sorted."""
+    seen: set[str] = set()
+    pending = [name for root in roots for name in _with_packages(root)]
+    while pending:
+        name = pending.pop()
+        if name not in seen:
+            seen.add(name)
+            pending.extend(imported_modules(name, package_dir) - seen)
+    return sorted(seen)
+
+
+def _with_packages(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i + 1]) for i in range(len(parts))]
+
+
+def record_modules() -> list[str]:
+    """The package's source files a record run imports, relative to the package's parent."""
+    return [str(module_file(m).relative_to(PACKAGE_DIR.parent)) for m in import_closure()]
+
+
+def code_bytes() -> int:
+    return sum((PACKAGE_DIR.parent / path).stat().st_size for path in record_modules())
+
+
+@dataclass(frozen=True)
+class CodeCount:
+    """The code bytes a report counts, and what they are."""
+
+    bytes: int
+    form: str  # what was counted, in words
+    files: list[str]  # the counted files (the archive's members when packed)
+    source_bytes: int  # the same modules' source, uncompressed: comparable across forms
+    archive: str | None = None  # the packed archive that ran, if any
+    sha256: str | None = None  # the archive's
+
+
+def running_archive() -> Path | None:
+    """The archive this package runs from, or None when it runs from source files."""
+    loader = globals().get("__loader__")
+    return Path(loader.archive) if isinstance(loader, zipimport.zipimporter) else None
+
+
+def archive_form(files: int, archive: Path) -> str:
+    return f"zipapp (deflate) of {files} files, runnable as `python {archive.name}`"
+
+
+def count_code() -> CodeCount:
+    """The packed archive this code runs from; without one, the record modules' source."""
+    from ..storage.files import sha256_bytes  # imports torch: not at the top, so that --help answers at once
+
+    archive = running_archive()
+    if archive is None:
+        return CodeCount(code_bytes(), SOURCE_FORM, record_modules(), code_bytes())
+    data = archive.read_bytes()
+    with zipfile.ZipFile(archive) as packed:
+        members = packed.infolist()
+    return CodeCount(len(data), archive_form(len(members), archive), [m.filename for m in members],
+                     sum(m.file_size for m in members), str(archive), sha256_bytes(data))

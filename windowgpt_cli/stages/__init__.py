@@ -1,1 +1,0 @@
-"""One module per stage: a plain function that tests call, and its thin `command`."""

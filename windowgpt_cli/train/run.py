@@ -1,0 +1,168 @@
+"""`windowgpt train`: train (or resume) a run directory, with checkpoints and exact resume.
+
+One process writes to a run at a time (RUN/.lock). A new run refuses a directory that holds
+one unless `force`; resuming a finished run changes nothing. The run directory's files are
+named in `artifacts.checkpoint`.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ContextManager
+
+from ..artifacts.checkpoint import FILENAME as CHECKPOINT_FILENAME
+from ..artifacts.checkpoint import RUN_CONFIG, RUN_FILES, SUMMARY, checkpoint_path, load_checkpoint
+from ..config import RunConfig
+from ..distributed import init_distributed, shutdown
+from ..errors import ArtifactError, ConfigError, DataError
+from ..storage.files import atomic_write_json
+from ..storage.runlock import run_lock
+from ..timing import Phases, compile_line, compile_seconds
+from .metric_sinks import open_sink
+from .trainer import RunLog, StopRequests, Trainer, TrainResult, build_setup, describe
+
+Echo = Callable[[str], None]
+StepProgress = Callable[[dict], None]
+# What shows training's progress: given the planned steps and the log's echo, a context
+# that yields the echo to use meanwhile and a callback for each step (or None).
+ProgressDisplay = Callable[[int, Echo], ContextManager[tuple[Echo, StepProgress | None]]]
+
+
+
+@dataclass
+class TrainReport:
+    result: TrainResult
+    record: dict[str, Any] | None  # summary.json's record: the first rank's, of a finished run
+    is_main: bool  # rank 0 (only it prints)
+
+
+def train(cfg: RunConfig, out_dir: Path, *, resume: bool = False, force: bool = False,
+          stop_at_step: int | None = None, progress: ProgressDisplay | None = None,
+          echo: Echo | None = None) -> TrainResult:
+    """Train (or resume) into out_dir: config.json, train.log, metrics.jsonl, checkpoint.pt,
+    and summary.json when it finishes. echo receives the log lines (default: stdout)."""
+    return train_and_report(cfg, out_dir, resume=resume, force=force, stop_at_step=stop_at_step,
+                            progress=progress, echo=echo).result
+
+
+def train_and_report(cfg: RunConfig, out_dir: Path, *, resume: bool = False, force: bool = False,
+                     stop_at_step: int | None = None, progress: ProgressDisplay | None = None,
+                     echo: Echo | None = None) -> TrainReport:
+    """train(), with what the command prints. `progress` shows the steps on the first rank.
+
+    One process writes to a run at a time (RUN/.lock). A new run refuses a directory that
+    holds one unless `force` (the old run's files are removed first); resuming a finished
+    run changes nothing.
+    """
+    phases = Phases()
+    echo = echo or (lambda line: print(line, flush=True))
+    out_dir = Path(out_dir)
+    if resume and force:
+        raise ConfigError("--resume continues a run and --force replaces it: give one of them")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ArtifactError(f"{out_dir}: exists and is not a directory")
+    cfg = cfg.resolved()
+    if not resume and not force:
+        _claim_run_dir(out_dir, resume, force, echo)  # refuse before touching the directory (checked again below)
+    ctx = init_distributed(cfg.train.device)
+    created = not out_dir.exists()
+    try:
+        with run_lock(out_dir) if ctx.is_main else contextlib.nullcontext():
+            try:
+                if ctx.is_main:  # under the lock; the other ranks only read what it leaves
+                    ckpt = _claim_run_dir(out_dir, resume, force, echo)
+                else:
+                    ckpt = load_checkpoint(out_dir) if resume else None
+                if ckpt is not None and (out_dir / SUMMARY).is_file():
+                    if ctx.is_main:
+                        echo(f"{out_dir}: the run finished at step {ckpt.step}; nothing to do")
+                    record = json.loads((out_dir / SUMMARY).read_text(encoding="utf-8")) if ctx.is_main else None
+                    return TrainReport(TrainResult(ckpt.step, ckpt.training_time_ms, finished=True,
+                                                   checkpoint=checkpoint_path(out_dir)), record, ctx.is_main)
+                with phases.timed("setup"):
+                    setup = build_setup(cfg, ctx)
+                if ckpt is not None and ckpt.tokenizer_sha256 != setup.tokenizer_sha256:
+                    raise DataError(f"{cfg.data.data_path}: encoded with another tokenizer than the run in {out_dir} "
+                                    "was trained with; resume with the run's data")
+            except BaseException:
+                if created and ctx.is_main:  # nothing was trained: leave nothing behind
+                    shutil.rmtree(out_dir, ignore_errors=True)
+                raise
+            if ctx.is_main:
+                atomic_write_json(out_dir / RUN_CONFIG, cfg.to_dict())
+            return _train_locked(cfg, ctx, setup, ckpt, out_dir, stop_at_step, progress, echo, phases)
+    finally:
+        shutdown()
+
+
+def _claim_run_dir(out_dir: Path, resume: bool, force: bool, notify: Echo):
+    """The checkpoint to resume (or None), after refusing to overwrite a run by mistake."""
+    if resume:
+        return load_checkpoint(out_dir)
+    existing = [name for name in RUN_FILES if (out_dir / name).exists()]
+    if existing and not force:
+        what = "a checkpoint" if CHECKPOINT_FILENAME in existing else f"a run ({existing[0]})"
+        raise ConfigError(f"{out_dir} already holds {what}: pass --resume to continue it, --force to start "
+                          "afresh, or choose a new --out")
+    if existing:
+        for name in existing:
+            (out_dir / name).unlink(missing_ok=True)
+        notify(f"--force: starting afresh in {out_dir} (removed {', '.join(existing)})")
+    return None
+
+
+def _train_locked(cfg, ctx, setup, ckpt, out_dir: Path, stop_at_step: int | None, progress: ProgressDisplay | None,
+                  echo: Echo, phases: Phases) -> TrainReport:
+
+    sink = open_sink(cfg.train.logger, out_dir, cfg) if ctx.is_main else None
+    try:
+        display = progress if progress is not None and ctx.is_main else _no_display
+        with display(cfg.train.iterations, echo) as (echo, on_step):
+            log = RunLog(out_dir, enabled=ctx.is_main, echo=echo, sink=sink)
+            trainer = Trainer(setup, out_dir, log, progress=on_step, phases=phases)
+            if ckpt is not None:
+                trainer.restore(ckpt)
+                log.line(f"resume:step:{trainer.step}/{cfg.train.iterations} from {checkpoint_path(out_dir)}")
+            else:
+                describe(setup, log)
+                trainer.warm_up()
+            trained_before_ms = trainer.training_time_ms
+            with StopRequests().installed() as stops:
+                result = trainer.run(stop_at_step, stops)
+            phases.add("training", (result.training_time_ms - trained_before_ms) / 1000.0)
+            timings = phases.as_dict()
+            if compile_seconds() > 0:
+                log.line(compile_line())
+            log.line(phases.line())
+    finally:
+        if sink is not None:
+            sink.close()
+    record = summary(result, cfg) if ctx.is_main and result.finished else None
+    if record is not None:
+        record.update(timings_s=timings, compile_s=round(compile_seconds(), 3))
+        atomic_write_json(out_dir / SUMMARY, record)
+    return TrainReport(result, record, ctx.is_main)
+
+
+@contextlib.contextmanager
+def _no_display(total: int, echo: Echo):
+    yield echo, None
+
+
+def summary(result: TrainResult, cfg: RunConfig) -> dict[str, Any]:
+    """What summary.json records, the final table shows and --json prints."""
+    seconds = result.training_time_ms / 1000.0
+    calibration = result.calibration
+    total_ms = result.training_time_ms + (1000.0 * calibration["seconds"] if calibration else 0.0)
+    return {"step": result.step, "training_time_ms": round(result.training_time_ms, 1),
+            "ms_per_step": round(result.training_time_ms / max(result.step, 1), 2),
+            "tokens_per_s": round(cfg.train.train_batch_tokens * result.step / seconds) if seconds > 0 else None,
+            "val_loss": result.val_loss, "val_bpb": result.val_bpb,
+            "post_ema_val_loss": result.post_ema_val_loss, "post_ema_val_bpb": result.post_ema_val_bpb,
+            "checkpoint": str(result.checkpoint),
+            "max_wallclock_seconds": cfg.train.max_wallclock_seconds, "calibration": calibration,
+            "training_plus_calibration_ms": round(total_ms, 1),
+            "world_size": len(result.devices or [None]), "devices": result.devices}
