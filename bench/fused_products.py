@@ -28,6 +28,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from windowgpt_cli.challenge import RECORD_WINDOWS  # noqa: E402
 from windowgpt_cli.config import RunConfig  # noqa: E402
 from windowgpt_cli.model.fused_ops import FusedOps
 from windowgpt_cli.kernels.elementwise import MatmulTiles  # noqa: E402
@@ -128,7 +129,7 @@ def main() -> None:
     enable_fast_math(device)
     cfg = RunConfig().model
     if not a.full_attention:  # the record model: windows of 512 with 4 sink tokens on layers 2,4,6,8,10
-        cfg = dataclasses.replace(cfg, window_attn_size=512, num_sink_tokens=4, window_attn_layers=(2, 4, 6, 8, 10))
+        cfg = dataclasses.replace(cfg, **RECORD_WINDOWS)
     rows = product_rows(a, cfg, device) + forward_rows(a, cfg, device)
     for row in rows:
         print(json.dumps(row))

@@ -40,11 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from windowgpt_cli.cli.support import (PresetOption, build_config, option_help, run_app, user_errors_exit_1,
                                        with_config_flags)
+from windowgpt_cli.challenge import RECORD_WINDOWS  # noqa: E402
 from windowgpt_cli.config import apply_overrides  # noqa: E402
 from windowgpt_cli.train.trainer import PHASES  # noqa: E402
 
 STEP_RANGE = "bench.step"  # the profiler range around each profiled step
-RECORD_MODEL = {"window_attn_size": 512, "num_sink_tokens": 4, "window_attn_layers": "2,4,6,8,10"}
 
 # Categories, in the order the table lists them.
 CATEGORIES = {
@@ -279,7 +279,7 @@ def command(
     overrides: dict[str, dict[str, Any]] | None = None,
 ) -> None:
     """Break one training step's GPU time down by category."""
-    base = build_config(None, preset_name, {"model": dict(RECORD_MODEL)} if record else {})
+    base = build_config(None, preset_name, {"model": dict(RECORD_WINDOWS)} if record else {})
     paths = {"data_path": str(data), **({"tokenizer_path": str(tokenizer)} if tokenizer else {})}
     cfg = apply_overrides(base, {**(overrides or {}), "data": paths}).resolved()
     with tempfile.TemporaryDirectory() as scratch:

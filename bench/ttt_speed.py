@@ -32,12 +32,12 @@ from torch import Tensor
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from windowgpt_cli.challenge import RECORD_WINDOWS  # noqa: E402
 from windowgpt_cli.config import RunConfig, apply_overrides  # noqa: E402
 from windowgpt_cli.eval.ttt import ChunkTrainer, select_ttt_parameters, ttt_learning_rate  # noqa: E402
 from windowgpt_cli.model.gpt import GPT, build_model  # noqa: E402
 from windowgpt_cli.runtime import enable_fast_math, run_in_threads  # noqa: E402
 
-RECORD_WINDOWS = {"window_attn_size": 512, "num_sink_tokens": 4, "window_attn_layers": (2, 4, 6, 8, 10)}
 WARM_UP_STEPS = 2  # left out of ms/step: the first (eager, compiles) and the second (captured)
 
 

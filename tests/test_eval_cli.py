@@ -212,3 +212,12 @@ def test_the_progress_bar_says_compiling_until_the_first_batch(monkeypatch, comp
     after = out.getvalue()[len(before_first_batch):]
     assert ("eval (compiling)" in before_first_batch) == compiling
     assert "eval" in after and "1/4" in after and "compiling" not in after
+
+
+def test_a_tokenizer_without_byte_fallback_is_reported_beside_the_score(eval_run_dir, eval_data_dir):
+    """The test tokenizer (the shared FineWeb one) lacks byte fallback: every stage that
+    scores bits per byte says so, on stderr and in its record."""
+    result = run_cli("eval", eval_run_dir, "--data", eval_data_dir, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["tokenizer_byte_fallback"] is False
+    assert "has no byte fallback" in result.stderr and "too low" in result.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import signal
 import lzma
 import os
 import shutil
@@ -17,6 +18,7 @@ import torch
 from windowgpt_cli.cli import app as cli
 from windowgpt_cli.artifacts import compressors, ptz
 from windowgpt_cli.storage import tensorfile
+from windowgpt_cli.storage.files import sha256_file
 from windowgpt_cli.data.shards import shard_name
 
 pytestmark = pytest.mark.usefixtures("eval_single_thread")
@@ -147,6 +149,51 @@ def world(tmp_path_factory, tiny_data_dir: Path, tiny_run_dir: Path, eval_tokeni
     w["huge_config"] = root / "huge-config.json"
     w["huge_config"].write_text(json.dumps({"model": {"model_dim": 100_000}}))
     w["corpus"] = Path(__file__).resolve().parents[1] / "data" / "demo" / "gutenberg_1mb.jsonl"
+
+    # a user's own folder, and inputs of the kinds a careless user gives
+    w["notes"] = root / "notes"
+    w["notes"].mkdir()
+    (w["notes"] / "notes.txt").write_text("my notes\n")
+    (w["notes"] / "photo.png").write_bytes(b"\x89PNG\r\n\x1a\n not a plot")
+    (w["notes"] / "model.ptz.json").write_text('{"mine": true}\n')
+    (w["notes"] / "input.jsonl").write_text(json.dumps({"text": "a document in the user's folder"}) + "\n")
+    w["surrogate"] = root / "surrogate.jsonl"
+    w["surrogate"].write_text('{"text": "ok"}\n{"text": "lone \\ud800 surrogate"}\n')
+    w["deep"] = root / "deep.jsonl"
+    w["deep"].write_text("[" * 200_000 + "]" * 200_000 + "\n")
+    w["dup_config"] = root / "dup-config.json"
+    w["dup_config"].write_text('{"train": {"iterations": 5, "iterations": 6}}')
+
+    w["swapped_tables"] = root / "swapped-tables"  # another tokenizer's byte tables, copied in
+    shutil.copytree(tiny_data_dir, w["swapped_tables"])
+    shutil.copyfile(w["other_data"] / "tokenizer.meta.npz", w["swapped_tables"] / "tokenizer.meta.npz")
+
+    w["reshaped_export"] = root / "export-reshaped"  # consistent hashes, one tensor of another shape
+    shutil.copytree(w["export"], w["reshaped_export"])
+    weights = w["reshaped_export"] / "model.safetensors"
+    tensors, metadata = tensorfile.load(weights)
+    tensors["blocks.0.attn.c_q.weight"] = tensors["blocks.0.attn.c_q.weight"][:, :-1].contiguous()
+    tensorfile.save(weights, tensors, metadata)
+    info = json.loads((w["reshaped_export"] / "export.json").read_text())
+    info["sha256"] = sha256_file(weights)
+    (w["reshaped_export"] / "export.json").write_text(json.dumps(info))
+
+    def ptz_with(change) -> bytes:
+        tensors, metadata = tensorfile.loads(payload)
+        meta = json.loads(metadata[ptz.METADATA_KEY])
+        change(meta["tensors"][next(iter(meta["tensors"]))])
+        return ptz.compress_payload(tensorfile.dumps(tensors, {ptz.METADATA_KEY: json.dumps(meta)}))
+
+    for name, change in (("vast_shape", lambda t: t.update(shape=[2**70, 0])), ("int_shape", lambda t: t.update(shape=5)),
+                         ("list_dtype", lambda t: t.update(dtype=["float32"]))):
+        w[name] = root / f"{name}.ptz"
+        w[name].write_bytes(ptz_with(change))
+
+    w["altered_state"] = root / "altered-state"  # the weights' hash holds, the optimizer state was changed
+    w["altered_state"].mkdir()
+    payload_ckpt = torch.load(tiny_run_dir / "checkpoint.pt", weights_only=True)
+    payload_ckpt["state"]["optimizers"][0]["param_groups"][0]["lr"] *= 10
+    torch.save(payload_ckpt, w["altered_state"] / "checkpoint.pt")
     return w
 
 
@@ -154,6 +201,50 @@ def world(tmp_path_factory, tiny_data_dir: Path, tiny_run_dir: Path, eval_tokeni
 
 NEW = "{root}/new"  # where a case's output would go: it must never appear
 CASES = [
+    # outputs: never over a user's files, never over the command's own input
+    ("prepare {corpus} --out {notes}", 1, "holds files that are not a data directory"),
+    ("prepare {corpus} --out {run}", 1, "holds files that are not a data directory"),
+    ("prepare {notes}/input.jsonl --out {notes}", 1, "contains the command's input"),
+    ("prepare {corpus} --out ", 2, "is empty"),
+    ("prepare --index {data} --tokenizer {other_tokenizer}", 1, "holds another tokenizer"),
+    ("train --preset tiny --data {data} --out {notes}", 1, "holds files that are not a training run"),
+    ("train --preset tiny --data {data} --out {data}", 1, "is the command's own input"),
+    ("train --preset tiny --data {data} --out ", 2, "is empty"),
+    ("export {run} --out {run}", 1, "is the command's own input"),
+    ("export {run} --out {notes}", 1, "holds files that are not an export"),
+    ("export {run} --out {data}", 1, "holds files that are not an export"),
+    ("quantize {export} --out {export}/model.safetensors", 1, "lies inside the command's input"),
+    ("quantize {run} --out {run}/checkpoint.pt", 1, "lies inside the command's input"),
+    ("quantize {export} --out {notes}/photo.png", 1, "is not a .ptz windowgpt wrote"),
+    ("quantize {export} --out {notes}/model.ptz", 1, "is not a quantize report"),
+    ("tokenizer-meta {tokenizer} --out {notes}/photo.png", 1, "is not tokenizer byte tables"),
+    ("plot {run} --out {notes}/photo.png", 1, "is not a plot"),
+    ("pack --out {notes}/photo.png", 1, "is not packed code"),
+    # texts and configurations that are not what they claim
+    ("prepare {surrogate} --out " + NEW, 1, "line 2: field \"text\" holds a lone surrogate"),
+    ("prepare {deep} --out " + NEW, 1, "line 1: JSON nested too deeply"),
+    ("train --config {dup_config} --data {data} --out " + NEW, 1, "'iterations' appears twice"),
+    # every number bounded before work starts
+    ("prepare {corpus} --val-fraction nan --out " + NEW, 1, "--val-fraction nan"),
+    ("prepare {corpus} --workers 0 --out " + NEW, 1, "--workers 0"),
+    ("train --preset tiny --data {data} --out " + NEW + " --stop-at-step -1", 1, "--stop-at-step -1"),
+    ("train --preset tiny --data {data} --out " + NEW + " --train-seq-len 0", 1, "--train-seq-len 0"),
+    ("train --preset tiny --data {data} --out " + NEW + " --device tpu", 2, "--device"),
+    ("quantize {export} --gptq --gptq-calib-samples 99999999 --out " + NEW + ".ptz", 1, "--gptq-calib-samples 99999999"),
+    ("quantize {export} --gptq-percdamp nan --out " + NEW + ".ptz", 1, "--gptq-percdamp nan"),
+    ("quantize {export} --budget 0 --out " + NEW + ".ptz", 1, "--budget 0"),
+    ("generate {ptz} --data {data} --temperature nan", 1, "--temperature nan"),
+    ("generate {ptz} --data {data} --max-new-tokens 0", 1, "--max-new-tokens 0"),
+    ("inspect {ptz} --budget -5", 1, "--budget -5"),
+    # what a score depends on, verified
+    ("eval {ptz} --data {swapped_tables}", 1, "differs from the byte tables"),
+    ("eval {reshaped_export} --data {data}", 1, "blocks.0.attn.c_q.weight is [64, 63]"),
+    ("inspect {reshaped_export}", 1, "blocks.0.attn.c_q.weight is [64, 63]"),
+    ("quantize {reshaped_export} --out " + NEW + ".ptz", 1, "blocks.0.attn.c_q.weight is [64, 63]"),
+    ("eval {vast_shape} --data {data}", 1, "invalid"),
+    ("inspect {int_shape}", 1, "invalid description"),
+    ("eval {list_dtype} --data {data}", 1, "invalid description"),
+    ("train --out {altered_state} --resume", 1, "random state do not match"),
     # prepare
     ("prepare {root}/missing.jsonl --out " + NEW, 1, "no such file"),
     ("prepare {corpus} --vocab-size 0 --out " + NEW, 1, "--vocab-size 0"),
@@ -270,7 +361,8 @@ def test_hostile_input_is_one_line_and_leaves_nothing(world, line, code, fragmen
 
 def test_hostile_suite_covers_every_stage():
     stages = {line.split(" ")[0] for line, _, _ in CASES}
-    assert stages == {"prepare", "tokenizer-meta", "train", "export", "quantize", "eval", "eval-ttt"}
+    assert stages == {"prepare", "tokenizer-meta", "train", "export", "quantize", "eval", "eval-ttt", "generate",
+                      "inspect", "plot", "pack"}
     assert len(CASES) >= 60
 
 
@@ -326,7 +418,7 @@ def test_an_interrupted_run_exits_130_and_force_starts_afresh(world, tmp_path, m
 
     run = tmp_path / "run"
     with monkeypatch.context() as m:  # Ctrl-C arrives during the first step
-        m.setattr(training.StopRequests, "__init__", lambda self: setattr(self, "requested", True))
+        m.setattr(training.StopRequests, "__init__", lambda self: setattr(self, "signal", signal.SIGINT))
         code, stdout, stderr = run_main("train", *TINY_TRAIN, "--data", world["data"], "--out", run)
     assert code == 130 and stderr.startswith("interrupted:") and "step 1" in stderr, stderr
     assert "checkpoint:interrupted step:1/2" in (run / "train.log").read_text()
@@ -334,7 +426,7 @@ def test_an_interrupted_run_exits_130_and_force_starts_afresh(world, tmp_path, m
     assert code == 1 and "--force" in stderr
     code, stdout, stderr = run_main("train", *TINY_TRAIN, "--data", world["data"], "--out", run, "--force")
     assert code == 0, stderr
-    assert "--force: starting afresh" in stdout
+    assert "starting afresh in" in stdout and "(--force: removed" in stdout
     assert "checkpoint:interrupted" not in (run / "train.log").read_text()
     assert json.loads((run / "summary.json").read_text())["step"] == 2
 
@@ -347,3 +439,120 @@ def test_a_diverging_run_stops_with_an_error_and_writes_no_nan(world, tmp_path):
     assert not (run / "checkpoint.pt").exists() and not (run / "summary.json").exists()
     for line in (run / "metrics.jsonl").read_text().splitlines():
         json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in metrics.jsonl"))
+
+
+def test_a_run_that_wrote_no_checkpoint_starts_again_without_force(world, tmp_path):
+    """A false start (Ctrl-C in the warm-up, a missing logger extra) leaves a config and a
+    log but no checkpoint: the same command simply works again."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(tiny_preset_dict()))
+    (run / "train.log").write_text("a run that stopped before its first checkpoint\n")
+    code, stdout, stderr = run_main("train", *TINY_TRAIN, "--data", world["data"], "--out", run)
+    assert code == 0, stderr
+    assert "starting afresh in" in stdout and "a run that wrote no checkpoint" in stdout
+    assert "before its first checkpoint" not in (run / "train.log").read_text()
+
+
+def tiny_preset_dict() -> dict:
+    from windowgpt_cli.config import tiny_preset
+
+    return tiny_preset().to_dict()
+
+
+def test_a_stop_after_the_last_step_exits_130_with_the_run_complete(world, tmp_path, monkeypatch):
+    from windowgpt_cli.train import trainer as training
+
+    finish = training.Trainer._finish
+
+    def ctrl_c_while_finishing(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # the run's handler only notes it
+        return finish(self, *args, **kwargs)
+
+    monkeypatch.setattr(training.Trainer, "_finish", ctrl_c_while_finishing)
+    run = tmp_path / "run"
+    code, _, stderr = run_main("train", *TINY_TRAIN, "--data", world["data"], "--out", run)
+    assert code == 130, stderr
+    assert stderr.strip().splitlines()[-1].startswith("interrupted:") and "finished" in stderr
+    assert json.loads((run / "summary.json").read_text())["step"] == 2
+
+
+START = ["-m", "windowgpt_cli", "train", "--preset", "tiny", "--iterations", "3", "--warmup-steps", "0"]
+
+
+@pytest.mark.parametrize("signum, code, label", [(signal.SIGINT, 130, "interrupted:"),
+                                                  (signal.SIGTERM, 143, "terminated:")])
+@pytest.mark.parametrize("delay", [0.3, 1.0])
+def test_a_signal_at_start_up_exits_with_its_status_and_one_line(world, tmp_path, signum, code, label, delay):
+    """Ctrl-C or SIGTERM while the command line is built or torch is imported."""
+    import subprocess
+    import time
+
+    child = subprocess.Popen([sys.executable, *START, "--data", str(world["data"]), "--out", str(tmp_path / "run")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    child.send_signal(signum)
+    stdout, stderr = child.communicate(timeout=120)
+    if child.returncode == 0:  # finished before the signal came: nothing to check
+        return
+    assert child.returncode == code, (child.returncode, stderr)
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1].startswith(label), stderr
+
+
+def test_a_closed_stdout_loses_lines_never_the_run(world, tmp_path):
+    """`windowgpt train ... | head -2`: training goes on, its log and files complete."""
+    import subprocess
+
+    run = tmp_path / "run"
+    child = subprocess.Popen([sys.executable, *START, "--data", str(world["data"]), "--out", str(run)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout.readline()
+    child.stdout.close()
+    stderr = child.stderr.read()
+    assert child.wait(timeout=300) == 0, stderr
+    assert json.loads((run / "summary.json").read_text())["step"] == 3
+    assert "step:3/3" in (run / "train.log").read_text()
+    assert "Traceback" not in stderr and "standard output was closed" in stderr
+
+
+def test_a_prompt_of_brackets_is_text(world):
+    prompt = "[bold]a [/x] b [/] c [link=x]"
+    code, stdout, stderr = run_main("generate", world["ptz"], "--data", world["data"], "--prompt", prompt,
+                                    "--max-new-tokens", "8", "--temperature", "0")
+    assert code == 0, stderr
+    assert stdout.startswith(prompt)
+
+
+def test_a_document_too_long_to_read_is_refused_naming_its_line(world, monkeypatch):
+    from windowgpt_cli.data import corpus
+
+    monkeypatch.setattr(corpus, "MAX_DOCUMENT_BYTES", 1000)
+    code, _, stderr = run_main("prepare", world["corpus"], "--out", world["root"] / "new")
+    assert code == 1 and "line 1: longer than 1,000 bytes" in stderr, stderr
+    assert not (world["root"] / "new").exists()
+
+
+BOMB_PROBE = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+sys.argv = ["windowgpt", *sys.argv[1:]]
+from windowgpt_cli.entry import windowgpt
+windowgpt()
+"""
+
+
+@pytest.mark.parametrize("command", ["inspect", "eval"])
+def test_a_ptz_that_declares_the_largest_payload_costs_no_memory(world, tmp_path, command):
+    """33 bytes of rANS that declare a 1 GiB payload: refused in one line under a 2 GB limit."""
+    import subprocess
+
+    bomb = tmp_path / "bomb.ptz"
+    body = compressors._RANS_HEADER.pack(16, 0, 1 << 30, 0, 64) + lzma.compress(b"\0" * 4) + bytes(4 * 64)
+    bomb.write_bytes(ptz.MAGIC + bytes([ptz.FORMAT_VERSION, compressors.COMPRESSORS["rans"].id])
+                     + ptz._SIZE_AND_HASH.pack(1 << 30, bytes(32)) + body)
+    args = [command, str(bomb)] + (["--data", str(world["data"])] if command == "eval" else [])
+    done = subprocess.run([sys.executable, "-c", BOMB_PROBE, *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and str(bomb) in lines[0], done.stderr

@@ -228,5 +228,5 @@ def test_an_empty_validation_split_is_refused(tmp_path, data_bytefallback_tokeni
     small = write_jsonl(tmp_path / "small.jsonl", docs)
     with pytest.raises(DataError, match="no validation documents fall under --val-fraction 0.01"):
         prepare([small], tmp_path / "out", tokenizer=data_bytefallback_tokenizer, workers=1)
-    with pytest.raises(ConfigError, match="--shard-tokens"):
+    with pytest.raises(ConfigError, match="shard_tokens=0"):
         prepare([small], tmp_path / "out", tokenizer=data_bytefallback_tokenizer, shard_tokens=0)

@@ -233,3 +233,15 @@ def test_a_reserve_too_small_for_calibration_is_logged_and_fails_the_report(reco
     check = next(c for c in write_report(out, Rules(gpus=1, train_seconds=cap))["checks"]
                  if c["rule"] == "training + GPTQ calibration")
     assert check["status"] == FAIL and check["value"] == f"{summary['training_plus_calibration_ms'] / 1000:.1f} s"
+
+
+def test_the_makefile_trains_the_record_model_the_benchmarks_measure():
+    """RECORD_MODEL_FLAGS (the Makefile's record run) and challenge.RECORD_WINDOWS (the
+    benchmarks' record model) name the same windows."""
+    from windowgpt_cli.challenge import RECORD_WINDOWS
+
+    line = next(line for line in (REPO / "Makefile").read_text().splitlines() if line.startswith("RECORD_MODEL_FLAGS"))
+    flags = dict(re.findall(r"--([\w-]+) (\S+)", line))
+    assert {name.replace("-", "_"): value for name, value in flags.items()} == {
+        name: ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+        for name, value in RECORD_WINDOWS.items()}

@@ -21,3 +21,7 @@ AFTER_TRAINING = "calibrated after training"
 # The order test-time training keeps, as records state it: each chunk is scored before the
 # model trains on it, so no token is scored by a model that has seen it.
 TTT_ORDER = "score-first"
+
+# The record model's attention: the reference's model with windows of 512 tokens and 4 sink
+# tokens on layers 2,4,6,8,10 (model settings; the Makefile's RECORD_MODEL_FLAGS say the same).
+RECORD_WINDOWS = {"window_attn_size": 512, "num_sink_tokens": 4, "window_attn_layers": (2, 4, 6, 8, 10)}

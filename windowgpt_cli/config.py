@@ -264,6 +264,18 @@ class RunConfig:
 PATH_SETTINGS = ("data_path", "tokenizer_path", "tokenizer_meta_path")
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    for key in keys:
+        if keys.count(key) > 1:  # json would keep the last one silently
+            raise _DuplicateKey(key)
+    return dict(pairs)
+
+
 def load_config_file(path: Path, base: RunConfig | None = None) -> RunConfig:
     """A JSON or TOML (by its .toml suffix) configuration file's settings over base."""
     path = Path(path)
@@ -284,7 +296,11 @@ def load_config_file(path: Path, base: RunConfig | None = None) -> RunConfig:
             raise ConfigError(f"{path}: not a valid TOML configuration ({exc})") from None
     else:
         try:
-            raw = json.loads(text)
+            raw = json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
+        except RecursionError:
+            raise ConfigError(f"{path}: nested too deeply to be a configuration") from None
+        except _DuplicateKey as exc:
+            raise ConfigError(f"{path}: the key {exc.args[0]!r} appears twice in one object; keep one") from None
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: not a valid JSON configuration ({exc}); TOML files end in .toml") from None
     return RunConfig.parse(raw, source=str(path), base=base)
@@ -468,6 +484,14 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "ttt_freeze_blocks": (0, 128),
     "ttt_momentum": (0, 1), "ttt_batch_seqs": (1, 1 << 20), "ttt_grad_clip": (0, None),
 }
+# The numbers commands take besides the settings (each checked by check_setting as well).
+BOUNDS.update({
+    "val_fraction": (0, 1), "shard_tokens": (1, INT_MAX), "workers": (1, 4096), "tokenizer_sample_bytes": (1, 1 << 40),
+    "stop_at_step": (1, INT_MAX), "max_new_tokens": (1, 1 << 20), "temperature": (0, 1000), "top_k": (0, 65536),
+    "num_samples": (1, 1 << 16), "budget": (1, 1 << 40), "train_budget": (1e-3, None), "eval_budget": (1e-3, None),
+    "artifact_budget": (1, 1 << 40), "gpus": (1, 1 << 16),
+})
+EXCLUSIVE = {"val_fraction"}  # bounds that the value may not equal
 CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "cuda"),
     "attn_backend": ("auto", "fa3", "flex", "triton", "sdpa"),
@@ -483,7 +507,16 @@ def bounds_text(name: str) -> str:
     lo, hi = BOUNDS.get(name, (None, None))
     if lo is None and hi is None:
         return ""
+    if name in EXCLUSIVE:
+        return f"between {lo} and {hi}, both excluded"
     return f"at least {lo}" if hi is None else f"at most {hi}" if lo is None else f"in {lo}..{hi}"
+
+
+def check_settings(**values: Any) -> None:
+    """check_setting for each given value (None: not given)."""
+    for name, value in values.items():
+        if value is not None:
+            check_setting(name, value)
 
 
 def check_setting(name: str, value: Any) -> None:
@@ -495,7 +528,8 @@ def check_setting(name: str, value: Any) -> None:
     if isinstance(value, float) and not math.isfinite(value):
         raise SettingError(name, f"{name}={value} must be a finite number")
     lo, hi = BOUNDS.get(name, (None, None))
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
+    outside = (lo is not None and value < lo) or (hi is not None and value > hi)
+    if outside or (name in EXCLUSIVE and value in (lo, hi)):
         raise SettingError(name, f"{name}={value} must be {bounds_text(name)}")
 
 

@@ -1,4 +1,7 @@
 """The errors a user can cause. The CLI prints them as one line and exits with code 1."""
+import os
+import signal
+from typing import NoReturn
 
 
 class WindowGPTError(Exception):
@@ -37,6 +40,39 @@ class RecordError(WindowGPTError):
 
 class TrainingDiverged(WindowGPTError):
     """The loss became NaN or infinite: training stops rather than save such weights."""
+
+
+class Stopped(BaseException):
+    """A signal that stops the command, raised where the process is (a training run handles
+    them itself: it stops at the next step with a checkpoint). Not a KeyboardInterrupt, which
+    the command-line library would take as its own and end in silence."""
+
+    label, exit_status, reason = "interrupted", 130, "stopped by the user"  # 128 + SIGINT
+
+
+class Interrupted(Stopped):
+    """Ctrl-C (SIGINT)."""
+
+
+class Terminated(Stopped):
+    """SIGTERM."""
+
+    label, exit_status, reason = "terminated", 143, "stopped by SIGTERM"  # 128 + SIGTERM
+
+
+def stop_for(signum: int) -> type[Stopped]:
+    return Terminated if signum == signal.SIGTERM else Interrupted
+
+
+def end_at_once(signum: int) -> NoReturn:
+    """End the process for a signal with one line and its exit status, unwinding nothing:
+    where an exception could not be raised safely (before a command's work begins, or
+    inside an import, which would leave modules half-built for whatever catches it)."""
+    stop = stop_for(signum)
+    try:
+        os.write(2, f"{stop.label}: {stop.reason}\n".encode())
+    finally:
+        os._exit(stop.exit_status)
 
 
 class RunLocked(WindowGPTError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import random
+import resource
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator
@@ -145,3 +146,33 @@ def phase(name: str) -> contextlib.AbstractContextManager:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def memory_bytes(device: torch.device) -> int | None:
+    """The memory a model on this device may use: the GPU's, or the host's available memory
+    (None where it cannot be read)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    available = [_meminfo_kib("/proc/meminfo", "MemAvailable")]
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]  # a limit on this process's address space
+    if limit != resource.RLIM_INFINITY:
+        in_use = _meminfo_kib("/proc/self/status", "VmSize")
+        available.append(limit // 1024 - (in_use or 0))
+    known = [kib for kib in available if kib is not None]
+    return max(0, min(known)) * 1024 if known else None
+
+
+def _meminfo_kib(path: str, key: str) -> int | None:
+    """A `Key:   N kB` line of a /proc file, in KiB (None where there is none)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields[key].split()[0])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An allocation that failed: CUDA's out-of-memory error, or the CPU allocator's."""
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))

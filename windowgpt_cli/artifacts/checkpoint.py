@@ -7,6 +7,7 @@ the tokenizer the run trained with.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,10 +16,13 @@ import torch
 
 from ..config import RunConfig
 from ..errors import ArtifactError, ConfigError
-from ..storage.files import atomic_torch_save, is_sha256, tensors_sha256
+from ..storage.files import atomic_torch_save, is_sha256, read_json_object, tensors_sha256
+from ..storage.runlock import LOCK_NAME
+from .shapes import check_tensors, described
 
 FORMAT = "windowgpt.checkpoint"
-VERSION = 2  # 2: weights_sha256, and tokenizer_sha256 required
+VERSION = 3  # 2: weights_sha256, and tokenizer_sha256 required; 3: state_sha256
+READABLE_VERSIONS = (2, 3)
 # A run directory's files: train writes them, later stages find them by these names.
 FILENAME = "checkpoint.pt"
 RUN_CONFIG = "config.json"
@@ -75,6 +79,7 @@ def save_checkpoint(path: Path, ckpt: Checkpoint) -> Path:
         "model": ckpt.model, "ema": ckpt.ema, "swa": ckpt.swa, "swa_count": ckpt.swa_count,
         "step": ckpt.step, "training_time_ms": ckpt.training_time_ms,
         "tokenizer_sha256": ckpt.tokenizer_sha256, "weights_sha256": ckpt.weights_sha256(), "state": ckpt.state,
+        "state_sha256": state_sha256(ckpt.state),
     }
     return atomic_torch_save(payload, path)
 
@@ -89,8 +94,9 @@ def load_checkpoint(run_dir_or_file: Path, map_location: str | torch.device = "c
         raise ArtifactError(f"{path}: not a readable windowgpt checkpoint ({type(exc).__name__})") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise ArtifactError(f"{path}: not a windowgpt checkpoint")
-    if raw.get("version") != VERSION:
-        raise ArtifactError(f"{path}: checkpoint version {raw.get('version')} is not supported (expected {VERSION})")
+    if raw.get("version") not in READABLE_VERSIONS:
+        raise ArtifactError(f"{path}: checkpoint version {raw.get('version')} is not supported (this windowgpt "
+                            f"reads {', '.join(map(str, READABLE_VERSIONS))})")
     try:
         config = RunConfig.from_dict(raw["config"], source=f"{path} config")
         ckpt = Checkpoint(
@@ -107,6 +113,11 @@ def load_checkpoint(run_dir_or_file: Path, map_location: str | torch.device = "c
         raise ArtifactError(f"{path}: the checkpoint records no tokenizer sha256")
     if raw.get("weights_sha256") != ckpt.weights_sha256():
         raise ArtifactError(f"{path}: its weights do not match the hash it records (corrupt or altered)")
+    if "state_sha256" in raw and raw["state_sha256"] != state_sha256(ckpt.state):  # version 2 records none
+        raise ArtifactError(f"{path}: its optimizer, loader and random state do not match the hash it records "
+                            "(corrupt or altered); it cannot be resumed exactly")
+    for name, weights in (("model", ckpt.model), ("ema", ckpt.ema), ("swa", ckpt.swa or ckpt.model)):
+        check_tensors(config.model, described(weights), f"{path} ({name} weights)", per_layer=False)
     return ckpt
 
 
@@ -114,3 +125,40 @@ def _tensors(value: Any) -> dict[str, torch.Tensor]:
     if not isinstance(value, dict) or not all(isinstance(v, torch.Tensor) for v in value.values()):
         raise TypeError("expected a dict of tensors")
     return value
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether a directory is a training run (train may go on in it, or with --force start
+    afresh there): it holds a checkpoint, the run lock, or a windowgpt configuration."""
+    path = Path(path)
+    if (path / FILENAME).is_file() or (path / LOCK_NAME).is_file():
+        return True
+    try:
+        raw = read_json_object(path / RUN_CONFIG)
+    except ArtifactError:
+        return False
+    return {"model", "train"} <= set(raw)
+
+
+def state_sha256(state: Any) -> str:
+    """A fingerprint of the resume state (optimizer, loader, random state): its nested
+    dicts, lists, numbers, strings and tensors, in order."""
+    digest = hashlib.sha256()
+
+    def feed(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            digest.update(b"T" + tensors_sha256({"": value}).encode())
+        elif isinstance(value, dict):
+            digest.update(f"D{len(value)}".encode())
+            for key in sorted(value, key=repr):
+                digest.update(repr(key).encode())
+                feed(value[key])
+        elif isinstance(value, (list, tuple)):
+            digest.update(f"L{len(value)}".encode())
+            for item in value:
+                feed(item)
+        else:
+            digest.update(("V" + repr(value)).encode())
+
+    feed(state)
+    return digest.hexdigest()

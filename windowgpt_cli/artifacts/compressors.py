@@ -122,25 +122,31 @@ def _rans_encode(freq: np.ndarray, cum: np.ndarray, lanes: int) -> tuple[np.ndar
     return words, x
 
 
-def _rans_decode(words: np.ndarray, states: np.ndarray, row_at: np.ndarray, symbol_of: np.ndarray,
-                 step_of: np.ndarray) -> np.ndarray:
-    """Decode len(row_at) symbols; symbol i uses the slot tables starting at row_at[i]:
-    symbol_of[slot] and step_of[slot] = frequency << 16 | (slot - cumulative frequency)."""
+def _rans_decode(words: np.ndarray, states: np.ndarray, lengths: list[int], freq: np.ndarray) -> np.ndarray:
+    """Decode sum(lengths) symbols: range k's lengths[k] symbols under frequency row freq[k].
+    The decoding tables (2**15 slots a row) are built for the rows a batch of lanes spans,
+    at most a few at a time, so the decoder's memory stays that of its output."""
     x, lanes = states.astype(np.uint32), len(states)
-    out = np.empty(len(row_at), dtype=np.uint8)
-    words = words.astype(np.uint32)
+    starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    total = int(starts[-1])
+    out = np.empty(total, dtype=np.uint8)
+    built: tuple[int, int] | None = None
     pos = 0
-    for start in range(0, len(row_at), lanes):
-        stop = min(start + lanes, len(row_at))
+    for start in range(0, total, lanes):
+        stop = min(start + lanes, total)
+        rows = np.searchsorted(starts, np.arange(start, stop), side="right") - 1
+        if built != (int(rows[0]), int(rows[-1])):
+            built = (int(rows[0]), int(rows[-1]))
+            symbol_of, step_of = _decoding_tables(freq[built[0]:built[1] + 1])
         xs = x[:stop - start]
-        slot = row_at[start:stop] + (xs & _SLOT_MASK)
+        slot = ((rows - built[0]).astype(np.uint32) << RANS_SCALE_BITS) + (xs & _SLOT_MASK)
         out[start:stop] = symbol_of[slot]
         step = step_of[slot]
         xs = (step >> 16) * (xs >> RANS_SCALE_BITS) + (step & 0xFFFF)  # < 2**32 for any input
         refill = np.flatnonzero(xs < RANS_LOW)
         if pos + len(refill) > len(words):
             raise CorruptPayload("rANS stream ends early")
-        xs[refill] = (xs[refill] << 16) | words[pos:pos + len(refill)]
+        xs[refill] = (xs[refill] << 16) | words[pos:pos + len(refill)].astype(np.uint32)
         pos += len(refill)
         x[:stop - start] = xs
     if pos != len(words) or np.any(x != RANS_LOW):
@@ -233,11 +239,10 @@ def _rans_decode_stream(data: bytes, side_at: int, side_len: int, n_words: int, 
     lengths = [e - b for b, e in ranges]
     if sum(lengths) != n_symbols or n_symbols + len(rest) > limit:
         raise CorruptPayload("rANS index does not match its stream")
-    symbol_of, step_of = _decoding_tables(freq)
-    row_at = np.repeat(np.arange(len(ranges), dtype=np.uint32) << RANS_SCALE_BITS, lengths)
     states = np.frombuffer(data, dtype="<u4", count=lanes, offset=states_at)
     words = np.frombuffer(data, dtype="<u2", count=n_words, offset=words_at)
-    symbols = _rans_decode(words, states, row_at, symbol_of, step_of) ^ np.uint8(0x80)
+    symbols = _rans_decode(words, states, lengths, freq)
+    symbols ^= np.uint8(0x80)
     payload = _interleave(rest, ranges, symbols.tobytes())
     if zlib.crc32(payload) != crc:
         raise CorruptPayload("payload checksum mismatch")
@@ -343,3 +348,55 @@ def name_of(compressor_id: int) -> str:
 def decompress(compressor_id: int, data: bytes, limit: int) -> bytes:
     """At most `limit` bytes decoded by the compressor the id names; CorruptPayload otherwise."""
     return _DECOMPRESSORS[compressor_id][1](data, limit)
+
+
+# --- The payload's first bytes, decoded alone -------------------------------------------------
+#
+# `inspect` reads a .ptz's description, which the payload's safetensors header holds at its
+# start, without decoding the rest: lzma decodes a prefix by itself, and rans keeps the
+# payload's bytes before its first coded tensor at the start of its side stream.
+
+class _LzmaPrefix:
+    """The first bytes of an xz stream, decoded as far as asked and no further."""
+
+    def __init__(self, data: bytes):
+        self.decompressor, self.data, self.buffer = lzma.LZMADecompressor(), data, b""
+
+    def read(self, n: int) -> bytes:
+        while len(self.buffer) < n and not self.decompressor.eof:
+            try:
+                chunk = self.decompressor.decompress(self.data, max_length=n - len(self.buffer))
+            except lzma.LZMAError as exc:
+                raise CorruptPayload(f"corrupt compressed payload ({_first_line(exc)})") from None
+            self.data = b""
+            if not chunk and self.decompressor.needs_input:
+                break
+            self.buffer += chunk
+        if len(self.buffer) < n:
+            raise CorruptPayload("truncated (the compressed payload ends early)")
+        out, self.buffer = self.buffer[:n], self.buffer[n:]
+        return out
+
+
+def payload_prefix(compressor_id: int, data: bytes, n: int) -> bytes | None:
+    """The payload's first n bytes, decoded alone; None where this compressor cannot give
+    them without decoding everything (the caller then decompresses the whole payload)."""
+    if compressor_id == COMPRESSORS["lzma"].id:
+        return _LzmaPrefix(data).read(n)
+    if compressor_id not in (COMPRESSORS["rans"].id, 2):
+        return None
+    header = _RANS_HEADER if compressor_id == COMPRESSORS["rans"].id else _RANS_V1_HEADER
+    if len(data) < header.size:
+        raise CorruptPayload("truncated (no rANS header)")
+    side = _LzmaPrefix(data[header.size:header.size + header.unpack_from(data)[0]])
+    (count,) = struct.unpack("<I", side.read(4))
+    if count > RANS_MAX_RANGES:
+        raise CorruptPayload(f"corrupt rANS index ({count} ranges, more than {RANS_MAX_RANGES})")
+    first = None
+    for _ in range(count):
+        b, _e, lo, hi = struct.unpack("<QQHH", side.read(20))
+        if hi < lo:
+            raise CorruptPayload("corrupt rANS index (bad frequency table)")
+        side.read(2 * (hi - lo))
+        first = b if first is None else first
+    return side.read(n) if first is None or n <= first else None

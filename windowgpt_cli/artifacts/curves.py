@@ -16,9 +16,13 @@ from typing import Any
 from ..config import RunConfig
 from ..errors import ArtifactError, ConfigError
 from ..storage.files import atomic_write_bytes, atomic_write_text
+from ..storage.outputs import check_apart, claim_file
 from .info import differing_settings, read_artifact, read_metrics, short_setting
 
 FORMATS = (".png", ".html")
+# What marks a picture as plot's own, so that plot replaces it and nothing else.
+PLOT_SOFTWARE = "windowgpt plot"
+PLOT_HTML_MARK = f'<meta name="generator" content="{PLOT_SOFTWARE}">'
 PANELS = (("train_loss", "step"), ("train_loss", "time"), ("val_bpb", "step"), ("val_bpb", "time"))
 
 
@@ -105,11 +109,13 @@ def plot_runs(paths: list[Path], out: Path) -> Path:
         raise ConfigError(f"--out {out}: the file must end in {' or '.join(FORMATS)}")
     if not paths:
         raise ConfigError("give at least one run directory to plot")
+    check_apart(out, paths)
+    claim_file(out, "a plot", is_plot)
     runs = [load_run_curves(p) for p in paths]
     fig = draw(runs)
     buffer = io.BytesIO()
     if out.suffix.lower() == ".png":
-        fig.savefig(buffer, format="png")
+        fig.savefig(buffer, format="png", metadata={"Software": PLOT_SOFTWARE})
         atomic_write_bytes(out, buffer.getvalue())
     else:
         fig.savefig(buffer, format="svg")
@@ -123,6 +129,17 @@ def _html_page(runs: list[RunCurves], svg: str) -> str:
     labels = legend_labels(runs)
     items = "".join(f"<li>{escape(label)}</li>" for label in labels)
     body = svg[svg.index("<svg"):]  # drop the XML prologue
-    return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>windowgpt: "
+    return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">{PLOT_HTML_MARK}<title>windowgpt: "
             f"{escape(', '.join(r.name for r in runs))}</title></head>\n<body>\n{body}\n<ul>{items}</ul>\n"
             "</body></html>\n")
+
+
+def is_plot(path: Path) -> bool:
+    """Whether a file is a picture plot wrote (its PNG text chunk, or its HTML generator tag)."""
+    try:
+        head = Path(path).read_bytes()[:4096]
+    except OSError:
+        return False
+    if head.startswith(b"\x89PNG"):
+        return b"Software\x00" + PLOT_SOFTWARE.encode() in head
+    return PLOT_HTML_MARK.encode() in head

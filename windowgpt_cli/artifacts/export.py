@@ -11,6 +11,7 @@ leaves the previous export whole.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +22,16 @@ from ..errors import ArtifactError, ConfigError
 from ..model.state_dict import unbank_state_dict
 from ..storage import tensorfile
 from ..storage.files import atomic_write_bytes, atomic_write_json, is_sha256, publish_dir, read_json_object, sha256_file
+from ..storage.outputs import check_apart, claim_dir
 from .checkpoint import HESSIANS_FILENAME, WEIGHT_CHOICES, Checkpoint, checkpoint_path, load_checkpoint
+from .shapes import check_tensors, described
 
 EXPORT_WEIGHTS = "model.safetensors"
 EXPORT_CONFIG = "config.json"
 EXPORT_INFO = "export.json"
 EXPORT_FORMAT = "windowgpt.export"
 EXPORT_VERSION = "1"
+TOKENIZER_FILE = "tokenizer.model"  # an export's copy of its tokenizer, as a data directory holds it
 
 
 def read_export(export_dir: Path) -> tuple[RunConfig, dict[str, Tensor], dict]:
@@ -55,6 +59,7 @@ def read_export(export_dir: Path) -> tuple[RunConfig, dict[str, Tensor], dict]:
     tensors, metadata = tensorfile.load(weights_path)
     if metadata.get("format") != EXPORT_FORMAT or metadata.get("format_version") != EXPORT_VERSION:
         raise ArtifactError(f"{weights_path}: not a windowgpt export of format version {EXPORT_VERSION}")
+    check_tensors(config.model, described(tensors), str(weights_path), per_layer=True)
     return config, tensors, info
 
 
@@ -63,6 +68,8 @@ def export(run_dir: Path, out: Path, weights: str = "ema") -> dict[str, Any]:
 
     if weights not in WEIGHT_CHOICES:
         raise ConfigError(f"--weights {weights!r} must be one of {', '.join(WEIGHT_CHOICES)}")
+    check_apart(out, [run_dir])
+    claim_dir(out, "an export", is_export_dir)
     ckpt = load_checkpoint(run_dir)
     tensors = unbank_state_dict(ckpt.weights(weights), ckpt.config.model.num_layers)
     return publish_dir(Path(out), lambda folder: _write_export(folder, run_dir, ckpt, tensors, weights))
@@ -73,6 +80,7 @@ def _write_export(out: Path, run_dir: Path, ckpt: Checkpoint, tensors: dict[str,
     tensorfile.save(out / EXPORT_WEIGHTS, tensors, {"format": EXPORT_FORMAT, "format_version": EXPORT_VERSION})
     atomic_write_json(out / EXPORT_CONFIG, ckpt.config.to_dict())
     hessians = _carry_hessians(Path(run_dir), out, weights)
+    tokenizer = _copy_tokenizer(ckpt, out)
     info = {
         "format": EXPORT_FORMAT,
         "format_version": EXPORT_VERSION,
@@ -82,6 +90,7 @@ def _write_export(out: Path, run_dir: Path, ckpt: Checkpoint, tensors: dict[str,
         "source_sha256": sha256_file(checkpoint_path(run_dir)),
         "step": ckpt.step,
         "tokenizer_sha256": ckpt.tokenizer_sha256,
+        "tokenizer_path": str(tokenizer) if tokenizer is not None else None,  # where it was copied from
         "tensor_count": len(tensors),
         "parameter_count": sum(t.numel() for t in tensors.values()),
         "sha256": sha256_file(out / EXPORT_WEIGHTS),
@@ -90,6 +99,17 @@ def _write_export(out: Path, run_dir: Path, ckpt: Checkpoint, tensors: dict[str,
     }
     atomic_write_json(out / EXPORT_INFO, info)  # written last: its presence marks a complete export
     return info
+
+
+def _copy_tokenizer(ckpt: Checkpoint, out: Path) -> Path | None:
+    """Copy the run's tokenizer beside the weights, when it is still where the run read it
+    (and still the one it trained with); returns where it was."""
+    data = ckpt.config.data
+    source = Path(data.tokenizer_path) if data.tokenizer_path else Path(data.data_path or ".") / TOKENIZER_FILE
+    if not source.is_file() or sha256_file(source) != ckpt.tokenizer_sha256:
+        return None
+    atomic_write_bytes(out / TOKENIZER_FILE, source.read_bytes())
+    return source
 
 
 def _carry_hessians(run_dir: Path, out: Path, weights: str) -> str | None:
@@ -102,3 +122,18 @@ def _carry_hessians(run_dir: Path, out: Path, weights: str) -> str | None:
         return None
     atomic_write_bytes(target, source.read_bytes())
     return HESSIANS_FILENAME
+
+
+EXPORT_FILES = {EXPORT_WEIGHTS, EXPORT_CONFIG, EXPORT_INFO, HESSIANS_FILENAME, TOKENIZER_FILE}
+
+
+def is_export_dir(path: Path) -> bool:
+    """Whether a directory is an export (export may replace it): its export.json, and only
+    the export's files and the scores `eval` saved in it."""
+    path = Path(path)
+    try:
+        info = read_json_object(path / EXPORT_INFO)
+    except ArtifactError:
+        return False
+    return info.get("format") == EXPORT_FORMAT and all(
+        p.name in EXPORT_FILES or re.fullmatch(r"eval-[a-z]+\.json", p.name) for p in path.iterdir())

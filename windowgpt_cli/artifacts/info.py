@@ -18,6 +18,7 @@ from .checkpoint import load_checkpoint
 from .export import EXPORT_INFO, EXPORT_VERSION, EXPORT_WEIGHTS, read_export
 from .lineage import DATA_PATH_FIELDS
 from .results import find_eval_results, read_json
+from .shapes import check_tensors
 
 # --- Reading an artifact -----------------------------------------------------------------
 
@@ -100,11 +101,12 @@ def _read_export(export_dir: Path) -> ArtifactInfo:
 
 
 def _read_ptz(path: Path) -> ArtifactInfo:
-    artifact = ptz.load(path)
-    data_head = path.open("rb").read(ptz.HEADER_BYTES)
-    version, compressor = data_head[len(ptz.MAGIC)], ptz.compressor_of(data_head)
-    groups = _group_sizes({name: (_numel(qt.shape), qt.stored_bytes, qt.scheme + (f"_{qt.method}" if qt.method else ""))
-                           for name, qt in artifact.tensors.items()})
+    artifact = ptz.describe(path)  # its header and its payload's: the payload is not decoded
+    check_tensors(artifact.config.model, {name: (t.shape, t.dtype) for name, t in artifact.tensors.items()},
+                  str(path), per_layer=True)
+    version, compressor = artifact.version, artifact.compressor
+    groups = _group_sizes({name: (_numel(t.shape), t.stored_bytes, t.scheme + (f"_{t.method}" if t.method else ""))
+                           for name, t in artifact.tensors.items()})
     report = read_json(path.with_name(path.name + ".json"))
     lineage = dict(artifact.source)
     run_dir = None

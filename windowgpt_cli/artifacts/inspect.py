@@ -5,12 +5,14 @@ from pathlib import Path
 from typing import Any
 
 from ..challenge import BUDGET_BYTES
+from ..config import check_settings
 from ..record.codesize import code_bytes
 from .info import ArtifactInfo, changed_from_defaults, read_artifact
 
 
 def inspect_artifact(path: Path, budget: int = BUDGET_BYTES) -> dict[str, Any]:
     """Everything `inspect --json` prints."""
+    check_settings(budget=budget)
     info = read_artifact(Path(path))
     record: dict[str, Any] = {
         "artifact": str(info.path), "kind": info.kind, "format_version": info.format_version,

@@ -36,10 +36,12 @@ from torch import Tensor
 
 from ..config import RunConfig
 from ..errors import ArtifactError, ConfigError
+from ..runtime import memory_bytes
 from ..storage import tensorfile
 from ..storage.files import atomic_write_bytes, is_sha256
 from . import compressors
 from .quantized import CONTROL, INT6, INT8, PASSTHROUGH, SCHEMES, QuantizedTensor, dequantize_state_dict
+from .shapes import check_tensors
 
 MAGIC = b"WGPTZ"
 FORMAT_VERSION = 2  # 2: the payload's size and sha256 in the header
@@ -48,6 +50,8 @@ HEADER_BYTES = len(MAGIC) + 2 + _SIZE_AND_HASH.size
 METADATA_KEY = "windowgpt.ptz"
 # Artifacts are meant to fit in 16 MB compressed; no payload of a sensible model nears this.
 MAX_PAYLOAD_BYTES = 1 << 30
+# Reading holds the payload, its decoded tensors and the decoder's working arrays at once.
+READ_MEMORY_FACTOR = 3
 DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in tensorfile.DTYPE_CODES}
 
 
@@ -120,27 +124,97 @@ def save(path: Path, artifact: PtzArtifact, compressor: str = compressors.DEFAUL
     return len(data)
 
 
+# --- Describing without decoding -----------------------------------------------------------
+
+@dataclass
+class TensorDescription:
+    scheme: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    method: str
+    stored_bytes: int  # codes and scales, or the kept values
+
+
+@dataclass
+class PtzDescription:
+    """What a .ptz holds, read from its header and its payload's header alone (`inspect`):
+    the payload is neither decoded whole nor checked against its hash."""
+
+    version: int
+    compressor: str
+    payload_bytes: int
+    config: RunConfig
+    tensors: dict[str, TensorDescription]
+    tokenizer_sha256: str | None
+    source: dict[str, Any]
+    clip_range: int
+
+
+def describe(path: Path) -> PtzDescription:
+    path = Path(path)
+    data = _read_file(path)
+    _check_header(data, str(path))
+    compressor_id, (size, _digest) = data[len(MAGIC) + 1], _SIZE_AND_HASH.unpack_from(data, len(MAGIC) + 2)
+    body = data[HEADER_BYTES:]
+    try:
+        head = compressors.payload_prefix(compressor_id, body, 8)
+        prefix = None if head is None else compressors.payload_prefix(
+            compressor_id, body, tensorfile.header_length(head, f"{path} (payload)"))
+    except compressors.CorruptPayload as exc:
+        raise ArtifactError(f"{path}: {exc}") from None
+    if prefix is None:  # a compressor that keeps no prefix apart: decode it all
+        prefix = decompress_payload(data, str(path))
+    entries, metadata = tensorfile.read_header(prefix, f"{path} (payload)")
+    meta = _parse_metadata(metadata, str(path))
+    config = _config(meta, str(path))
+    stored = {name: end - begin for name, (_, _, (begin, end)) in entries.items()}
+    tensors = {}
+    for name, info in meta["tensors"].items():
+        scheme, dtype, shape, method = _description(info, f"{path}: tensor {name!r}")
+        kept = scheme in (PASSTHROUGH, CONTROL)
+        keys = [name] if kept else [name + ".q", name + ".scale"]
+        if not all(k in stored for k in keys):
+            raise ArtifactError(f"{path}: tensor {name!r}: payload lacks {next(k for k in keys if k not in stored)!r}")
+        tensors[name] = TensorDescription(scheme, dtype, shape, method, sum(stored[k] for k in keys))
+    source = meta.get("source") if isinstance(meta.get("source"), dict) else {}
+    return PtzDescription(data[len(MAGIC)], compressors.name_of(compressor_id), size, config, tensors,
+                          meta.get("tokenizer_sha256"), source, meta.get("clip_range"))
+
+
 # --- Reading -----------------------------------------------------------------------------
 
 def load(path: Path) -> PtzArtifact:
     path = Path(path)
+    return decode(_read_file(path), str(path))
+
+
+def _read_file(path: Path) -> bytes:
     try:
-        data = path.read_bytes()
+        return path.read_bytes()
     except IsADirectoryError:
         raise ArtifactError(f"{path}: is a directory, not a .ptz file") from None
     except OSError as exc:
         raise ArtifactError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    return decode(data, str(path))
+
+
+def _config(meta: dict[str, Any], source: str) -> RunConfig:
+    try:
+        return RunConfig.from_dict(meta["config"], source=f"{source} config")
+    except ConfigError as exc:
+        raise ArtifactError(str(exc)) from None
+
+
+def check_model_tensors(artifact: PtzArtifact, source: str) -> None:
+    """The artifact's tensors are exactly those its configuration's model holds."""
+    check_tensors(artifact.config.model, {name: (qt.shape, qt.dtype) for name, qt in artifact.tensors.items()},
+                  source, per_layer=True)
 
 
 def decode(data: bytes, source: str = ".ptz") -> PtzArtifact:
     payload = decompress_payload(data, source)
     stored, metadata = tensorfile.loads(payload, source=f"{source} (payload)")
     meta = _parse_metadata(metadata, source)
-    try:
-        config = RunConfig.from_dict(meta["config"], source=f"{source} config")
-    except ConfigError as exc:
-        raise ArtifactError(str(exc)) from None
+    config = _config(meta, source)
     clip_range = meta.get("clip_range")
     if not isinstance(clip_range, int) or not 1 <= clip_range <= 127:
         raise ArtifactError(f"{source}: invalid clip_range {clip_range!r}")
@@ -153,6 +227,26 @@ def decode(data: bytes, source: str = ".ptz") -> PtzArtifact:
 
 
 def decompress_payload(data: bytes, source: str) -> bytes:
+    _check_header(data, source)
+    compressor_id = data[len(MAGIC) + 1]
+    size, digest = _SIZE_AND_HASH.unpack_from(data, len(MAGIC) + 2)
+    need, have = READ_MEMORY_FACTOR * size, memory_bytes(torch.device("cpu"))
+    if have is not None and need > have:
+        raise ArtifactError(f"{source}: declares a payload of {size:,} bytes; reading it needs about "
+                            f"{need / 2**30:.1f} GiB of memory, more than the {have / 2**30:.1f} GiB available")
+    try:
+        payload = compressors.decompress(compressor_id, data[HEADER_BYTES:], size)
+    except compressors.CorruptPayload as exc:
+        raise ArtifactError(f"{source}: {exc}") from None
+    if len(payload) != size:
+        raise ArtifactError(f"{source}: the payload is {len(payload):,} bytes, the header declares {size:,}")
+    if hashlib.sha256(payload).digest() != digest:
+        raise ArtifactError(f"{source}: the payload does not match the sha256 in its header (corrupt or altered)")
+    return payload
+
+
+def _check_header(data: bytes, source: str) -> None:
+    """The .ptz header: magic, version, a known compressor and a payload of sensible size."""
     if data[:len(MAGIC)] != MAGIC:
         raise ArtifactError(f"{source}: not a windowgpt .ptz file{_foreign_format_hint(data)}")
     if len(data) < HEADER_BYTES:
@@ -163,19 +257,10 @@ def decompress_payload(data: bytes, source: str) -> bytes:
                             f"version {FORMAT_VERSION}); quantize the model again")
     if not compressors.is_known(compressor_id):
         raise ArtifactError(f"{source}: unknown compressor id {compressor_id}")
-    size, digest = _SIZE_AND_HASH.unpack_from(data, len(MAGIC) + 2)
+    (size, _) = _SIZE_AND_HASH.unpack_from(data, len(MAGIC) + 2)
     if size > MAX_PAYLOAD_BYTES:
         raise ArtifactError(f"{source}: declares a payload of {size:,} bytes, more than the {MAX_PAYLOAD_BYTES:,} "
                             "any artifact needs")
-    try:
-        payload = compressors.decompress(compressor_id, data[HEADER_BYTES:], size)
-    except compressors.CorruptPayload as exc:
-        raise ArtifactError(f"{source}: {exc}") from None
-    if len(payload) != size:
-        raise ArtifactError(f"{source}: the payload is {len(payload):,} bytes, the header declares {size:,}")
-    if hashlib.sha256(payload).digest() != digest:
-        raise ArtifactError(f"{source}: the payload does not match the sha256 in its header (corrupt or altered)")
-    return payload
 
 
 def _foreign_format_hint(data: bytes) -> str:
@@ -214,12 +299,19 @@ def _rebuild_tensors(described: dict[str, Any], stored: dict[str, Tensor], clip_
     return tensors
 
 
+def _description(info: Any, where: str) -> tuple[str, torch.dtype, tuple[int, ...], str]:
+    """A tensor's (scheme, dtype, shape, method) as the metadata describes it, each checked
+    for type and bounds before anything is allocated."""
+    shape = info.get("shape") if isinstance(info, dict) else None
+    if (not isinstance(info, dict) or not isinstance(info.get("scheme"), str) or info["scheme"] not in SCHEMES
+            or not isinstance(info.get("dtype"), str) or info["dtype"] not in DTYPES
+            or not isinstance(info.get("method", ""), str) or not tensorfile.valid_shape(shape)):
+        raise ArtifactError(f"{where} has an invalid description {str(info)[:200]}")
+    return info["scheme"], DTYPES[info["dtype"]], tuple(shape), info.get("method", "")
+
+
 def _rebuild_one(name: str, info: Any, stored: dict[str, Tensor], clip_range: int, where: str) -> QuantizedTensor:
-    if not isinstance(info, dict) or info.get("scheme") not in SCHEMES or info.get("dtype") not in DTYPES:
-        raise ArtifactError(f"{where} has an invalid description {info!r}")
-    scheme, dtype = info["scheme"], DTYPES[info["dtype"]]
-    shape = tuple(info.get("shape", ()))
-    method = info.get("method", "")
+    scheme, dtype, shape, method = _description(info, where)
     if scheme in (PASSTHROUGH, CONTROL):
         values = _stored(stored, name, where)
         expected = {CONTROL: {torch.float32}, PASSTHROUGH: {torch.float16} if dtype.is_floating_point else {dtype}}
@@ -245,3 +337,10 @@ def _stored(stored: dict[str, Tensor], key: str, where: str) -> Tensor:
     return stored[key]
 
 
+def is_ptz(path: Path) -> bool:
+    """Whether a file is a .ptz (quantize may replace it), by its magic bytes."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..errors import ArtifactError
 from ..storage.files import atomic_write_json, read_json_object
+from ..storage.outputs import claim_file
 from .checkpoint import FILENAME as CHECKPOINT_FILENAME
 from .export import EXPORT_WEIGHTS
 
@@ -40,3 +41,15 @@ def read_json(path: Path) -> dict[str, Any] | None:
         return read_json_object(path)
     except ArtifactError:
         return None
+
+
+def is_eval_result(path: Path) -> bool:
+    """Whether a file is a score `eval` or `eval-ttt` saved (they may replace it)."""
+    record = read_json(Path(path)) if Path(path).name.endswith(".json") and "eval-" in Path(path).name else None
+    return record is not None and record.get("mode") in EVAL_MODES and "val_bpb" in record
+
+
+def claim_eval_result(artifact: Path, mode: str) -> Path:
+    """Where a score of this mode goes, refused now (before scoring) if a file of another
+    kind lies there."""
+    return claim_file(eval_result_path(artifact, mode), "a saved score", is_eval_result, flag="the score's file")

@@ -10,7 +10,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..config import CHOICES
-from .support import console, err_console, option_help, user_errors_exit_1, with_config_flags, with_options
+from .support import (
+    console,
+    err_console,
+    option_help,
+    print_warning,
+    user_errors_exit_1,
+    with_config_flags,
+    with_options,
+)
 
 
 def timings_line(record: dict[str, Any]) -> str:
@@ -41,8 +49,11 @@ def results_table(record: dict[str, Any], title: str) -> Table:
 
 
 def report(record: dict[str, Any], title: str, as_json: bool) -> None:
+    from ..data.tokenizer import no_byte_fallback_warning
     from ..storage.files import json_text
 
+    if record.get("tokenizer_byte_fallback") is False:
+        print_warning(no_byte_fallback_warning(Path(record["tokenizer"])))
     if as_json:
         typer.echo(json_text(record))
     else:

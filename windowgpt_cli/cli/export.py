@@ -8,14 +8,14 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from .support import console, user_errors_exit_1
+from .support import console, out_option, user_errors_exit_1
 
 
 @user_errors_exit_1
 def command(
     run_dir: Annotated[Path, typer.Argument(help="A training run directory (holds checkpoint.pt).",
                                             show_default=False)],
-    out: Annotated[Path, typer.Option("--out", help="The export directory to write.", show_default=False)],
+    out: Annotated[Path, out_option("The export directory to write.", "an export directory (or an empty one)")],
     weights: Annotated[str, typer.Option(help="Which weights: ema (what the reference applies), swa (averaged "
                                                 "snapshots) or last (the final step).")] = "ema",
     json_output: Annotated[bool, typer.Option("--json", help="Print export.json instead of a table.")] = False,

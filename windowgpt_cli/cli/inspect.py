@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from ..challenge import BUDGET_BYTES
 from .support import console, user_errors_exit_1
@@ -39,8 +40,9 @@ def inspect_table(r: dict[str, Any]) -> Table:
     if r["kind"] == "ptz":
         style = "green" if r["within_budget"] else "bold red"
         table.add_row("compressor", r["compressor"])
-        table.add_row("budget", f"[{style}]{r['total_bytes']:,}[/] bytes (model {r['file_bytes']:,} + code "
-                      f"{r['code_bytes']:,}) of {r['budget_bytes']:,}")
+        table.add_row("budget", Text.assemble((f"{r['total_bytes']:,}", style),
+                                              f" bytes (model {r['file_bytes']:,} + code {r['code_bytes']:,}) of "
+                                              f"{r['budget_bytes']:,}"))
     for key, value in r["lineage"].items():
         table.add_row(f"from: {key}", _number(value))
     if r["training"]:
@@ -53,7 +55,8 @@ def inspect_table(r: dict[str, Any]) -> Table:
     if not r["config_changes"]:
         table.add_row("settings", "the reference's defaults")
     for key, change in r["config_changes"].items():
-        table.add_row(key, f"{_number(change['value'])}  [dim](default {_number(change['default'])})[/]")
+        table.add_row(key, Text.assemble(_number(change["value"]), "  ", (f"(default {_number(change['default'])})",
+                                                                           "dim")))
     return table
 
 

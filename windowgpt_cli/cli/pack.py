@@ -4,15 +4,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import typer
-
 from ..record.archive import pack
-from .support import console, user_errors_exit_1
+from .support import console, out_option, user_errors_exit_1
 
 
 @user_errors_exit_1
 def command(
-    out: Annotated[Path, typer.Option("--out", help="The zipapp to write (e.g. OUT/code.pyz).", show_default=False)],
+    out: Annotated[Path, out_option("The zipapp to write (e.g. OUT/code.pyz).", "an archive pack wrote")],
 ) -> None:
     """Pack the modules a record run imports into a zipapp that runs the record stages."""
     packed = pack(out)

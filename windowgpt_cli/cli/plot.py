@@ -11,15 +11,14 @@ from typing import Annotated
 
 import typer
 
-from .support import console, user_errors_exit_1
+from .support import console, out_option, user_errors_exit_1
 
 
 @user_errors_exit_1
 def command(
     runs: Annotated[list[Path], typer.Argument(help="Training run directories (or exports / .ptz files of "
                                                "runs that can be found).", show_default=False)],
-    out: Annotated[Path, typer.Option("--out", help="The picture to write: FILE.png or FILE.html.",
-                                      show_default=False)],
+    out: Annotated[Path, out_option("The picture to write: FILE.png or FILE.html.", "a picture plot wrote")],
 ) -> None:
     """Plot train_loss and val_bpb against step and training time for one or more runs."""
     from ..artifacts.curves import plot_runs  # imports torch: only when the command runs

@@ -17,7 +17,7 @@ from ..data.prepare import (
     prepare,
 )
 from ..errors import ConfigError
-from .support import console, err_console, user_errors_exit_1
+from .support import console, err_console, out_option, print_warning, user_errors_exit_1
 
 
 def _summary_table(result: PrepareResult) -> Table:
@@ -36,8 +36,8 @@ def command(
     inputs: Annotated[Optional[list[Path]], typer.Argument(
         help="Documents: .jsonl (field text), .jsonl.xz, .jsonl.gz, or .txt (one document per file).",
         show_default=False)] = None,
-    out: Annotated[Optional[Path], typer.Option("--out", help="DATA_DIR to write shards, tokenizer and manifest to.",
-                                                show_default=False)] = None,
+    out: Annotated[Optional[Path], out_option("DATA_DIR to write shards, tokenizer and manifest to.",
+                                              "a data directory prepare wrote (or an empty one)")] = None,
     index: Annotated[Optional[Path], typer.Option(
         "--index", help="Instead: write the manifest of a DATA_DIR of shards made elsewhere (with --tokenizer, "
         "the model they were encoded with).", show_default=False)] = None,
@@ -77,8 +77,7 @@ def command(
     if not inputs or out is None:
         raise ConfigError("give input files and --out DATA_DIR (or --index DATA_DIR)")
     if tokenizer is not None and not has_byte_fallback(load_sentencepiece(tokenizer)):
-        err_console.print(f"[bold yellow]warning:[/] {no_byte_fallback_warning(tokenizer)}",
-                          highlight=False, soft_wrap=True)
+        print_warning(no_byte_fallback_warning(tokenizer))
     columns = (TextColumn("encoding"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn())
     progress = Progress(*columns, console=err_console, disable=json_output or not err_console.is_terminal)
     bar = progress.add_task("encode", total=None)

@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterator, Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from ..challenge import BUDGET_BYTES, INSIDE_TRAINING
 from ..errors import ArtifactError
-from .support import console, err_console, option_help, user_errors_exit_1, with_config_flags
+from .support import console, err_console, option_help, out_option, user_errors_exit_1, with_config_flags
 
 if TYPE_CHECKING:  # torch is imported only when a command runs, so that --help answers at once
     from ..quant.quantize import StartPhase
@@ -46,9 +47,9 @@ def _budget_table(report: dict[str, Any]) -> Table:
     table.add_row("compressed model", "", "", "", f"{report['model_bytes']:,}")
     table.add_row("code", "", "", "", f"{report['code_bytes']:,}")
     style = "green" if report["within_budget"] else "bold red"
-    table.add_row("total", "", "", "", f"[{style}]{report['total_bytes']:,}[/]")
+    table.add_row("total", "", "", "", Text(f"{report['total_bytes']:,}", style=style))
     table.add_row("budget", "", "", "", f"{report['budget_bytes']:,}")
-    table.add_row("headroom", "", "", "", f"[{style}]{report['headroom_bytes']:,}[/]")
+    table.add_row("headroom", "", "", "", Text(f"{report['headroom_bytes']:,}", style=style))
     return table
 
 
@@ -85,7 +86,8 @@ QUANT_FLAG_ALIASES = {"use_gptq": ("--gptq",), "gptq_calib_samples": ("--calib-b
 def command(
     model_dir: Annotated[Path, typer.Argument(help="An export directory, or a run directory (its EMA weights).",
                                               show_default=False)],
-    out: Annotated[Path, typer.Option("--out", help="The .ptz file to write.", show_default=False)],
+    out: Annotated[Path, out_option("The .ptz file to write, and its report OUT.json beside it.",
+                                    "a .ptz and a quantize report")],
     data: Annotated[Optional[Path], typer.Option("--data", help=option_help(
         "Training shards for GPTQ calibration, when the run holds no Hessians from training.",
         "the artifact's data_path"), show_default=False)] = None,

@@ -6,7 +6,9 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
+from ..config import check_settings
 from ..errors import RecordError
 from ..record.rules import FAIL, PASS, RECORD_JSON, RECORD_README, Rules, failed_checks, write_report
 from .support import console, user_errors_exit_1
@@ -28,6 +30,7 @@ def command(
     json_output: Annotated[bool, typer.Option("--json", help="Print record.json instead of a table.")] = False,
 ) -> None:
     """Write OUT/record.json and OUT/README.md; exit 1 when the run breaks a rule."""
+    check_settings(train_budget=train_budget, eval_budget=eval_budget, artifact_budget=artifact_budget, gpus=gpus)
     rules = Rules(train_seconds=train_budget, eval_seconds=eval_budget, artifact_bytes=artifact_budget, gpus=gpus)
     record = write_report(out, rules)
     if json_output:
@@ -39,7 +42,7 @@ def command(
             table.add_column(column)
         for c in record["checks"]:
             style = STATUS_STYLE.get(c["status"], "yellow")
-            table.add_row(c["rule"], f"[{style}]{c['status']}[/]", c["value"], c["limit"], c["note"])
+            table.add_row(c["rule"], Text(c["status"], style=style), c["value"], c["limit"], c["note"])
         console.print(table)
         console.print(f"wrote {Path(out) / RECORD_JSON} and {Path(out) / RECORD_README}", highlight=False)
     failed = failed_checks(record)

@@ -1,16 +1,21 @@
 """What every command shares: consoles, one-line errors, and flags made from the config."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import inspect
+import signal
 import sys
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal, Optional
+from types import FrameType
+from typing import Annotated, Any, Callable, Iterator, Literal, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 
 from ..config import (
     CHOICES,
@@ -23,21 +28,37 @@ from ..config import (
     preset,
     setting_help,
 )
-from ..errors import SettingError, WindowGPTError
+from ..errors import Interrupted, SettingError, Stopped, WindowGPTError, end_at_once, stop_for
 
-console = Console()
-err_console = Console(stderr=True)
+
+class _Console(Console):
+    """rich's console, but a closed pipe (`windowgpt ... | head`) raises BrokenPipeError for
+    the command to handle, where rich would exit with status 1 at once, without a word."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # nothing more goes to the closed pipe
+        raise BrokenPipeError(errno.EPIPE, "the output pipe was closed")
+
+
+# No markup: paths, prompts and model output are printed as written, "[" and all; styles
+# come as rich Text.
+console = _Console(markup=False)
+err_console = _Console(stderr=True, markup=False)
 
 
 EXIT_ERROR = 1
-EXIT_USAGE = 2  # click's code for usage errors
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+EXIT_USAGE = 2  # click's code for usage errors (interrupted and terminated: `errors.Stopped`)
 
 
 def print_error(message: str, label: str = "error") -> None:
     """One line on stderr; the message is printed verbatim (paths may hold [ and ])."""
-    err_console.print(f"[bold red]{label}:[/] {escape(str(message).strip().replace(chr(10), ' '))}", highlight=False,
-                      soft_wrap=True)
+    err_console.print(Text.assemble((f"{label}:", "bold red"), " ", str(message).strip().replace("\n", " ")),
+                      highlight=False, soft_wrap=True)
+
+
+def print_warning(message: str) -> None:
+    """One line on stderr, as text."""
+    err_console.print(Text.assemble(("warning:", "bold yellow"), " ", message), highlight=False, soft_wrap=True)
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -54,27 +75,68 @@ def user_errors_exit_1(func: Callable) -> Callable:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return func(*args, **kwargs)
+            with stops_raised():
+                return func(*args, **kwargs)
+        except SettingError as exc:  # a value this command took as a flag: named by its flag
+            message = str(exc)
+            if kwargs.get(exc.setting) is not None:  # given as a flag, not from a file
+                message = message.replace(f"{exc.setting}=", f"{typed_flag((flag_name(exc.setting),))} ", 1)
+            print_error(message)
+            raise typer.Exit(EXIT_ERROR) from None
         except WindowGPTError as exc:
             print_error(str(exc))
             raise typer.Exit(EXIT_ERROR) from None
         except OSError as exc:
             print_error(describe_os_error(exc))
             raise typer.Exit(EXIT_ERROR) from None
+        except Stopped as stop:
+            print_error(stop.reason, label=stop.label)
+            raise typer.Exit(stop.exit_status) from None
         except KeyboardInterrupt:
-            print_error("stopped by the user", label="interrupted")
-            raise typer.Exit(EXIT_INTERRUPTED) from None
+            print_error(Interrupted.reason, label=Interrupted.label)
+            raise typer.Exit(Interrupted.exit_status) from None
 
     return wrapper
 
 
+@contextlib.contextmanager
+def stops_raised() -> Iterator[None]:
+    """While a command works, Ctrl-C and SIGTERM raise `errors.Stopped` where it is, so that
+    what it was writing is cleaned up before the process ends (a training loop takes them
+    over itself, to stop at a step with a checkpoint)."""
+    def stop(signum: int, frame: FrameType | None) -> None:
+        if _importing(frame):  # a module the command imports as it goes (torch): see errors.end_at_once
+            end_at_once(signum)
+        raise stop_for(signum)
+
+    try:
+        previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: the signals are not this code's to take
+        yield
+        return
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _importing(frame: FrameType | None) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def run_app(app: typer.Typer) -> None:
     """Run a command-line app. Exit codes: 0 done, 1 error, 2 usage error (one line on
-    stderr), 130 interrupted."""
+    stderr), 130 interrupted, 143 terminated."""
     try:
         code = app(standalone_mode=False)
-    except typer.Abort:
-        code = EXIT_INTERRUPTED
+    except typer.Abort:  # EOF at a prompt
+        print_error(Interrupted.reason, label=Interrupted.label)
+        code = Interrupted.exit_status
     except Exception as exc:
         if not hasattr(exc, "format_message"):  # a usage error (click's, vendored or not) has one
             raise
@@ -86,6 +148,23 @@ def run_app(app: typer.Typer) -> None:
 
 
 FROM_ARTIFACT = "from the artifact"
+
+
+def nonempty_path(value: str) -> Path:
+    """A path option's value: an empty one (an unset shell variable, say) is a usage error,
+    never the current directory."""
+    if isinstance(value, Path):
+        return value
+    if not str(value).strip():
+        raise typer.BadParameter("is empty; give a path")
+    return Path(value)
+
+
+def out_option(writes: str, replaces: str, flag: str = "--out") -> Any:
+    """An output path option whose help says what it writes and exactly what it may replace."""
+    return typer.Option(flag, parser=nonempty_path, metavar="PATH", show_default=False,
+                        help=f"{writes} It replaces only {replaces}; any other file there is refused, as is a path "
+                             "that is, holds or lies inside one of the command's inputs.")
 
 
 def flag_name(name: str) -> str:

@@ -6,8 +6,9 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
-from .support import console, err_console, user_errors_exit_1
+from .support import console, out_option, print_warning, user_errors_exit_1
 
 if TYPE_CHECKING:  # torch is imported only when a command runs, so that --help answers at once
     from ..data.tokenizer_meta import TokenizerMetaReport
@@ -21,19 +22,19 @@ def _byte_table(report: TokenizerMetaReport) -> Table:
     rows = report.counts + ([report.total] if len(report.counts) > 1 else [])
     for c in rows:
         style = "bold" if c is rows[-1] and len(rows) > 1 else None
-        diff_style = "" if c.discrepancy == 0 else "[red]"
+        diff_style = "" if c.discrepancy == 0 else "red"
         table.add_row(c.label, f"{c.tokens:,}", f"{c.unknown_tokens:,}", f"{c.utf8_bytes:,}",
-                      f"{c.normalized_bytes:,}", f"{c.counted_bytes:,}", f"{diff_style}{c.discrepancy:+,}",
-                      f"{diff_style}{c.discrepancy_percent:+.2f}", style=style)
+                      f"{c.normalized_bytes:,}", f"{c.counted_bytes:,}", Text(f"{c.discrepancy:+,}", style=diff_style),
+                      Text(f"{c.discrepancy_percent:+.2f}", style=diff_style), style=style)
     return table
 
 
 @user_errors_exit_1
 def command(
     tokenizer: Annotated[Path, typer.Argument(help="The SentencePiece model.", show_default=False)],
-    out: Annotated[Optional[Path], typer.Option(
-        "--out", help="Where to write the metadata (default: name.model -> name.meta.npz beside the model).",
-        show_default=False)] = None,
+    out: Annotated[Optional[Path], out_option(
+        "Where to write the metadata (default: name.model -> name.meta.npz beside the model).",
+        "tokenizer byte tables")] = None,
     check: Annotated[Optional[Path], typer.Option(
         "--check", help="Compare an existing .meta.npz with the tokenizer instead of writing one; "
                         "exit 1 on the first difference.", show_default=False)] = None,
@@ -49,9 +50,8 @@ def command(
     report = tokenizer_meta(tokenizer, out=out, check=check, sample=sample)
     total = report.total
     if not report.byte_fallback:
-        err_console.print(f"[bold yellow]warning:[/] {no_byte_fallback_warning(report.tokenizer)} "
-                          f"(on this sample: {-total.discrepancy:,} of {total.normalized_bytes:,} bytes "
-                          f"not counted, {total.discrepancy_percent:+.2f}%)", highlight=False, soft_wrap=True)
+        print_warning(f"{no_byte_fallback_warning(report.tokenizer)} (on this sample: {-total.discrepancy:,} of "
+                      f"{total.normalized_bytes:,} bytes not counted, {total.discrepancy_percent:+.2f}%)")
     if json_output:
         console.print_json(data=report.to_dict())
         return

@@ -4,18 +4,19 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import signal
 from collections import deque
 from pathlib import Path
 from typing import Annotated, Any, Callable, Iterator, Optional
 
 import typer
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..config import RESUMABLE_SETTINGS, apply_overrides
-from ..errors import ConfigError
+from ..config import RESUMABLE_SETTINGS, apply_overrides, check_settings
+from ..errors import ConfigError, Interrupted, Terminated
 from .support import (
-    EXIT_INTERRUPTED,
     ConfigFileOption,
     PresetOption,
     build_config,
@@ -23,6 +24,7 @@ from .support import (
     err_console,
     flag_name,
     option_help,
+    out_option,
     print_error,
     user_errors_exit_1,
     with_config_flags,
@@ -128,9 +130,10 @@ def progress_bar(total: int, echo: Echo) -> Iterator[tuple[Echo, Callable[[dict]
 @user_errors_exit_1
 @with_config_flags("model", "optim", "train", "eval", "quant")
 def command(
-    out: Annotated[Optional[Path], typer.Option("--out", help="Run directory for config, logs, metrics and "
-                                                "checkpoint (required unless --print-config).",
-                                                show_default=False)] = None,
+    out: Annotated[Optional[Path], out_option(
+        "Run directory for config, logs, metrics and checkpoint (required unless --print-config).",
+        "a training run's files, and only with --force once it holds a checkpoint (a run that wrote none starts "
+        "afresh)")] = None,
     data: Annotated[Optional[Path], typer.Option("--data", help="Directory of fineweb_{train,val}_*.bin shards "
                                                  "(required unless --config gives data_path).",
                                                  show_default=False)] = None,
@@ -160,6 +163,7 @@ def command(
     from ..train.run import train_and_report
     from ..train.trainer import find_inputs
 
+    check_settings(stop_at_step=stop_at_step)
     overrides = dict(overrides or {})
     paths = {k: str(v) for k, v in (("data_path", data), ("tokenizer_path", tokenizer)) if v is not None}
     overrides["data"] = {**overrides.get("data", {}), **paths}
@@ -186,23 +190,50 @@ def command(
         raise ConfigError("--out RUN_DIR is required")
     if not cfg.data.data_path:
         raise ConfigError("--data DATA_DIR is required")
-    log_console = err_console if json_output else console
+    say = Output(json_output)
     done = train_and_report(cfg, out, resume=resume, force=force, stop_at_step=stop_at_step,
-                            progress=progress_bar if err_console.is_terminal else None,
-                            echo=lambda line: log_console.print(line, highlight=False, soft_wrap=True, markup=False))
+                            progress=progress_bar if err_console.is_terminal else None, echo=say.line)
     if not done.is_main:
         return
     result = done.result
     if not result.finished:
-        log_console.print(f"stopped at step {result.step}; continue with: windowgpt train --out {out} --resume",
-                          highlight=False, soft_wrap=True, markup=False)
+        say.line(f"stopped at step {result.step}; continue with: windowgpt train --out {out} --resume")
         if result.interrupted:
-            print_error(f"stopped at step {result.step} with its checkpoint written", label="interrupted")
-            raise typer.Exit(EXIT_INTERRUPTED)
+            _stopped_by(result.stop_signal, f"stopped at step {result.step} with its checkpoint written")
         return
-    if done.record is None:
-        return
-    if json_output:
-        typer.echo(json_text(done.record))
-    else:
-        console.print(summary_table(done.record, Path(out)))
+    if done.record is not None:
+        say.out(json_text(done.record) if json_output else summary_table(done.record, Path(out)))
+    if say.closed:
+        print_error(f"standard output was closed, so some lines went nowhere; {out}/train.log holds the whole "
+                    "log and the run's files are complete", label="note")
+    if result.stop_signal is not None:
+        _stopped_by(result.stop_signal, "the stop came after the last step: the run finished and its files are "
+                                        "complete")
+
+
+def _stopped_by(signum: int | None, what: str) -> None:
+    """One line and the exit status of the signal that stopped the run (130 for Ctrl-C)."""
+    stop = Terminated if signum == signal.SIGTERM else Interrupted
+    print_error(what, label=stop.label)
+    raise typer.Exit(stop.exit_status)
+
+
+class Output:
+    """Where the command prints: its log lines (to stderr with --json) and its result (to
+    stdout). A closed stdout (`windowgpt train ... | head`) loses lines, never the run."""
+
+    def __init__(self, json_output: bool):
+        self.log_console = err_console if json_output else console
+        self.closed = False
+
+    def line(self, text: str) -> None:
+        self._print(self.log_console, text)
+
+    def out(self, renderable: Any) -> None:
+        self._print(console, renderable)
+
+    def _print(self, target: Console, renderable: Any) -> None:
+        try:
+            target.print(renderable, highlight=False, soft_wrap=True, markup=False)
+        except BrokenPipeError:
+            self.closed = True

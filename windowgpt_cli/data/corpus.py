@@ -21,6 +21,9 @@ JSONL_SUFFIXES = (".jsonl", ".jsonl.xz", ".jsonl.gz")
 TEXT_SUFFIXES = (".txt",)
 SUPPORTED_SUFFIXES = JSONL_SUFFIXES + TEXT_SUFFIXES
 DEFAULT_CHUNK_BYTES = 512 * 1024
+# A document (a JSON line, or a whole text file) longer than this is refused: reading it
+# whole could exhaust memory, and no corpus needs documents this long.
+MAX_DOCUMENT_BYTES = 256 << 20
 
 # What a truncated or corrupt compressed stream raises while it is being read.
 _DECOMPRESSION_ERRORS = (lzma.LZMAError, EOFError, gzip.BadGzipFile, zlib.error)
@@ -82,11 +85,18 @@ def read_chunks(path: Path, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[
     try:
         with open(path, "rb") as raw, _decompressed(path, raw) as stream:
             if not is_jsonl:
-                yield RawChunk(str(path), False, 1, [stream.read()], raw.tell())
+                text = stream.read(MAX_DOCUMENT_BYTES + 1)
+                if len(text) > MAX_DOCUMENT_BYTES:
+                    raise DataError(f"{path}: line 1: the document is longer than {MAX_DOCUMENT_BYTES:,} bytes; "
+                                    "split it, or give the corpus as JSON lines")
+                yield RawChunk(str(path), False, 1, [text], raw.tell())
                 return
             records: list[bytes] = []
             first, size = 1, 0
-            for line, record in enumerate(stream, start=1):
+            for line, record in enumerate(iter(lambda: stream.readline(MAX_DOCUMENT_BYTES + 1), b""), start=1):
+                if len(record) > MAX_DOCUMENT_BYTES:
+                    raise DataError(f"{path}: line {line}: longer than {MAX_DOCUMENT_BYTES:,} bytes; split the "
+                                    "document")
                 records.append(record)
                 size += len(record)
                 if size >= chunk_bytes:
@@ -121,12 +131,20 @@ def parse_jsonl_record(record: bytes, source: str, line: int) -> str | None:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise DataError(f"{source}: line {line}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise DataError(f"{source}: line {line}: JSON nested too deeply to read; expected an object with a "
+                        "string field \"text\"") from None
     if not isinstance(obj, dict):
         raise DataError(f"{source}: line {line}: expected a JSON object with a string field \"text\"")
     value = obj.get("text")
     if not isinstance(value, str):
         found = "missing" if value is None and "text" not in obj else f"a {type(value).__name__}"
         raise DataError(f"{source}: line {line}: field \"text\" must be a string ({found})")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate escape such as "\ud800": no character of UTF-8
+        raise DataError(f"{source}: line {line}: field \"text\" holds a lone surrogate ({value[exc.start]!r} at "
+                        f"character {exc.start}), which is no text; fix the escape") from None
     return value
 
 

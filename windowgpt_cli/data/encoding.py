@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import signal
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import chain
@@ -92,6 +93,10 @@ _worker_encoder: ChunkEncoder | None = None
 
 
 def _start_worker(tokenizer_path: Path, val_fraction: float) -> None:
+    # Ctrl-C reaches the whole process group: the parent stops the pool; SIGTERM, from the
+    # pool itself, ends a worker at once.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     global _worker_encoder
     _worker_encoder = ChunkEncoder(tokenizer_path, val_fraction)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .. import __version__
+from ..config import check_settings
 from ..errors import ConfigError, DataError, WindowGPTError
 from .corpus import DEFAULT_CHUNK_BYTES, check_inputs, iter_corpus, read_chunks
 from .encoding import EncodeTask, SplitWriter, encode_all, validation_score
@@ -45,14 +46,9 @@ def _check_settings(inputs: list[Path], val_inputs: list[Path] | None, val_fract
         raise ConfigError("give at least one input file")
     if val_inputs is not None and val_fraction is not None:
         raise ConfigError("give either --val files or --val-fraction, not both")
-    if val_fraction is not None and not 0.0 < val_fraction < 1.0:
-        raise ConfigError(f"--val-fraction {val_fraction} must be between 0 and 1")
     if val_inputs is not None and not val_inputs:
         raise ConfigError("--val needs at least one file")
-    if vocab_size is not None and not 2 <= vocab_size <= 65536:
-        raise ConfigError(f"--vocab-size {vocab_size} must be in 2..65536 (tokens are stored as uint16)")
-    if shard_tokens <= 0:
-        raise ConfigError(f"--shard-tokens {shard_tokens} must be positive")
+    check_settings(val_fraction=val_fraction, vocab_size=vocab_size, shard_tokens=shard_tokens)
     both = {p.resolve() for p in inputs} & {p.resolve() for p in val_inputs or []}
     if both:
         raise ConfigError(f"{sorted(both)[0]}: given both as an input and as --val; the splits must not overlap")
@@ -139,8 +135,7 @@ def prepare(inputs: list[Path], out: Path, *, tokenizer: Path | None = None, voc
     if val_inputs is None and val_fraction is None:
         val_fraction = DEFAULT_VAL_FRACTION
     check_inputs(inputs + (val_inputs or []))
-    if workers is not None and workers < 1:
-        raise ConfigError(f"--workers {workers} must be at least 1")
+    check_settings(workers=workers, tokenizer_sample_bytes=tokenizer_sample_bytes)
     workers = workers or os.cpu_count() or 1
 
     def build(data_dir: Path) -> dict[str, Any]:
@@ -210,8 +205,14 @@ def index_data(data_dir: Path, tokenizer: Path | None = None) -> dict[str, Any]:
     from ..storage.outputs import claim_file
     from .manifest import MANIFEST_FORMAT, MANIFEST_NAME, index_manifest
     from .shards import SPLITS, open_shard
-    from .tokenizer import (DATA_DIR_TOKENIZER, META_SUFFIX, check_vocab_fits, encode_tokenizer_meta, is_tokenizer_meta,
-                            load_sentencepiece)
+    from .tokenizer import (
+        DATA_DIR_TOKENIZER,
+        META_SUFFIX,
+        check_vocab_fits,
+        encode_tokenizer_meta,
+        is_tokenizer_meta,
+        load_sentencepiece,
+    )
 
     data_dir = Path(data_dir)
     if not data_dir.is_dir():

@@ -130,7 +130,8 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, *,
             **TRAINER_RECIPE,
         )
     except RuntimeError as exc:
-        reason = re.sub(r"^[A-Z_]+: \S+ \[.*?\] ", "", str(exc).splitlines()[0])
+        message = " ".join(str(exc).split())
+        reason = re.sub(r"^[A-Z_]+: \S+ \[.*?\] ", "", message) or message or "SentencePiece gave no reason"
         raise DataError(f"{source}: cannot train a {vocab_size}-token tokenizer: {reason}") from None
     return model.getvalue()
 

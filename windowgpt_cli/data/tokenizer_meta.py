@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, DataError
+from ..storage.outputs import check_apart, claim_file
 from .corpus import JSONL_SUFFIXES, iter_documents
 from .tokenizer import (
     ByteCount,
@@ -21,6 +22,7 @@ from .tokenizer import (
     count_text_bytes,
     default_meta_path,
     has_byte_fallback,
+    is_tokenizer_meta,
     load_byte_luts,
     load_sentencepiece,
     write_tokenizer_meta,
@@ -85,14 +87,17 @@ def tokenizer_meta(tokenizer: Path, out: Path | None = None, check: Path | None 
     if check is not None and out is not None:
         raise ConfigError("give either --out (write) or --check (compare), not both")
     sp = load_sentencepiece(tokenizer)
+    samples = _read_sample(sample) if sample is not None else list(BUILTIN_SAMPLE)
+    if not samples:
+        raise DataError(f"{sample}: the sample has no text")
     if check is not None:
         check_tokenizer_meta(check, tokenizer)
         meta_path = Path(check)
     else:
-        meta_path = write_tokenizer_meta(tokenizer, out or default_meta_path(tokenizer))
-    samples = _read_sample(sample) if sample is not None else list(BUILTIN_SAMPLE)
-    if not samples:
-        raise DataError(f"{sample}: the sample has no text")
+        meta_path = Path(out) if out is not None else default_meta_path(tokenizer)
+        check_apart(meta_path, [tokenizer, sample])
+        claim_file(meta_path, "tokenizer byte tables", is_tokenizer_meta)
+        write_tokenizer_meta(tokenizer, meta_path)
     luts = load_byte_luts(tokenizer, meta_path, int(sp.vocab_size()))
     counts = [count_text_bytes(sp, luts, text, label) for label, text in samples]
     return TokenizerMetaReport(tokenizer, meta_path, check is not None, int(sp.vocab_size()),

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator
 
 from ..artifacts import weights as model_io
-from ..artifacts.results import save_eval_result
+from ..artifacts.results import claim_eval_result, save_eval_result
 from ..challenge import TTT_ORDER
 from ..config import RunConfig, apply_overrides, validate
 from ..data.loader import load_validation_tokens
 from ..data.manifest import DataManifest, check_same_tokenizer, verify_data
-from ..data.tokenizer import ByteLuts, load_byte_luts
+from ..data.tokenizer import ByteLuts, has_byte_fallback, load_byte_luts, load_sentencepiece
 from ..distributed import DistContext, init_distributed, shutdown
 from ..errors import SettingError
 from ..model.gpt import GPT
@@ -60,6 +60,7 @@ class EvalInputs:
     ctx: DistContext
     attn_backend: str
     data: DataManifest | None = None  # the validation data, checked against its manifest
+    byte_fallback: bool = True  # whether the tokenizer has it (without, bits per byte come out too low)
 
     @property
     def config(self) -> RunConfig:
@@ -82,10 +83,12 @@ def load_model(artifact: Path, tokenizer_path: Path, ctx: DistContext, attn_back
     if data is not None:
         check_same_tokenizer(data, weights.tokenizer_sha256, f"{artifact} was trained with")
     model_io.check_tokenizer(weights, tokenizer_path, artifact)
-    luts = load_byte_luts(tokenizer_path, None, weights.config.model.vocab_size).to(ctx.device)
+    tables = data.byte_tables if data is not None and tokenizer_path == data.tokenizer else None
+    luts = load_byte_luts(tokenizer_path, tables, weights.config.model.vocab_size).to(ctx.device)
     backend = model.set_attention_backend(attn_backend, ctx.device)
     enable_fast_math(ctx.device)
-    return EvalInputs(weights, model, luts, tokenizer_path, ctx, backend, data)
+    byte_fallback = has_byte_fallback(load_sentencepiece(tokenizer_path))
+    return EvalInputs(weights, model, luts, tokenizer_path, ctx, backend, data, byte_fallback)
 
 
 def eval_record(result: EvalResult, inputs: EvalInputs, artifact: Path) -> dict[str, Any]:
@@ -96,7 +99,8 @@ def eval_record(result: EvalResult, inputs: EvalInputs, artifact: Path) -> dict[
         "seq_len": result.seq_len, "stride": result.stride, "batch_seqs": result.batch_seqs,
         "artifact": str(artifact),
         "artifact_kind": inputs.weights.kind, "artifact_sha256": inputs.weights.sha256,
-        "tokenizer": str(inputs.tokenizer), "attn_backend": inputs.attn_backend,
+        "tokenizer": str(inputs.tokenizer), "tokenizer_byte_fallback": inputs.byte_fallback,
+        "attn_backend": inputs.attn_backend,
     }
 
 
@@ -130,12 +134,14 @@ def evaluate_artifact(artifact: Path, data_dir: Path, *, settings: Settings | No
         cfg = apply_overrides(inputs.config, settings)
         validate(cfg)
         seq_len, stride, batch_seqs = cfg.eval.eval_seq_len, cfg.eval.eval_stride, cfg.eval.eval_batch_seqs
+        standard = stride == 0 or stride == seq_len
+        if ctx.is_main:
+            claim_eval_result(Path(artifact), "standard" if standard else "sliding")
         # As the reference: the tokens are cut to whole sequences of the longer of the
         # training and evaluation lengths.
         with phases.timed("tokens"):
             val_tokens = load_validation_tokens(data_dir, max(cfg.train.train_seq_len, seq_len),
                                                 cfg.model.vocab_size, inputs.data.shards("val"))
-        standard = stride == 0 or stride == seq_len
         compile_model = should_compile(compile_model, ctx.device)
         compiling = compile_model or (not standard and should_fuse(fused, ctx.device))
         display = progress if progress is not None and ctx.is_main else _no_display
@@ -188,6 +194,8 @@ def ttt_evaluate_artifact(artifact: Path, data_dir: Path, *, settings: Settings 
         if not 1 <= stride <= seq_len:
             raise SettingError("eval_stride", f"eval_stride={stride} must be in 1..{seq_len}: test-time training "
                                               "scores sliding windows of its training sequences")
+        if ctx.is_main:
+            claim_eval_result(Path(artifact), "ttt")
         # As the reference: the tokens are cut to whole sequences of the longer of the
         # training (here: TTT window) and evaluation lengths.
         with phases.timed("tokens"):

@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import ModelConfig
+from ..config import ModelConfig, parameter_estimate
+from ..errors import ConfigError
+from ..runtime import memory_bytes
 from .attention import attention, attention_at, resolve_backend
 from .ops import TORCH_OPS, Residual, TorchOps, ValueInjection, pick_positions, smear
 from .rotary import rotary_inv_freq, rotary_tables
@@ -40,6 +42,8 @@ class CausalSelfAttention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.rope_dims = cfg.rope_dims
+        self.projection_sizes = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+                                 cfg.num_kv_heads * cfg.head_dim)  # of q, k and v
         self.q_gain = nn.Parameter(torch.full((cfg.num_heads,), cfg.qk_gain_init, dtype=torch.float32))
         windowed = cfg.window_attn_size > 0 and layer in cfg.window_attn_layers
         self.window = cfg.window_attn_size if windowed else 0
@@ -47,9 +51,9 @@ class CausalSelfAttention(nn.Module):
         self.use_xsa = layer >= cfg.num_layers - cfg.xsa_last_n
         self.backend = "sdpa"
         self.observer: LinearObserver | None = None
-        self.kv_cache: Any = None  # set during incremental decoding (`generate.decoding.LayerCache`)
+        self.kv_cache: Any = None  # set during incremental decoding (`generate.decoding.StaticCache`)
 
-    def forward(self, x: Tensor, q_w: Tensor, k_w: Tensor, v_w: Tensor, out_w: Tensor,
+    def forward(self, x: Tensor, q_w: Tensor, k_w: Tensor | None, v_w: Tensor | None, out_w: Tensor,
                 rotary: tuple[Tensor, Tensor], v_embed: ValueInjection | None, queries: Tensor | None = None,
                 ops: TorchOps = TORCH_OPS, rows: Tensor | None = None, keys: KeyRows | None = None) -> Tensor:
         """Attention output at every position, or only at `queries` [B, K] (keys and values
@@ -60,9 +64,14 @@ class CausalSelfAttention(nn.Module):
         b, t, dim = x.shape
         self._observe(("c_q", "c_k", "c_v"), x)
         x_q = x if queries is None else pick_positions(x, queries)
-        q = F.linear(x_q, q_w).reshape(b, x_q.size(1), self.num_heads, self.head_dim)
-        k = F.linear(x, k_w).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v, v_xsa = ops.values(F.linear(x, v_w), v_embed)
+        if k_w is None:  # q_w stacks the q, k and v matrices (`GPT.layer_weights`): one product for the three
+            q, k, v = F.linear(x, q_w).split(self.projection_sizes, dim=-1)
+            q = q if queries is None else pick_positions(q, queries)
+        else:
+            q, k, v = F.linear(x_q, q_w), F.linear(x, k_w), F.linear(x, v_w)
+        q = q.reshape(b, x_q.size(1), self.num_heads, self.head_dim)
+        k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
+        v, v_xsa = ops.values(v, v_embed)
         v, v_xsa = (values.reshape(b, t, self.num_kv_heads, self.head_dim) for values in (v, v_xsa))
         cos, sin = rotary
         k = ops.head_prep(k, cos, sin, self.rope_dims, None)
@@ -170,7 +179,7 @@ class Block(nn.Module):
         factor = 1.0 / math.sqrt(layer + 1) if cfg.ln_scale else 1.0
         self.register_buffer("ln_scale_factor", torch.tensor(factor, dtype=torch.float32), persistent=False)
 
-    def forward(self, stream: Residual, x0: Any, weights: tuple[Tensor, ...], rotary: tuple[Tensor, Tensor],
+    def forward(self, stream: Residual, x0: Any, weights: tuple[Tensor | None, ...], rotary: tuple[Tensor, Tensor],
                 v_embed: ValueInjection | None, queries: Tensor | None = None, ops: TorchOps = TORCH_OPS,
                 keep_input: bool = False, rows: Tensor | None = None,
                 keys: KeyRows | None = None) -> tuple[Tensor | None, Residual]:
@@ -228,14 +237,21 @@ class BigramHashEmbedding(ProjectedEmbedding):
 
     def hash(self, tokens: Tensor) -> Tensor:
         t = tokens.to(torch.int32)
-        mod = self.buckets - 1
         out = torch.empty_like(t)
-        out[..., 0] = mod  # the first position has no predecessor
-        out[..., 1:] = torch.bitwise_xor(36313 * t[..., 1:], 27191 * t[..., :-1]) % mod
+        out[..., 0] = self.buckets - 1  # the first position has no predecessor
+        out[..., 1:] = self.pair_hash(t[..., :-1], t[..., 1:])
         return out.long()
+
+    def pair_hash(self, previous: Tensor, tokens: Tensor) -> Tensor:
+        """The bucket of each (previous token, token) pair (int32 arithmetic, as the reference)."""
+        return torch.bitwise_xor(36313 * tokens.to(torch.int32), 27191 * previous.to(torch.int32)) % (self.buckets - 1)
 
     def forward(self, tokens: Tensor) -> Tensor:
         return super().forward(self.hash(tokens))
+
+    def of_pairs(self, previous: Tensor, tokens: Tensor) -> Tensor:
+        """The embedding of given pairs (decoding knows each token's predecessor)."""
+        return super().forward(self.pair_hash(previous, tokens).long())
 
 
 class ValueEmbedding(ProjectedEmbedding):
@@ -328,12 +344,16 @@ class GPT(nn.Module):
 
     # --- forward ---
 
-    def layer_weights(self, dtype: torch.dtype) -> list[tuple[Tensor, ...]]:
+    def layer_weights(self, dtype: torch.dtype, stack_qkv: bool = False) -> list[tuple[Tensor | None, ...]]:
         """Each layer's (q, k, v, out, up, down) matrices in `dtype`: slices of the banks,
-        each bank cast once (one kernel per bank, not one per slice)."""
+        each bank cast once (one kernel per bank, not one per slice). stack_qkv: q, k and v
+        stacked into one matrix in q's place (k and v None), for a decoder, whose one-token
+        steps are bound by the number of kernels more than by their work."""
         qo, kv, up, down = (bank.to(dtype) for bank in (self.qo_bank, self.kv_bank, self.mlp_up_bank,
                                                          self.mlp_down_bank))
         n = self.num_layers
+        if stack_qkv:
+            return [(torch.cat((qo[i], kv[i], kv[n + i])), None, None, qo[n + i], up[i], down[i]) for i in range(n)]
         return [(qo[i], kv[i], kv[n + i], qo[n + i], up[i], down[i]) for i in range(n)]
 
     def embed(self, input_ids: Tensor, ops: TorchOps = TORCH_OPS) -> Any:
@@ -367,13 +387,15 @@ class GPT(nn.Module):
         return cos[:, start:], sin[:, start:]
 
     def trunk(self, input_ids: Tensor, x0: Any, rotary: tuple[Tensor, Tensor], queries: Tensor | None = None,
-              ops: TorchOps = TORCH_OPS, query_runs: bool = False) -> Tensor:
+              ops: TorchOps = TORCH_OPS, query_runs: bool = False,
+              weights: list[tuple[Tensor | None, ...]] | None = None) -> Tensor:
         """The blocks and the final norm over the positions of input_ids, whose x0 and rotary
-        tables are given (see `hidden_states`)."""
+        tables are given (see `hidden_states`); weights: `layer_weights`, cast already (a
+        decoder casts them once, not at every token)."""
         ve_shared = None
         if self.ve_shared is not None:
             ve_shared = ops.shared_values(self.ve_shared(input_ids), self.ve_shared.scale)
-        weights = self.layer_weights(matmul_dtype(self.tok_emb.weight))
+        weights = weights or self.layer_weights(matmul_dtype(self.tok_emb.weight))
         stream, skips = Residual(x0), []
         encoder, last = self.num_encoder_layers, self.num_layers - 1
         keys = self.last_block_reads(queries, input_ids.shape[1]) if query_runs and queries is not None else None
@@ -440,6 +462,15 @@ class GPT(nn.Module):
         """Mean cross-entropy, as the reference's training forward."""
         logits = self.logits(self.hidden_states(input_ids, ops=ops).flatten(0, 1), ops)
         return F.cross_entropy(logits.float(), target_ids.reshape(-1), reduction="mean")
+
+
+def check_fits(cfg: ModelConfig, device: torch.device, bytes_per_parameter: int, what: str) -> None:
+    """ConfigError, with the estimate, when the model's parameters alone would not fit in
+    the device's memory at bytes_per_parameter each (so that nothing is allocated first)."""
+    need, have = parameter_estimate(cfg) * bytes_per_parameter, memory_bytes(device)
+    if have is not None and need > have:
+        raise ConfigError(f"the model's {parameter_estimate(cfg):,} parameters need about {need / 2**30:.1f} GiB "
+                          f"to {what}, more than the {have / 2**30:.1f} GiB {device} has; choose a smaller model")
 
 
 def build_model(cfg: ModelConfig, device: torch.device, initialize: bool = True) -> GPT:

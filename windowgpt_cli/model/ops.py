@@ -5,7 +5,7 @@ kernels. `Residual` and `ValueInjection` carry a step's inputs unsummed, so a fu
 forms the sum while it reads them once."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,11 +40,13 @@ class Residual:
     skip: Tensor | None = None
     skip_weight: Tensor | None = None
 
+    # Built directly rather than with dataclasses.replace: decoding one token calls these
+    # a dozen times, where replace's introspection would cost more than the arithmetic.
     def plus(self, delta: Tensor, scale: Tensor) -> "Residual":
-        return replace(self, deltas=self.deltas + ((delta, scale),))
+        return Residual(self.base, self.deltas + ((delta, scale),), self.skip, self.skip_weight)
 
     def plus_skip(self, skip: Tensor | None, weight: Tensor) -> "Residual":
-        return replace(self, skip=skip, skip_weight=weight)
+        return Residual(self.base, self.deltas, skip, weight)
 
 
 @dataclass
@@ -58,8 +60,12 @@ class ValueInjection:
 
 def smear(x: Tensor, gate: Tensor) -> Tensor:
     """Blend each position with the previous one through a per-channel gate (sigmoid)."""
+    return smear_with(x, torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1), gate)
+
+
+def smear_with(x: Tensor, x_prev: Tensor, gate: Tensor) -> Tensor:
+    """`smear` given each position's predecessor (decoding keeps it from the step before)."""
     g = torch.sigmoid(gate.to(dtype=x.dtype))[None, None, :]
-    x_prev = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
     return (1 - g) * x + g * x_prev
 
 
@@ -73,10 +79,14 @@ class TorchOps:
     def embed(self, ids: Tensor, table: Tensor, bigram: Tensor | None, bigram_scale: Tensor | None,
               gate: Tensor) -> Tensor:
         """x0: token embeddings plus bigram * bigram_scale, normed, then smeared."""
+        return smear(self.embed_normed(ids, table, bigram, bigram_scale), gate)
+
+    def embed_normed(self, ids: Tensor, table: Tensor, bigram: Tensor | None, bigram_scale: Tensor | None) -> Tensor:
+        """x0 before the smear: token embeddings plus bigram * bigram_scale, normed."""
         x = F.embedding(ids, table)
         if bigram is not None:
             x = x + bigram * bigram_scale.to(dtype=bigram.dtype)
-        return smear(rms_norm(x), gate)
+        return rms_norm(x)
 
     def stream_sum(self, stream: Residual) -> Tensor:
         x = stream.base

@@ -18,17 +18,19 @@ import torch
 from ..artifacts import compressors, ptz
 from ..artifacts.checkpoint import HESSIANS_FILENAME
 from ..artifacts.lineage import weights_lineage, without_paths
+from ..artifacts.ptz import is_ptz
 from ..artifacts.quantized import INT6, QuantizedTensor
-from ..artifacts.weights import LoadedWeights, load_weights
+from ..artifacts.weights import LoadedWeights, load_weights, located_tokenizer
 from ..challenge import AFTER_TRAINING, BUDGET_BYTES, INSIDE_TRAINING
-from ..config import RunConfig, apply_overrides, validate
+from ..config import RunConfig, apply_overrides, check_settings, validate
 from ..data.manifest import check_same_tokenizer, verify_data
 from ..errors import ArtifactError, ConfigError
 from ..model.gpt import build_model
 from ..model.state_dict import GROUPS, tensor_group, unbank_state_dict
 from ..record import codesize
 from ..runtime import resolve_device, synchronize
-from ..storage.files import atomic_write_bytes, atomic_write_json, sha256_bytes, tensors_sha256
+from ..storage.files import atomic_write_bytes, atomic_write_json, read_json_object, sha256_bytes, tensors_sha256
+from ..storage.outputs import check_apart, claim_file
 from .calibration import Calibration, calibrate, load_hessians
 from .gptq import quantize_state_dict
 
@@ -56,8 +58,10 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
     """
     started = time.perf_counter()
     out = Path(out)
-    if out.is_dir() or report_path(out).is_dir():
-        raise ArtifactError(f"{out if out.is_dir() else report_path(out)}: is a directory; give a file name to write")
+    check_settings(budget=budget)
+    check_apart(out, [model_path, data_dir])
+    claim_file(out, "a .ptz", is_ptz)
+    claim_file(report_path(out), "a quantize report", is_quant_report, flag="the report")
     if compressor is None:
         compressor = compressors.DEFAULT_COMPRESSOR
     if compressor not in compressors.COMPRESSOR_CHOICES:
@@ -106,8 +110,19 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
     source = {**artifact.source, "path": str(weights.path)}  # the payload holds no paths; the report does
     report = _report(out, data, payload, sd, tensors, cfg, compressor, budget, dev, timings, source)
     report.update(_calibration_record(calibration, where, weights) if calibration else {"calibration": None})
+    tokenizer = located_tokenizer(weights)  # for generate and eval to find it later
+    report["tokenizer"] = {"path": str(tokenizer) if tokenizer else None, "sha256": weights.tokenizer_sha256}
     atomic_write_json(report_path(out), report)
     return report
+
+
+def is_quant_report(path: Path) -> bool:
+    """Whether a file is the report quantize writes beside a .ptz (it may replace that)."""
+    try:
+        report = read_json_object(path)
+    except ArtifactError:
+        return False
+    return {"artifact", "compressor", "payload_bytes", "budget_bytes"} <= set(report)
 
 
 def quant_settings(cfg: RunConfig, gptq: bool | None, calib_batches: int | None, clip_range: int | None,

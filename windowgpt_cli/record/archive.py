@@ -11,6 +11,7 @@ import io
 import zipfile
 from pathlib import Path
 
+from ..storage.outputs import check_apart, claim_file
 from . import codesize
 
 MAIN_MEMBER = "__main__.py"
@@ -41,8 +42,19 @@ def pack(out: Path) -> codesize.CodeCount:
     from ..storage.files import atomic_write_bytes, sha256_bytes  # imports torch: only when packing
 
     out = Path(out)
+    check_apart(out, [codesize.PACKAGE_DIR])
+    claim_file(out, "packed code", is_packed_code)
     members = archive_members()
     data = archive_bytes(members)
     atomic_write_bytes(out, data)
     return codesize.CodeCount(len(data), codesize.archive_form(len(members), out), [name for name, _ in members],
                               sum(len(source) for _, source in members), str(out), sha256_bytes(data))
+
+
+def is_packed_code(path: Path) -> bool:
+    """Whether a file is an archive pack wrote: a zip whose entry point is pack's."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.read(MAIN_MEMBER) == MAIN_SOURCE.encode()
+    except (OSError, KeyError, zipfile.BadZipFile):
+        return False

@@ -40,6 +40,7 @@ RECORD_JSON, RECORD_README, PACKED_CODE = "record.json", "README.md", "code.pyz"
 WALL_SUFFIX = ".wall_s"  # OUT/eval.wall_s: seconds of the whole `eval` command, written by make
 TIMED_STAGES = ("train", "quantize", "eval", "eval-ttt")
 PASS, FAIL, NOT_APPLICABLE = "pass", "fail", "n/a"
+README_MARK = "<!-- windowgpt report: rewritten by each run of `windowgpt report OUT` -->"
 
 
 @dataclass(frozen=True)
@@ -240,12 +241,31 @@ def build_record(out: Path, rules: Rules = Rules()) -> dict[str, Any]:
 def write_report(out: Path, rules: Rules = Rules()) -> dict[str, Any]:
     """Write OUT/record.json and OUT/README.md; returns the record."""
     from ..storage.files import atomic_write_json, atomic_write_text
+    from ..storage.outputs import claim_file
 
     out = Path(out)
+    claim_file(out / RECORD_JSON, "a record report", is_record_json, flag="the report")
+    claim_file(out / RECORD_README, "a record report", is_record_readme, flag="the report")
     record = build_record(out, rules)
     atomic_write_json(out / RECORD_JSON, record)
     atomic_write_text(out / RECORD_README, render_markdown(record))
     return record
+
+
+def is_record_json(path: Path) -> bool:
+    from ..storage.files import read_json_object
+
+    try:
+        return {"checks", "val_bpb", "passed"} <= set(read_json_object(path))
+    except ArtifactError:
+        return False
+
+
+def is_record_readme(path: Path) -> bool:
+    try:
+        return Path(path).read_text(encoding="utf-8", errors="replace").startswith(README_MARK)
+    except OSError:
+        return False
 
 
 def failed_checks(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -258,6 +278,7 @@ def render_markdown(record: dict[str, Any]) -> str:
     verdict = "keeps every rule checked" if record["passed"] else "BREAKS A RULE"
     devices = ", ".join(sorted(set(hw["devices"]))) or "?"
     lines = [
+        README_MARK,
         f"# Record run: {record['out']}",
         "",
         f"The run {verdict} (`windowgpt report`).",

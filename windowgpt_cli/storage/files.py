@@ -42,7 +42,7 @@ def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> Path:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; artifacts are ordinary files
         rename(Path(tmp), path)
-    except (Exception, KeyboardInterrupt):
+    except BaseException:  # an error, Ctrl-C or SIGTERM
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
@@ -68,7 +68,7 @@ def publish_dir(final: Path, build: Callable[[Path], T]) -> T:
             old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
             rename(final, old / final.name)
         rename(tmp, final)
-    except (Exception, KeyboardInterrupt):
+    except BaseException:  # an error, Ctrl-C or SIGTERM
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if old is not None:

@@ -98,6 +98,23 @@ def load(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
 Entry = tuple[torch.dtype, tuple[int, ...], tuple[int, int]]  # dtype, shape, offsets from data_start
 
 
+def header_length(prefix: bytes, source: str = "tensor file") -> int:
+    """The length of a file's header (its first 8 bytes give it), checked for sense."""
+    if len(prefix) < _LENGTH.size:
+        raise ArtifactError(f"{source}: too short to be a tensor file ({len(prefix)} bytes)")
+    (length,) = _LENGTH.unpack_from(prefix, 0)
+    if length > MAX_HEADER_BYTES:
+        raise ArtifactError(f"{source}: header length {length} is more than any tensor file's")
+    return _LENGTH.size + length
+
+
+def read_header(prefix: bytes, source: str = "tensor file") -> tuple[dict[str, Entry], dict[str, str]]:
+    """The entries and metadata of a file's header, from its first header_length() bytes
+    (the data itself unread, so its layout unchecked)."""
+    entries, metadata, _ = _parse_header(memoryview(prefix), source)
+    return entries, metadata
+
+
 def layout(data: bytes | bytearray | memoryview, source: str = "tensor file") -> tuple[dict[str, Entry], dict[str, str], int]:
     """Check a file's header and layout: (entries in file order, metadata, start of the data)."""
     view = memoryview(data)
@@ -134,8 +151,8 @@ def _parse_entry(name: str, info: Any, source: str) -> Entry:
     if dtype is None:
         raise ArtifactError(f"{where} has unsupported dtype {info['dtype']!r}")
     shape, offsets = info["shape"], info["data_offsets"]
-    if not _is_int_list(shape) or any(d < 0 for d in shape):
-        raise ArtifactError(f"{where} has an invalid shape {shape!r}")
+    if not valid_shape(shape):
+        raise ArtifactError(f"{where} has an invalid shape {str(shape)[:100]}")
     if not _is_int_list(offsets) or len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1]:
         raise ArtifactError(f"{where} has invalid data_offsets {offsets!r}")
     expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -154,6 +171,14 @@ def _check_layout(entries: Mapping[str, Entry], payload_size: int, source: str) 
     if cursor != payload_size:
         raise ArtifactError(f"{source}: the header describes {cursor} data bytes but the file holds {payload_size} "
                             "(truncated or padded)")
+
+
+MAX_DIMS, MAX_DIM = 8, 1 << 40  # no tensor of a sensible model comes near these
+
+
+def valid_shape(shape: Any) -> bool:
+    """A list of at most MAX_DIMS integers in 0..MAX_DIM (checked before any allocation)."""
+    return _is_int_list(shape) and len(shape) <= MAX_DIMS and all(0 <= d <= MAX_DIM for d in shape)
 
 
 def _is_int_list(value: Any) -> bool:

@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 from ..artifacts.checkpoint import FILENAME as CHECKPOINT_FILENAME
-from ..artifacts.checkpoint import RUN_CONFIG, RUN_FILES, SUMMARY, checkpoint_path, load_checkpoint
+from ..artifacts.checkpoint import RUN_CONFIG, RUN_FILES, SUMMARY, checkpoint_path, is_run_dir, load_checkpoint
 from ..config import RunConfig
 from ..distributed import init_distributed, shutdown
 from ..errors import ArtifactError, ConfigError, DataError
+from ..runtime import is_out_of_memory
 from ..storage.files import atomic_write_json
+from ..storage.outputs import check_apart, claim_dir
 from ..storage.runlock import run_lock
 from ..timing import Phases, compile_line, compile_seconds
 from .metric_sinks import open_sink
@@ -65,8 +67,10 @@ def train_and_report(cfg: RunConfig, out_dir: Path, *, resume: bool = False, for
     if out_dir.exists() and not out_dir.is_dir():
         raise ArtifactError(f"{out_dir}: exists and is not a directory")
     cfg = cfg.resolved()
-    if not resume and not force:
-        _claim_run_dir(out_dir, resume, force, echo)  # refuse before touching the directory (checked again below)
+    check_apart(out_dir, [Path(p) if p else None for p in (cfg.data.data_path, cfg.data.tokenizer_path,
+                                                            cfg.data.tokenizer_meta_path)])
+    if not resume:
+        claim_dir(out_dir, "a training run", is_run_dir)  # before the directory is touched (and again, locked)
     ctx = init_distributed(cfg.train.device)
     created = not out_dir.exists()
     try:
@@ -93,24 +97,34 @@ def train_and_report(cfg: RunConfig, out_dir: Path, *, resume: bool = False, for
                 raise
             if ctx.is_main:
                 atomic_write_json(out_dir / RUN_CONFIG, cfg.to_dict())
-            return _train_locked(cfg, ctx, setup, ckpt, out_dir, stop_at_step, progress, echo, phases)
+            try:
+                return _train_locked(cfg, ctx, setup, ckpt, out_dir, stop_at_step, progress, echo, phases)
+            except (RuntimeError, MemoryError) as exc:
+                if not is_out_of_memory(exc) and not isinstance(exc, MemoryError):
+                    raise
+                raise ConfigError(f"{ctx.device} ran out of memory while training ({str(exc).splitlines()[0][:120]}); "
+                                  "lower --train-batch-tokens, raise --grad-accum-steps, or train a smaller model; "
+                                  "the last checkpoint, if any, is unchanged") from None
     finally:
         shutdown()
 
 
 def _claim_run_dir(out_dir: Path, resume: bool, force: bool, notify: Echo):
-    """The checkpoint to resume (or None), after refusing to overwrite a run by mistake."""
+    """The checkpoint to resume (or None), after refusing to write over what is not a run,
+    or over a run by mistake. A run that holds no checkpoint finished no step that could be
+    resumed: it starts afresh without --force."""
     if resume:
         return load_checkpoint(out_dir)
+    claim_dir(out_dir, "a training run", is_run_dir)
     existing = [name for name in RUN_FILES if (out_dir / name).exists()]
-    if existing and not force:
-        what = "a checkpoint" if CHECKPOINT_FILENAME in existing else f"a run ({existing[0]})"
-        raise ConfigError(f"{out_dir} already holds {what}: pass --resume to continue it, --force to start "
+    if (out_dir / CHECKPOINT_FILENAME).exists() and not force:
+        raise ConfigError(f"{out_dir} already holds a checkpoint: pass --resume to continue it, --force to start "
                           "afresh, or choose a new --out")
     if existing:
         for name in existing:
             (out_dir / name).unlink(missing_ok=True)
-        notify(f"--force: starting afresh in {out_dir} (removed {', '.join(existing)})")
+        why = "--force" if force else "a run that wrote no checkpoint"
+        notify(f"starting afresh in {out_dir} ({why}: removed {', '.join(existing)})")
     return None
 
 
@@ -132,6 +146,7 @@ def _train_locked(cfg, ctx, setup, ckpt, out_dir: Path, stop_at_step: int | None
             trained_before_ms = trainer.training_time_ms
             with StopRequests().installed() as stops:
                 result = trainer.run(stop_at_step, stops)
+            result.stop_signal = stops.signal  # a stop asked after the last step too
             phases.add("training", (result.training_time_ms - trained_before_ms) / 1000.0)
             timings = phases.as_dict()
             if compile_seconds() > 0:

@@ -24,12 +24,19 @@ from ..artifacts.checkpoint import HESSIANS_FILENAME, Checkpoint, save_checkpoin
 from ..config import ModelConfig, RunConfig, grad_accum_steps_for
 from ..data.loader import Prefetcher, TokenStream, load_validation_tokens
 from ..data.manifest import verify_data
-from ..data.tokenizer import ByteLuts, load_byte_luts, tokenizer_vocab_size
+from ..data.tokenizer import (
+    ByteLuts,
+    has_byte_fallback,
+    load_byte_luts,
+    load_sentencepiece,
+    no_byte_fallback_warning,
+    tokenizer_vocab_size,
+)
 from ..distributed import DistContext, all_reduce_, average_gradients, barrier, gather_from_ranks
-from ..errors import ConfigError, DataError, TrainingDiverged
+from ..errors import ConfigError, DataError, Interrupted, Terminated, TrainingDiverged
 from ..eval.scoring import evaluate_standard
 from ..model.attention import window_kernel_builds
-from ..model.gpt import GPT, build_model
+from ..model.gpt import GPT, build_model, check_fits
 from ..quant.calibration import calibrate, save_hessians
 from ..runtime import (
     autocast,
@@ -45,6 +52,7 @@ from ..storage.files import json_text, sha256_file, tensors_sha256
 from ..timing import Phases
 from .optim import Optimizers, WeightAverages, build_optimizers, lr_scale, muon_momentum_at
 
+TRAINING_BYTES_PER_PARAMETER = 24
 SWA_LR_THRESHOLD = 0.2  # SWA collects snapshots once the LR scale falls below this
 
 
@@ -71,6 +79,7 @@ class TrainResult:
     training_time_ms: float
     finished: bool  # False when stopped early (--stop-at-step or an interrupt)
     interrupted: bool = False  # stopped by Ctrl-C or SIGTERM (with a checkpoint)
+    stop_signal: int | None = None  # the signal that asked the run to stop (also when it came after the last step)
     val_loss: float | None = None
     val_bpb: float | None = None
     post_ema_val_loss: float | None = None
@@ -106,17 +115,21 @@ class RunLog:
 
 class StopRequests:
     """Ctrl-C / SIGTERM set a flag that the loop reads at step boundaries, so the run stops
-    with a consistent checkpoint; a second Ctrl-C stops at once."""
+    with a consistent checkpoint; a second one stops at once. `signal` is the first one's."""
 
     def __init__(self) -> None:
-        self.requested = False
+        self.signal: int | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
 
     @contextlib.contextmanager
     def installed(self) -> Iterator["StopRequests"]:
         def handler(signum, frame):
             if self.requested:
-                raise KeyboardInterrupt
-            self.requested = True
+                raise Terminated if signum == signal.SIGTERM else Interrupted
+            self.signal = signum
 
         try:
             previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -249,6 +262,8 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     check_batch_divides(cfg, ctx.world_size, accum)
     per_pass = micro_batches_per_pass_for(cfg, ctx.world_size, accum, ctx.device)
 
+    # float32 weights, gradients, two Adam moments (or Muon's momentum), EMA and SWA
+    check_fits(cfg.model, ctx.device, TRAINING_BYTES_PER_PARAMETER, "train")
     seed_everything(cfg.train.seed)
     enable_fast_math(ctx.device)
     model = build_model(cfg.model, ctx.device)
@@ -520,7 +535,7 @@ class Trainer:
                         why = "interrupted" if interrupted else "stop-at-step"
                         self.log.line(f"checkpoint:{why} step:{self.step}/{t.iterations} path:{path}")
                         return TrainResult(self.step, self.training_time_ms, finished=False, checkpoint=path,
-                                           interrupted=interrupted)
+                                           interrupted=interrupted, stop_signal=stops.signal)
                     t0 = time.perf_counter()
         finally:
             prefetcher.close()
@@ -625,6 +640,8 @@ def describe(setup: Setup, log: RunLog) -> None:
     """The reference's preamble: what was built and how it will train (every rank calls
     it, since it gathers each rank's sequence length)."""
     cfg, model, ctx = setup.cfg, setup.model, setup.ctx
+    if setup.tokenizer is not None and not has_byte_fallback(load_sentencepiece(setup.tokenizer)):
+        log.line(f"warning: {no_byte_fallback_warning(setup.tokenizer)}")
     log.line(f"model_params:{sum(p.numel() for p in model.parameters())}")
     log.line(f"XSA:last_{cfg.model.xsa_last_n} active_layers:{[b.attn.layer for b in model.blocks if b.attn.use_xsa]}")
     windows = [b.attn.layer for b in model.blocks if b.attn.window > 0]
