@@ -44,6 +44,7 @@ demo: $(VENV)/.package
 	$(VENV)/bin/windowgpt quantize $(DEMO)/export --out $(DEMO)/model.ptz --gptq
 	$(VENV)/bin/windowgpt eval $(DEMO)/model.ptz --data $(DEMO)/data
 	$(VENV)/bin/windowgpt eval-ttt $(DEMO)/model.ptz --data $(DEMO)/data
+	$(VENV)/bin/windowgpt generate $(DEMO)/model.ptz --prompt "It was a dark night, and" --max-new-tokens 48 --temperature 0
 
 clean:
 	rm -rf $(DEMO) .pytest_cache
