@@ -408,7 +408,6 @@ def grad_accum_steps_for(cfg: RunConfig, world_size: int) -> int:
     return 8 // world_size
 
 
-
 # Settings that a resumed run may change: where its data lies and how it runs, never what it computes.
 RESUMABLE_SETTINGS = ("data_path", "tokenizer_path", "tokenizer_meta_path", "device", "attn_backend", "compile",
                       "micro_batches_per_pass", "sample_every", "sample_prompt", "logger")

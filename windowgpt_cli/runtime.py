@@ -25,10 +25,11 @@ def resolve_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA as the reference; full float32 on the CPU."""
+def autocast(device: torch.device, cache: bool = True) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA as the reference; full float32 on the CPU. cache=False: without
+    autocast's cache of cast weights, which a CUDA graph's replays would read stale."""
     if device.type == "cuda":
-        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16, cache_enabled=cache)
     return contextlib.nullcontext()
 
 

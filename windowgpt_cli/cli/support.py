@@ -78,10 +78,8 @@ def user_errors_exit_1(func: Callable) -> Callable:
             with stops_raised():
                 return func(*args, **kwargs)
         except SettingError as exc:  # a value this command took as a flag: named by its flag
-            message = str(exc)
-            if kwargs.get(exc.setting) is not None:  # given as a flag, not from a file
-                message = message.replace(f"{exc.setting}=", f"{typed_flag((flag_name(exc.setting),))} ", 1)
-            print_error(message)
+            given = kwargs.get(exc.setting) is not None  # as a flag, not from a file
+            print_error(named_by_flag(exc, (flag_name(exc.setting),)) if given else str(exc))
             raise typer.Exit(EXIT_ERROR) from None
         except WindowGPTError as exc:
             print_error(str(exc))
@@ -244,12 +242,17 @@ def with_config_flags(*groups: str, from_artifact: bool = False, aliases: dict[s
                 given = {name for values in overrides.values() for name in values}
                 if exc.setting not in given:
                     raise
-                flag = typed_flag((*(aliases or {}).get(exc.setting, ()), flag_name(exc.setting)))
-                raise SettingError(exc.setting, str(exc).replace(f"{exc.setting}=", f"{flag} ", 1)) from None
+                names = (*(aliases or {}).get(exc.setting, ()), flag_name(exc.setting))
+                raise SettingError(exc.setting, named_by_flag(exc, names)) from None
 
         return extended(func, "overrides", extra, call)
 
     return decorate
+
+
+def named_by_flag(exc: SettingError, names: tuple[str, ...]) -> str:
+    """The error's message with its setting named by the flag the command line holds."""
+    return str(exc).replace(f"{exc.setting}=", f"{typed_flag(names)} ", 1)
 
 
 def typed_flag(names: tuple[str, ...]) -> str:

@@ -129,10 +129,7 @@ def evaluate_artifact(artifact: Path, data_dir: Path, *, settings: Settings | No
     phases = Phases()
     ctx = init_distributed(device)
     try:
-        with phases.timed("load"):
-            inputs = load_inputs(artifact, data_dir, tokenizer, ctx, attn_backend)
-        cfg = apply_overrides(inputs.config, settings)
-        validate(cfg)
+        inputs, cfg = _load_with_settings(artifact, data_dir, settings, tokenizer, ctx, attn_backend, phases)
         seq_len, stride, batch_seqs = cfg.eval.eval_seq_len, cfg.eval.eval_stride, cfg.eval.eval_batch_seqs
         standard = stride == 0 or stride == seq_len
         if ctx.is_main:
@@ -160,10 +157,7 @@ def evaluate_artifact(artifact: Path, data_dir: Path, *, settings: Settings | No
         record = eval_record(result, inputs, Path(artifact))
         if result.mode == "sliding":
             record["score_once"] = score_once
-        add_timings(record, phases, result)
-        if ctx.is_main:  # beside the artifact, for `compare` and `inspect`
-            save_eval_result(Path(artifact), record)
-        return EvalReport(result, record, ctx.is_main)
+        return _saved_report(Path(artifact), result, record, phases, ctx)
     finally:
         shutdown()
 
@@ -184,10 +178,7 @@ def ttt_evaluate_artifact(artifact: Path, data_dir: Path, *, settings: Settings 
     phases = Phases()
     ctx = init_distributed(device)
     try:
-        with phases.timed("load"):
-            inputs = load_inputs(artifact, data_dir, tokenizer, ctx, attn_backend)
-        cfg = apply_overrides(inputs.config, settings)
-        validate(cfg)
+        inputs, cfg = _load_with_settings(artifact, data_dir, settings, tokenizer, ctx, attn_backend, phases)
         ttt = cfg.ttt
         seq_len, stride, batch_seqs = ttt.ttt_seq_len or cfg.train.train_seq_len, cfg.eval.eval_stride, \
             cfg.eval.eval_batch_seqs
@@ -216,12 +207,28 @@ def ttt_evaluate_artifact(artifact: Path, data_dir: Path, *, settings: Settings 
         record["ttt_steps"] = result.ttt_steps
         record["per_chunk"] = [{"loss_sum": c.loss_sum, "tokens": c.tokens, "bytes": c.bytes, "val_bpb": c.val_bpb}
                                for c in result.per_chunk]
-        add_timings(record, phases, result)
-        if ctx.is_main:  # beside the artifact, for `compare` and `inspect`
-            save_eval_result(Path(artifact), record)
-        return EvalReport(result, record, ctx.is_main)
+        return _saved_report(Path(artifact), result, record, phases, ctx)
     finally:
         shutdown()
+
+
+def _load_with_settings(artifact: Path, data_dir: Path, settings: Settings, tokenizer: Path | None,
+                        ctx: DistContext, attn_backend: str, phases: Phases) -> tuple[EvalInputs, RunConfig]:
+    """The artifact's model and data, and its configuration with the stage's settings over it, checked."""
+    with phases.timed("load"):
+        inputs = load_inputs(artifact, data_dir, tokenizer, ctx, attn_backend)
+    cfg = apply_overrides(inputs.config, settings)
+    validate(cfg)
+    return inputs, cfg
+
+
+def _saved_report(artifact: Path, result: Any, record: dict[str, Any], phases: Phases,
+                  ctx: DistContext) -> EvalReport:
+    """The report, its timings added, and saved beside the artifact (for `compare` and `inspect`) by rank 0."""
+    add_timings(record, phases, result)
+    if ctx.is_main:
+        save_eval_result(artifact, record)
+    return EvalReport(result, record, ctx.is_main)
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ from ..model.ops import TORCH_OPS, smear, smear_with
 from ..runtime import autocast, compiled, synchronize
 
 SAMPLE_TOKENS = 32  # the length of the samples training logs
-OnTokens = Callable[[list[int]], None]  # each step's new token of every sample
+OnTokens = Callable[[list[list[int]]], None]  # after each step: every sample's new tokens so far
 
 
 def context_start(length: int, limit: int) -> int:
@@ -219,7 +219,7 @@ class StaticDecoder:
         return self.token
 
     def _run(self) -> None:
-        with autocast_uncached(self.device):
+        with autocast(self.device, cache=False):  # the decoder casts its weights itself, once
             self.run_step()
 
     def _step(self) -> None:
@@ -285,14 +285,6 @@ def matmul_dtype_on(device: torch.device, model: GPT) -> torch.dtype:
     """The dtype the model's products run in under `runtime.autocast` on this device."""
     with autocast(device):
         return matmul_dtype(model.tok_emb.weight)
-
-
-def autocast_uncached(device: torch.device) -> contextlib.AbstractContextManager:
-    """`runtime.autocast` without its cache of cast weights, which a CUDA graph's replays
-    would otherwise read stale (the decoder casts its weights itself, once)."""
-    if device.type == "cuda":
-        return torch.autocast(device_type="cuda", dtype=torch.bfloat16, cache_enabled=False)
-    return contextlib.nullcontext()
 
 
 class Chooser:
@@ -381,8 +373,8 @@ def generate(model: GPT, prompt: Sequence[int], max_new_tokens: int, *, num_samp
              stop_token: int | None = None, compile_step: bool = False, graphs: bool = True,
              on_tokens: OnTokens | None = None) -> Generation:
     """Continue `prompt` (token ids, at least one) with num_samples samples of up to
-    max_new_tokens tokens each; a sample stops after `stop_token`. on_tokens sees each
-    step's tokens as they come. Runs under bf16 autocast on CUDA, as the other stages."""
+    max_new_tokens tokens each; a sample stops after `stop_token`. on_tokens sees every
+    sample's tokens so far after each step. Runs under bf16 autocast on CUDA, as the other stages."""
     if not prompt:
         raise ValueError("the prompt needs at least one token")
     device = model.tok_emb.weight.device
@@ -396,7 +388,7 @@ def generate(model: GPT, prompt: Sequence[int], max_new_tokens: int, *, num_samp
                 samples[i].append(token)
                 done[i] = token == stop_token
         if on_tokens is not None:
-            on_tokens(tokens)
+            on_tokens(samples)
         return all(done)
 
     with torch.inference_mode(), contextlib.ExitStack() as entered:

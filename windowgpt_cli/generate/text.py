@@ -50,17 +50,11 @@ def generate_text(artifact: Path, prompt: str, *, max_new_tokens: int = 64, num_
 def _streamed(sp, prompt_ids: list[int], num_samples: int, on_text) -> OnTokens:
     """on_tokens for the decoder: each sample's text decoded so far, its new part handed on
     (whole pieces only: a byte-fallback character appears once all its bytes have come)."""
-    tokens: list[list[int]] = [[] for _ in range(num_samples)]
     shown = [""] * num_samples
-    done = [False] * num_samples
 
-    def on_tokens(step: list[int]) -> None:
-        for i, token in enumerate(step):
-            if done[i]:
-                continue
-            done[i] = token == BOS_ID
-            tokens[i].append(token)
-            text = continuation(sp, prompt_ids, tokens[i])
+    def on_tokens(samples: list[list[int]]) -> None:
+        for i, sample in enumerate(samples):
+            text = continuation(sp, prompt_ids, sample)
             if text.startswith(shown[i]) and len(text) > len(shown[i]) and not text.endswith("\ufffd"):
                 on_text(i, text[len(shown[i]):])
                 shown[i] = text
