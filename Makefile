@@ -8,12 +8,18 @@ DEMO ?= demo-out
 # Commands that run on the machine's GPUs: the project's environment when there is one.
 RUN_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 
-.PHONY: help setup demo test test-gpu clean
+.PHONY: help setup demo test test-fast test-gpu clean
 
 help:
-	@echo "make demo   - set up, then prepare -> train -> export -> quantize -> eval -> eval-ttt on a tiny model (CPU)"
-	@echo "make test   - set up, then run the test suite (CPU)"
-	@echo "make record / smoke-gpu - reproduce the reference's record run (see README)"
+	@echo "make demo       set up, then prepare -> train -> export -> quantize -> eval -> eval-ttt -> generate"
+	@echo "                on a tiny model (CPU, about a minute and a half on 2 cores)"
+	@echo "make test       set up, then run the CPU test suite (TEST_WORKERS processes, default: one per core)"
+	@echo "make test-fast  the quick subset of the CPU tests (no test marked slow), for iterating"
+	@echo "make test-gpu   the tests that need a CUDA device"
+	@echo "make setup      the project's environment in $(VENV), with the tests' extra"
+	@echo "make clean      remove the demo's output and pytest's cache"
+	@echo "make record     reproduce the record run: DATA=... NPROC=8 OUT=... (docs/record.md)"
+	@echo "make smoke-gpu  the record chain on one GPU in a few minutes"
 
 # The package and its dependencies: all that the demo needs.
 $(VENV)/.package: pyproject.toml
@@ -30,8 +36,14 @@ $(VENV)/.installed: $(VENV)/.package
 
 setup: $(VENV)/.installed
 
+# One pytest process per core, each with one torch thread (tests/conftest.py).
+TEST_WORKERS ?= auto
+
 test: setup
-	$(PY) -m pytest -q -m "not gpu"
+	$(PY) -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not gpu and not slow" -n $(TEST_WORKERS) --dist loadfile
 
 test-gpu:
 	$(RUN_PYTHON) -m pytest -q -m gpu

@@ -2,13 +2,44 @@
 beside the repository, or where `--shared DIR` says."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import os
+import shutil
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# One torch thread per test process (and the processes tests start), set before torch is
+# imported: the tiny models run fastest so, the more so when several test processes
+# (`pytest -n`) share the cores (docs/development.md has the measurements).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """A folder that a session fixture builds, built once for all the test processes of a
+    `pytest -n` run (the first to ask builds it, under a lock; the others wait and read it)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the workers of this run
+    target, done = root / name, root / f"{name}.done"
+    with _locked(root / f"{name}.lock"):
+        if not done.exists():
+            shutil.rmtree(target, ignore_errors=True)  # a build that failed half-way
+            build(target)
+            done.touch()
+    return target
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -275,9 +306,8 @@ def tiny_data_dir(tmp_path_factory) -> Path:
     """The shipped demo corpus, prepared once: shards, tokenizer and metadata."""
     from windowgpt_cli.data.prepare import prepare
 
-    out = tmp_path_factory.mktemp("tiny-data")
-    prepare([REPO / "data" / "demo" / "gutenberg_1mb.jsonl"], out, vocab_size=1024, val_fraction=0.05)
-    return out
+    return built_once(tmp_path_factory, "tiny-data", lambda out: prepare(
+        [REPO / "data" / "demo" / "gutenberg_1mb.jsonl"], out, vocab_size=1024, val_fraction=0.05))
 
 
 @pytest.fixture(scope="session")
@@ -286,7 +316,26 @@ def tiny_run_dir(tmp_path_factory, tiny_data_dir) -> Path:
     from windowgpt_cli.config import apply_overrides, tiny_preset
     from windowgpt_cli.train.run import train
 
-    out = tmp_path_factory.mktemp("tiny-run") / "run"
     cfg = apply_overrides(tiny_preset(), {"data": {"data_path": str(tiny_data_dir)}, "train": {"iterations": 30}})
-    train(cfg, out)
-    return out
+    return built_once(tmp_path_factory, "tiny-run", lambda out: train(cfg, out / "run")) / "run"
+
+
+# --- The quick subset (`make test-fast`: -m "not gpu and not slow") ---------------------
+
+# Tests of over 1.5 s on one core are marked slow where they are written; so is any test that
+# uses one of these fixtures, which train or prepare something for seconds to a minute.
+SLOW_FIXTURES = {"tiny_data_dir", "tiny_run_dir", "world", "record_flow", "dist_two_rank_run", "dist_mixed_run",
+                 "two_runs"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+    # The files with the most slow tests first: `make test` hands whole files to its processes
+    # (`--dist loadfile`, so that a file's module fixtures are built once), and starting with
+    # the longest leaves no process idle at the end while another finishes one.
+    slow: dict[str, int] = {}
+    for item in items:
+        slow[item.fspath.strpath] = slow.get(item.fspath.strpath, 0) + bool(item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.fspath.strpath])  # stable: a file's own order is kept

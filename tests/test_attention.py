@@ -36,6 +36,7 @@ def _qkv(seed, t=24, h=4, hkv=2, d=8):
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 @pytest.mark.parametrize("window,sinks", CASES)
+@pytest.mark.slow
 def test_cpu_backends_match_naive(backend, window, sinks):
     q, k, v = _qkv(window * 10 + sinks)
     got = attention.attention(q, k, v, window, sinks, backend)

@@ -189,6 +189,7 @@ def test_the_breakdown_attributes_kernels_by_their_launch_phase():
     assert "host gaps" in train_profile.table(result)
 
 
+@pytest.mark.slow
 def test_a_profiled_tiny_run_on_the_cpu_marks_every_phase(tiny_data_dir, tmp_path):
     from typer.testing import CliRunner
 

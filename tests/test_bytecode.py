@@ -18,10 +18,23 @@ from windowgpt_cli.bytecode import bytecode_cache_dir
 CLI_SOURCE = Path(windowgpt_cli.__file__).parent / "cli" / "app.py"
 
 
-def run_version(tmp_path: Path, *python_flags: str, **env: str) -> subprocess.CompletedProcess:
+# `windowgpt --version` in an environment whose torch ships no bytecode (SHIPS: False), or as
+# this environment is (SHIPS: None).
+VERSION_PROBE = """
+import sys
+from windowgpt_cli import bytecode
+if {ships} is not None:
+    bytecode.ships_bytecode = lambda package: {ships}
+sys.argv = ["windowgpt", "--version"]
+from windowgpt_cli.entry import windowgpt
+windowgpt()
+"""
+
+
+def run_version(tmp_path: Path, *python_flags: str, ships: bool | None = False, **env: str) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k not in {"PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX"}}
     environ.update(XDG_CACHE_HOME=str(tmp_path / "cache"), **env)
-    done = subprocess.run([sys.executable, *python_flags, "-m", "windowgpt_cli", "--version"], env=environ,
+    done = subprocess.run([sys.executable, *python_flags, "-c", VERSION_PROBE.format(ships=ships)], env=environ,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("windowgpt ")
@@ -35,6 +48,7 @@ def cached_bytecode(prefix: Path, source: Path) -> list[Path]:
 
 
 @pytest.mark.parametrize("flags,env", [(("-B",), {}), ((), {"PYTHONDONTWRITEBYTECODE": "1"})])
+@pytest.mark.slow
 def test_bytecode_goes_to_the_cache_folder_when_python_may_not_write_it(tmp_path, monkeypatch, flags, env):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     prefix = bytecode_cache_dir()
@@ -44,6 +58,7 @@ def test_bytecode_goes_to_the_cache_folder_when_python_may_not_write_it(tmp_path
     assert cached_bytecode(prefix, Path(typer.__file__)), "its libraries' modules were not kept"
 
 
+@pytest.mark.slow
 def test_python_is_left_alone_where_it_writes_bytecode_or_was_told_where(tmp_path):
     run_version(tmp_path)
     assert not (tmp_path / "cache").exists()
@@ -51,6 +66,7 @@ def test_python_is_left_alone_where_it_writes_bytecode_or_was_told_where(tmp_pat
     assert not (tmp_path / "cache").exists() and not (tmp_path / "theirs").exists()
 
 
+@pytest.mark.slow
 def test_a_cache_folder_that_cannot_be_written_only_costs_the_speed_up(tmp_path):
     blocker = tmp_path / "cache"
     blocker.write_text("a file where the cache folder would be")
@@ -116,6 +132,8 @@ def test_the_precompile_starts_only_on_a_machine_with_cores_to_spare(tmp_path, m
     monkeypatch.setattr(sys, "pycache_prefix", None)
     monkeypatch.setattr(process, "usable_cpus", lambda: cpus)
     monkeypatch.setattr(process, "start_precompile", lambda prefix, packages: started.append((prefix, packages)))
+    monkeypatch.setattr(process, "ships_bytecode", lambda package: False)
+    monkeypatch.setattr(process, "start_prune", lambda prefix: None)
     process.keep_bytecode()
     assert sys.pycache_prefix == str(tmp_path / "cache" / "windowgpt" / "bytecode")
     assert started == ([(Path(sys.pycache_prefix), process.PRECOMPILED_PACKAGES)] if starts else [])
@@ -124,3 +142,28 @@ def test_the_precompile_starts_only_on_a_machine_with_cores_to_spare(tmp_path, m
 def test_the_precompile_process_without_its_arguments_says_how_to_call_it():
     done = subprocess.run([sys.executable, "-m", "windowgpt_cli.bytecode"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.startswith("usage: ") and len(done.stderr.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_no_cache_where_the_libraries_ship_their_bytecode(tmp_path):
+    if not process.ships_bytecode("torch"):
+        pytest.skip("this environment's torch ships no bytecode")
+    run_version(tmp_path, "-B", ships=None)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_prune_drops_the_bytecode_of_sources_gone_and_bounds_the_rest(tmp_path):
+    prefix = tmp_path / "cache"
+    here = tmp_path / "env" / "lib"
+    here.mkdir(parents=True)
+    (here / "kept.py").write_text("")
+    kept = prefix / here.relative_to("/")  # Python's pycache_prefix layout: the source folder's path
+    gone = prefix / (tmp_path / "deleted-env" / "lib").relative_to("/")
+    for folder in (kept, gone):
+        folder.mkdir(parents=True)
+        (folder / "m.cpython-311.pyc").write_bytes(b"x" * 1000)
+    process.prune(prefix, max_bytes=10_000)
+    assert (kept / "m.cpython-311.pyc").exists() and not gone.parent.exists()  # its whole folder
+    (prefix / "precompiled-abc").touch()
+    process.prune(prefix, max_bytes=500)  # over the bound: emptied
+    assert list(prefix.iterdir()) == []

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import shlex
+import subprocess
+from pathlib import Path
 
 import pytest
 import typer
@@ -12,6 +16,7 @@ from typer.testing import CliRunner
 from windowgpt_cli.cli.app import app
 from windowgpt_cli.config import GROUP_TYPES, RunConfig, group_fields, tiny_preset
 
+REPO = Path(__file__).resolve().parents[1]
 WIDE = {"COLUMNS": "200"}
 COMMANDS = sorted(typer.main.get_command(app).commands)
 
@@ -132,6 +137,51 @@ def test_dry_run_checks_the_data_without_training(tiny_data_dir, tmp_path):
     assert bad.exit_code == 1 and "has 1024 tokens but vocab_size=512" in bad.output
 
 
+def test_dry_run_checks_what_the_settings_need(tiny_data_dir, monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else real_find_spec(name, *a))
+    result = run_cli("train", "--preset", "tiny", "--data", tiny_data_dir, "--logger", "tensorboard", "--dry-run")
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1] == ("error: --logger tensorboard needs the optional extra: pip "
+                                                      "install 'windowgpt[tensorboard]'")
+
+
+def test_the_default_preset_on_a_cpu_says_how_slow_and_what_instead(tiny_data_dir):
+    from windowgpt_cli.config import apply_overrides
+    from windowgpt_cli.train.run import cpu_slowness
+
+    default = apply_overrides(RunConfig(), {"train": {"device": "cpu", "cpu_threads": 2}})
+    line = cpu_slowness(default)
+    assert line is not None and "roughly" in line and line.endswith("--preset tiny")
+    assert "26.9M parameters" in line and "(2 threads)" in line
+    assert cpu_slowness(apply_overrides(tiny_preset(), {"train": {"device": "cpu"}})) is None
+    result = run_cli("train", "--data", tiny_data_dir, "--device", "cpu", "--dry-run")
+    assert result.exit_code == 0 and "warning: training 26.9M parameters" in result.output
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_shows_flags_bare_and_one_example_that_parses(command):
+    text = run_cli(command, "--help").output
+    assert "<bool>" not in text and "list[" not in text
+    examples = [line.strip() for line in text.splitlines() if line.strip().startswith("Example:")]
+    assert len(examples) == 1, text
+    words = shlex.split(examples[0].removeprefix("Example:").split("  (")[0])
+    assert words[:2] == ["windowgpt", command]
+    known = flags(command)
+    assert all(w in known for w in words if w.startswith("--")), (words, sorted(known))
+
+
+def test_make_help_lists_every_target():
+    makefile = (REPO / "Makefile").read_text()
+    targets = {t for line in makefile.splitlines() if line.startswith(".PHONY:") for t in line.split()[1:]}
+    shown = subprocess.run(["make", "-s", "help"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    listed = set(re.findall(r"^make ([\w-]+)", shown, re.M))
+    assert targets - {"help"} <= listed, targets - listed
+
+
 HEAVY_MODULES = ("torch", "numpy", "sentencepiece")
 
 # Runs `python -m windowgpt_cli --help`, then every command's --help and -h, and --help of the
@@ -158,6 +208,7 @@ print(sorted(heavy & set(sys.modules)))
 """
 
 
+@pytest.mark.slow
 def test_help_imports_neither_torch_nor_numpy():
     """--help answers at once: the heavy modules are imported only when a command runs."""
     import subprocess
@@ -230,3 +281,32 @@ def test_python_m_windowgpt_cli_ends_without_the_interpreters_teardown(args, cod
     assert done.returncode == code
     assert ("windowgpt " if code == 0 else "no-such-command") in getattr(done, stream)
     assert "teardown ran" not in done.stdout
+
+
+# Runs the commands that only read (inspect, compare, report) on a run, an export and a .ptz,
+# then prints whether torch was imported.
+READ_ONLY_PROBE = """
+import sys
+from typer.testing import CliRunner
+from windowgpt_cli.cli.app import app
+run, export, ptz = sys.argv[1:4]
+for args in (["inspect", run], ["inspect", export], ["inspect", ptz], ["compare", run, export, ptz],
+             ["report", run], ["report", ptz], ["inspect", "--json", ptz]):
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, (args, result.output)
+print("torch" in sys.modules)
+"""
+
+
+@pytest.mark.slow
+def test_the_commands_that_only_read_import_no_torch(tmp_path):
+    import shutil
+    import sys
+
+    old = tmp_path / "old"
+    shutil.copytree(REPO / "tests" / "fixtures" / "v0.1.0-4052639", old)
+    probe = subprocess.run([sys.executable, "-c", READ_ONLY_PROBE, str(old / "run"), str(old / "export"),
+                            str(old / "model.ptz")], capture_output=True, text=True)
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    assert probe.stdout.strip().splitlines()[-1] == "False"
+    assert (old / "run" / "report.md").is_file() and (old / "model.ptz.report.json").is_file()

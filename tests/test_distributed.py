@@ -139,6 +139,7 @@ def sharded_muon_worker(rank: int, port: int, out: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_sharded_muon_equals_one_process_on_the_mean_gradient(tmp_path: Path):
     out = tmp_path / "sharded.pt"
     mp.spawn(sharded_muon_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
@@ -187,6 +188,7 @@ def dist_mixed_run(tiny_data_dir: Path, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_two_ranks_train_as_one_process_and_only_rank_0_writes(dist_two_rank_run, tiny_data_dir, tmp_path):
     two, stdout = dist_two_rank_run
     one = tmp_path / "one"
@@ -211,6 +213,7 @@ def test_two_ranks_train_as_one_process_and_only_rank_0_writes(dist_two_rank_run
     assert ckpt.state["world_size"] == 2 and len(ckpt.state["loaders"]) == 2
 
 
+@pytest.mark.slow
 def test_mixed_sequence_lengths_train_with_a_long_rank(dist_mixed_run):
     log = (dist_mixed_run / "train.log").read_text()
     assert "rank_seq_lens:[128, 256]" in log
@@ -223,6 +226,7 @@ def test_mixed_sequence_lengths_train_with_a_long_rank(dist_mixed_run):
     assert ckpt.state["loaders"][0] != ckpt.state["loaders"][1]
 
 
+@pytest.mark.slow
 def test_stopped_and_resumed_two_rank_run_matches_an_uninterrupted_one(dist_mixed_run, tiny_data_dir, tmp_path):
     paused = tmp_path / "paused"
     torchrun("train", *TRAIN_FLAGS, *MIXED, "--data", str(tiny_data_dir), "--out", str(paused),
@@ -261,6 +265,7 @@ def test_two_ranks_calibrate_their_shares_and_sum_them(dist_two_rank_run, tiny_d
 # --- Evaluation --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("stride", [0, 64])
+@pytest.mark.slow
 def test_eval_on_two_ranks_equals_one_process(dist_two_rank_run, tiny_data_dir, stride):
     run, _ = dist_two_rank_run
     done = torchrun("eval", str(run), "--data", str(tiny_data_dir), "--stride", str(stride), "--device", "cpu",

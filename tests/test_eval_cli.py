@@ -83,6 +83,7 @@ def test_eval_prints_a_table(eval_run_dir, eval_data_dir):
     assert f"windows per batch {TINY.eval.eval_batch_seqs}" in " ".join(result.stdout.replace("│", " ").split())
 
 
+@pytest.mark.slow
 def test_ptz_scores_as_its_dequantized_weights(eval_run_dir, eval_data_dir, eval_val_tokens, eval_luts, tmp_path):
     artifact = tmp_path / "model.ptz"
     quantize(eval_run_dir, artifact, device="cpu")
@@ -221,3 +222,35 @@ def test_a_tokenizer_without_byte_fallback_is_reported_beside_the_score(eval_run
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["tokenizer_byte_fallback"] is False
     assert "has no byte fallback" in result.stderr and "too low" in result.stderr
+
+
+@pytest.mark.slow
+def test_eval_ttt_prints_its_log_above_its_bar_never_on_its_line(eval_run_dir, quant_data_dir):
+    """In a terminal (a pseudo-terminal here), each log line has a line of its own."""
+    import os
+    import pty
+    import re
+    import sys
+
+    captured = bytearray()
+
+    def read(fd):
+        data = os.read(fd, 4096)
+        captured.extend(data)
+        return data
+
+    previous = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "120"
+    try:
+        status = pty.spawn([sys.executable, "-m", "windowgpt_cli", "eval-ttt", str(eval_run_dir), "--data",
+                            str(quant_data_dir), "--ttt-epochs", "1"], read)
+    finally:
+        if previous is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = previous
+    assert os.waitstatus_to_exitcode(status) == 0
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", captured.decode(errors="replace"))
+    pieces = re.split(r"[\r\n]", text)
+    assert any("ttt_sliding:start" in p for p in pieces) and any("ttt ━" in p for p in pieces)
+    assert not [p for p in pieces if "ttt ━" in p and "ttt_sliding" in p]

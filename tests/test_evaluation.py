@@ -423,6 +423,7 @@ def reference_module(shared_dir):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")  # the reference's, on a CPU
+@pytest.mark.slow
 def test_sliding_and_ttt_give_the_reference_functions_numbers(shared_dir, monkeypatch, eval_tokenizer,
                                                               eval_val_tokens):
     """eval_val_sliding and eval_val_sliding_ttt themselves, on the CPU in float32 (the

@@ -81,6 +81,7 @@ def test_loader_refuses_what_is_not_an_artifact(tmp_path: Path, quant_run_dir: P
         model_io.load_weights(out)
 
 
+@pytest.mark.slow
 def test_quantize_writes_the_artifact_and_its_budget_report(quant_run_dir: Path, tmp_path: Path):
     out_dir = tmp_path / "export"
     export(quant_run_dir, out_dir)
@@ -109,6 +110,7 @@ def test_quantize_writes_the_artifact_and_its_budget_report(quant_run_dir: Path,
     assert torch.nn.functional.cosine_similarity(exact.flatten(), quantized.flatten(), dim=0) > 0.9
 
 
+@pytest.mark.slow
 def test_quantize_with_gptq_calibrates_and_times_each_phase(quant_run_dir: Path, quant_data_dir: Path, tmp_path: Path):
     artifact = tmp_path / "gptq.ptz"
     report = quantize(quant_run_dir, artifact, gptq=True, data_dir=quant_data_dir, calib_batches=2, device="cpu")
@@ -121,6 +123,7 @@ def test_quantize_with_gptq_calibrates_and_times_each_phase(quant_run_dir: Path,
         quantize(quant_run_dir, tmp_path / "x.ptz", gptq=True)
 
 
+@pytest.mark.slow
 def test_cli_export_and_quantize_report_and_enforce_the_budget(quant_run_dir: Path, tmp_path: Path):
     runner = CliRunner()
     result = runner.invoke(app, ["export", str(quant_run_dir), "--out", str(tmp_path / "e")], env=WIDE)

@@ -43,6 +43,7 @@ def test_context_start_caps_the_context_and_restarts_it_in_jumps():
 
 
 @pytest.mark.parametrize("num_samples", [1, 3])
+@pytest.mark.slow
 def test_greedy_decoding_equals_recomputing_the_context(eval_model, num_samples):
     prompt = random_tokens(40, seed=4)
     runs = [generate(eval_model, prompt, NEW_TOKENS, num_samples=num_samples, temperature=0.0, use_cache=cache)
@@ -52,6 +53,7 @@ def test_greedy_decoding_equals_recomputing_the_context(eval_model, num_samples)
     assert runs[0].context_restarts == runs[1].context_restarts == restarts(range(40, 40 + NEW_TOKENS)) >= 5
 
 
+@pytest.mark.slow
 def test_every_step_sees_the_logits_of_recomputation(eval_model, monkeypatch):
     """Sampled (so the three samples' texts differ), each step's logits of every sample."""
     seen: dict[bool, list[torch.Tensor]] = {True: [], False: []}
@@ -160,6 +162,7 @@ def test_an_export_carries_its_tokenizer(located_run, eval_data_dir, tmp_path):
     assert out["tokenizer"] == str((tmp_path / "export" / "tokenizer.model").absolute())
 
 
+@pytest.mark.slow
 def test_a_ptz_finds_the_tokenizer_its_report_records(located_run, eval_data_dir, tmp_path):
     artifact = tmp_path / "model.ptz"
     report = quantize(located_run, artifact, device="cpu")

@@ -39,6 +39,7 @@ def three_kinds(eval_run_dir, tmp_path):
     return eval_run_dir, tmp_path / "export", tmp_path / "model.ptz"
 
 
+@pytest.mark.slow
 def test_inspect_describes_a_run_an_export_and_a_ptz(three_kinds):
     run, exported, packed = three_kinds
     records = [inspect_artifact(p) for p in three_kinds]
@@ -70,6 +71,7 @@ def test_inspect_refuses_what_is_no_artifact_in_one_line(tmp_path):
     assert result.exit_code == 1 and "neither a run directory" in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.slow
 def test_same_weights_and_settings_give_the_same_ptz_bytes_anywhere(three_kinds, tmp_path):
     _, exported, packed = three_kinds
     elsewhere = tmp_path / "elsewhere" / "deeper" / "copy"
@@ -82,6 +84,7 @@ def test_same_weights_and_settings_give_the_same_ptz_bytes_anywhere(three_kinds,
     assert reports[0]["source"]["path"] != reports[1]["source"]["path"]  # paths stay in the reports
 
 
+@pytest.mark.slow
 def test_eval_results_are_saved_beside_the_artifact_and_found(three_kinds, eval_data_dir):
     _, _, packed = three_kinds
     result = cli("eval", packed, "--data", eval_data_dir, "--json")
@@ -109,6 +112,7 @@ def two_runs(tiny_data_dir, tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 def test_training_logs_greedy_samples(two_runs):
     log = (two_runs[0] / "train.log").read_text()
     samples = [line for line in log.splitlines() if line.startswith("sample step:")]
@@ -131,6 +135,7 @@ def test_compare_puts_runs_side_by_side_with_their_differing_setting(two_runs):
     assert json.loads(cli("compare", *two_runs, "--json").stdout) == json.loads(json.dumps(result))
 
 
+@pytest.mark.slow
 def test_plot_writes_a_png_and_an_html_page(two_runs, tmp_path):
     pytest.importorskip("matplotlib")
     png = plot_runs(two_runs, tmp_path / "curves.png")

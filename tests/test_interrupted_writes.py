@@ -131,6 +131,7 @@ def test_export_killed_at_each_write(monkeypatch, tmp_path, quant_run_dir):
     assert {"old", "new"} <= seen
 
 
+@pytest.mark.slow
 def test_quantize_killed_at_each_write(monkeypatch, tmp_path, quant_run_dir):
     from windowgpt_cli.quant.quantize import quantize, report_path
 
@@ -158,6 +159,7 @@ def test_quantize_killed_at_each_write(monkeypatch, tmp_path, quant_run_dir):
     assert {"old", "new"} <= seen
 
 
+@pytest.mark.slow
 def test_train_killed_at_each_write(monkeypatch, tmp_path, tiny_data_dir):
     from windowgpt_cli.config import apply_overrides, tiny_preset
     from windowgpt_cli.artifacts.export import export

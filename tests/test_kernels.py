@@ -185,6 +185,7 @@ def test_a_product_the_kernel_cannot_take_runs_apart(products):
 
 
 @pytest.mark.parametrize("query_runs", [False, True])
+@pytest.mark.slow
 def test_the_model_scores_the_same_with_fused_steps(products, query_runs):
     """The whole tiny model (skips, value embeddings, XSA, windows with sinks, the pruned
     last block, the MLP's fused products; with query_runs the block before the last at the

@@ -167,6 +167,7 @@ def _reference_module(shared_dir):
 
 
 @pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.slow
 def test_reference_state_dict_loads_strictly_and_gives_same_logits(shared_dir, tie):
     ref = _reference_module(shared_dir)
     cfg = ModelConfig(num_layers=5, model_dim=128, num_heads=4, num_kv_heads=2, mlp_mult=2.0, rope_dims=16,

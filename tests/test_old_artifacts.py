@@ -13,7 +13,7 @@ from windowgpt_cli.artifacts.export import EXPORT_WEIGHTS, export
 from windowgpt_cli.data.prepare import prepare
 from windowgpt_cli.eval.evaluate import evaluate_artifact, ttt_evaluate_artifact
 from windowgpt_cli.quant.quantize import quantize
-from windowgpt_cli.storage.files import sha256_file
+from windowgpt_cli.storage import tensorfile
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "v0.1.0-4052639"
@@ -45,6 +45,7 @@ def test_old_artifacts_score_as_they_did(old, kind, stride):
     assert record["val_bpb"] == pytest.approx(val_bpb, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_an_old_ptz_scores_as_it_did_with_test_time_training(old):
     record = ttt_evaluate_artifact(old / "model.ptz", old / "data", device="cpu").record
     val_bpb, tokens = EXPECTED["scores"]["model.ptz ttt"]
@@ -52,11 +53,16 @@ def test_an_old_ptz_scores_as_it_did_with_test_time_training(old):
     assert record["val_bpb"] == pytest.approx(val_bpb, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_an_old_run_exports_its_weights_byte_for_byte_and_quantizes(old, tmp_path):
     ckpt = load_checkpoint(old / "run")
     assert ckpt.step == 6
     export(old / "run", tmp_path / "export")
-    assert sha256_file(tmp_path / "export" / EXPORT_WEIGHTS) == sha256_file(old / "export" / EXPORT_WEIGHTS)
+    new, new_meta = tensorfile.load(tmp_path / "export" / EXPORT_WEIGHTS)
+    before, before_meta = tensorfile.load(old / "export" / EXPORT_WEIGHTS)
+    assert list(new) == list(before)
+    assert all(tensorfile.tensor_bytes(new[k]) == tensorfile.tensor_bytes(before[k]) for k in new)
+    assert (before_meta["format"], new_meta["format"]) == ("windowgpt.export", "pt")  # now standard metadata
     report = quantize(old / "export", tmp_path / "model.ptz", device="cpu")
     assert report["within_budget"]
     record = evaluate_artifact(tmp_path / "model.ptz", old / "data", settings={"eval": {"eval_stride": 16}},

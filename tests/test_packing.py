@@ -8,12 +8,15 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from windowgpt_cli.record import codesize
 from windowgpt_cli.storage.files import sha256_file
 from windowgpt_cli.record.archive import FIXED_TIME, MAIN_MEMBER, MAIN_SOURCE, pack
 from windowgpt_cli.quant.quantize import quantize
 
 
+@pytest.mark.slow
 def test_packing_is_reproducible_and_holds_exactly_the_record_modules(tmp_path: Path):
     first, second = pack(tmp_path / "a" / "code.pyz"), pack(tmp_path / "b.pyz")
     data = (tmp_path / "a" / "code.pyz").read_bytes()
@@ -32,6 +35,7 @@ def test_packing_is_reproducible_and_holds_exactly_the_record_modules(tmp_path: 
     assert first.form == f"zipapp (deflate) of {len(names)} files, runnable as `python code.pyz`"
 
 
+@pytest.mark.slow
 def test_the_archive_alone_runs_a_record_stage_and_counts_itself(tiny_run_dir: Path, tmp_path: Path,
                                                                  quant_single_thread):
     archive = tmp_path / "code.pyz"
@@ -55,6 +59,7 @@ def test_the_archive_alone_runs_a_record_stage_and_counts_itself(tiny_run_dir: P
     assert source["code_bytes"] == codesize.code_bytes() == packed["code_source_bytes"] - len(MAIN_SOURCE)
 
 
+@pytest.mark.slow
 def test_pack_command_writes_the_archive_and_says_what_it_counts(tmp_path: Path):
     from typer.testing import CliRunner
 

@@ -163,6 +163,7 @@ def _broken_files(tmp_path: Path) -> dict[str, Path]:
     return out
 
 
+@pytest.mark.slow
 def test_broken_ptz_files_raise_one_line_errors(tmp_path: Path):
     for name, path in _broken_files(tmp_path).items():
         with pytest.raises(ArtifactError) as excinfo:
@@ -173,6 +174,7 @@ def test_broken_ptz_files_raise_one_line_errors(tmp_path: Path):
 
 
 @pytest.mark.parametrize("command", ["eval", "quantize"])
+@pytest.mark.slow
 def test_broken_ptz_files_exit_1_with_one_line_through_the_cli(tmp_path: Path, command: str):
     runner = CliRunner()
     files = _broken_files(tmp_path)
@@ -352,6 +354,7 @@ def test_rans_refuses_altered_or_truncated_streams(tmp_path: Path, monkeypatch: 
         assert one_line_error(excinfo).startswith(str(path)), name
 
 
+@pytest.mark.slow
 def test_decoding_refuses_a_corrupt_rans_stream_as_corrupt_payload(monkeypatch: pytest.MonkeyPatch):
     """Every prefix and every single-byte change of a small stream raises CorruptPayload
     (or decodes to exactly the payload, which the header's hash then confirms)."""

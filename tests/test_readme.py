@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 # The walk-through trains for 60 steps; the test trains for 4, which exercises the same path.
@@ -21,6 +23,7 @@ def first_run_commands() -> list[list[str]]:
     return [shlex.split(line) for line in block.group(1).splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 def test_the_readme_first_run_works_as_written(tmp_path):
     (tmp_path / "data").symlink_to(REPO / "data")  # the clone's data/demo corpus
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "COLUMNS": "200"}

@@ -77,6 +77,7 @@ def summary_of(out: Path) -> dict:
     return json.loads((out / "train" / "summary.json").read_text())
 
 
+@pytest.mark.slow
 def test_training_stops_early_by_the_reserve_and_calibrates_inside_its_budget(record_flow):
     out, _ = record_flow
     log = (out / "train" / "train.log").read_text()
@@ -107,6 +108,7 @@ def test_training_stops_early_by_the_reserve_and_calibrates_inside_its_budget(re
     assert json.loads((out / "export" / "export.json").read_text())["hessians"] == HESSIANS_FILENAME
 
 
+@pytest.mark.slow
 def test_quantize_uses_the_runs_hessians_and_equals_calibrating_the_same_batches_after(
         record_flow, tiny_data_dir: Path, tmp_path: Path, quant_single_thread):
     out, _ = record_flow
@@ -126,6 +128,7 @@ def test_quantize_uses_the_runs_hessians_and_equals_calibrating_the_same_batches
         quantize(out / "export", tmp_path / "x.ptz", gptq=True, calib_batches=2, device="cpu")
 
 
+@pytest.mark.slow
 def test_other_weights_never_take_the_ema_hessians(record_flow, tmp_path: Path, quant_single_thread):
     out, _ = record_flow
     last = tmp_path / "last"
@@ -139,6 +142,7 @@ def test_other_weights_never_take_the_ema_hessians(record_flow, tmp_path: Path, 
         quantize(last, tmp_path / "last.ptz", gptq=True, device="cpu")
 
 
+@pytest.mark.slow
 def test_code_bytes_count_every_module_the_record_run_imports(record_flow):
     out, imported = record_flow
     closure = codesize.import_closure()
@@ -214,6 +218,7 @@ def test_report_flags_broken_rules_and_the_command_exits_1(record_flow, tmp_path
     assert record["training_seconds"]["total"] > summary["training_plus_calibration_ms"] / 1000  # it counts too
 
 
+@pytest.mark.slow
 def test_a_reserve_too_small_for_calibration_is_logged_and_fails_the_report(record_flow, tiny_data_dir, tmp_path,
                                                                           quant_single_thread):
     from windowgpt_cli.config import apply_overrides, tiny_preset

@@ -17,6 +17,7 @@ def test_compiled_is_the_function_itself_when_disabled():
     assert compiled(scaled_tanh_plus_square, enabled=False) is scaled_tanh_plus_square
 
 
+@pytest.mark.slow
 def test_one_pass_compilation_turns_autotuning_off_and_computes_the_same():
     assert compiled(scaled_tanh_plus_square).options is None  # Inductor's defaults, e.g. for training
     one_pass = compiled(scaled_tanh_plus_square, autotune=False)

@@ -103,6 +103,7 @@ def test_count_bytes_follows_the_reference_formula():
 @settings(max_examples=150, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(max_size=80))
+@pytest.mark.slow
 def test_with_byte_fallback_counted_bytes_equal_the_utf8_text(data_bytefallback_tokenizer, text):
     sp = load_sentencepiece(data_bytefallback_tokenizer)
     luts = load_byte_luts(data_bytefallback_tokenizer, None, sp.vocab_size())

@@ -38,6 +38,7 @@ def agree(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
 @pytest.mark.parametrize("rope_dims", [8, 0])  # part of each head rotated, or all of it
 @pytest.mark.parametrize("per_sequence", [False, True])  # one table for every sequence, or one each
 @pytest.mark.parametrize("t", [5, 37])  # positions of one program, or of several (the last one part-filled)
+@pytest.mark.slow
 def test_head_prep_forward_and_gradients(rope_dims, per_sequence, t):
     torch.manual_seed(0)
     b, heads, head_dim = 2, 3, 16
@@ -65,6 +66,7 @@ def test_leaky_square_forward_and_gradient():
     assert agree(fused, reference) and agree(fused_grad, reference_grad)
 
 
+@pytest.mark.slow
 def test_a_training_step_through_the_model_agrees_with_torch():
     """The tiny model's loss and every parameter's gradient, with the fused steps and without."""
     x = torch.randint(0, 1024, (2, 48), generator=torch.Generator().manual_seed(2))

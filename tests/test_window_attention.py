@@ -71,6 +71,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("batch,seq_len,heads,kv_heads,window,sinks,tuning", CASES)
+@pytest.mark.slow
 def test_forward_and_gradients_match_masked_sdpa(batch, seq_len, heads, kv_heads, window, sinks, tuning):
     q, k, v = inputs(seq_len + window + sinks, batch, seq_len, heads, kv_heads)
     grad = torch.randn_like(q)
@@ -225,6 +226,7 @@ class LaunchRecorder:
 
 
 @pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.slow
 def test_each_build_launches_one_of_the_kernels_a_call_runs(monkeypatch, backward):
     """So that run_in_threads builds them side by side: one kernel per build, together
     those of a forward (and its backward)."""

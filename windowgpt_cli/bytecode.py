@@ -27,6 +27,10 @@ PRECOMPILED_PACKAGES = ("torch", "triton", "sympy", "numpy")
 # Fewer cores than this, and compiling everything in the background would slow the command
 # it should speed up (it compiles far more modules than one command imports).
 PRECOMPILE_MIN_CPUS = 8
+# The cache's bound: past it, it is emptied (and rebuilt by the commands that follow). One
+# environment's torch, triton, sympy and numpy take 25-55 MB.
+MAX_CACHE_BYTES = 512 << 20
+PRUNE_EVERY_SECONDS = 24 * 3600
 
 
 def bytecode_cache_dir() -> Path:
@@ -38,11 +42,61 @@ def keep_bytecode() -> None:
     """Where Python is told not to write bytecode beside the sources and no other place is
     set for it (PYTHONPYCACHEPREFIX), write and read it under `bytecode_cache_dir` instead.
     Elsewhere nothing changes. A folder that cannot be written only costs the speed-up."""
-    if sys.dont_write_bytecode and sys.pycache_prefix is None:
+    if sys.dont_write_bytecode and sys.pycache_prefix is None and not ships_bytecode("torch"):
         sys.pycache_prefix = str(bytecode_cache_dir())
         sys.dont_write_bytecode = False
         if usable_cpus() >= PRECOMPILE_MIN_CPUS:
             start_precompile(Path(sys.pycache_prefix), PRECOMPILED_PACKAGES)
+        start_prune(Path(sys.pycache_prefix))
+
+
+def ships_bytecode(package: str) -> bool:
+    """Whether an installed package has its bytecode beside its sources (compiled when it
+    was installed): Python reads that as it is, and a cache elsewhere would only be built
+    again for nothing (it cost 3 s on the first command, and saved none)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return False
+    return Path(importlib.util.cache_from_source(spec.origin)).is_file()
+
+
+def start_prune(prefix: Path) -> None:
+    """Once a day, prune the cache in a background process (`prune`)."""
+    stamp = prefix / "pruned"
+    try:
+        import time
+
+        if stamp.exists() and time.time() - stamp.stat().st_mtime < PRUNE_EVERY_SECONDS:
+            return
+        prefix.mkdir(parents=True, exist_ok=True)
+        stamp.touch()
+        argv, env = module_process(__name__, "--prune", str(prefix))
+        subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    except (OSError, ValueError):
+        pass
+
+
+def prune(prefix: Path, max_bytes: int = MAX_CACHE_BYTES) -> None:
+    """Remove the bytecode of sources that are gone (an environment deleted, a package
+    upgraded), then, if the cache is still over max_bytes, all of it."""
+    import shutil
+
+    prefix = Path(prefix)
+    total = 0
+    for folder, subdirs, files in os.walk(prefix, topdown=True):
+        source = Path("/" + os.path.relpath(folder, prefix)) if folder != str(prefix) else None
+        if source is not None and not source.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            subdirs.clear()
+            continue
+        total += sum(os.path.getsize(os.path.join(folder, f)) for f in files if f.endswith(".pyc"))
+    if total > max_bytes:
+        for entry in prefix.iterdir():
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            elif entry.name.startswith("precompiled-"):
+                entry.unlink(missing_ok=True)
 
 
 def usable_cpus() -> int:
@@ -118,7 +172,9 @@ def precompile(prefix: Path, dirs: Sequence[Path]) -> bool:
         return True
 
 
-if __name__ == "__main__":  # start_precompile's process: PREFIX FOLDER...
+if __name__ == "__main__" and sys.argv[1:2] == ["--prune"]:  # start_prune's process: --prune PREFIX
+    prune(Path(sys.argv[2]))
+elif __name__ == "__main__":  # start_precompile's process: PREFIX FOLDER...
     if len(sys.argv) < 2:
         print("usage: python -m windowgpt_cli.bytecode PREFIX [FOLDER...] (windowgpt starts this itself)",
               file=sys.stderr)

@@ -7,12 +7,13 @@ JSON next to every artifact, and each stage rebuilds the model from it alone.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .errors import ConfigError, SettingError
 
@@ -139,7 +140,13 @@ class TrainConfig:
     swa_enabled: bool = setting(True, "Average weight snapshots (SWA) once the learning-rate scale is below 0.2.")
     swa_every: int = setting(50, "Steps between SWA snapshots.")
     checkpoint_every: int = setting(0, "Write a checkpoint every N steps; 0 = only at the end.")
+    keep_checkpoints: int = setting(0, "Keep the last K periodic checkpoints as checkpoint-STEP.pt beside "
+                                       "checkpoint.pt, to go back to; 0 = only checkpoint.pt.")
     device: str = setting("auto", "auto (CUDA when available), cpu or cuda.")
+    cpu_threads: int = setting(0, "Threads of torch's CPU work in every stage (train, quantize, eval, eval-ttt, "
+                                  "generate); 0 = torch's choice, one per core. A small model runs faster on "
+                                  "one (threads contend on a busy machine), and CPU results depend on the "
+                                  "count in their last digits.")
     attn_backend: str = setting("auto", "Attention kernels: auto, fa3, flex, triton or sdpa.")
     compile: bool = setting(True, "torch.compile the model (on CUDA only).")
     sample_every: int = setting(0, "Log a short greedy sample every N steps; 0 = never.")
@@ -229,7 +236,8 @@ class RunConfig:
         groups = {g.name: g for g in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - set(groups))
         if unknown:
-            raise ConfigError(f"{source}: unknown section(s) {', '.join(unknown)}")
+            raise ConfigError(f"{source}: unknown section(s) {', '.join(unknown)}"
+                              f"{_did_you_mean(unknown[0], groups, _section_of)}")
         cfg = dataclasses.replace(base) if base is not None else cls()
         for name, values in raw.items():
             setattr(cfg, name, _group_from_dict(getattr(cfg, name), values, f"{source}: [{name}]"))
@@ -277,7 +285,7 @@ def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def load_config_file(path: Path, base: RunConfig | None = None) -> RunConfig:
-    """A JSON or TOML (by its .toml suffix) configuration file's settings over base."""
+    """A JSON, TOML (.toml) or YAML (.yaml, .yml) configuration file's settings over base."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -285,7 +293,9 @@ def load_config_file(path: Path, base: RunConfig | None = None) -> RunConfig:
         raise ConfigError(f"{path}: no such configuration file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not a readable configuration file ({exc})") from None
-    if path.suffix.lower() == ".toml":
+    if path.suffix.lower() in YAML_SUFFIXES:
+        raw = _parse_yaml(text, path)
+    elif path.suffix.lower() == ".toml":
         try:
             import tomllib
         except ModuleNotFoundError:  # Python 3.10
@@ -302,8 +312,37 @@ def load_config_file(path: Path, base: RunConfig | None = None) -> RunConfig:
         except _DuplicateKey as exc:
             raise ConfigError(f"{path}: the key {exc.args[0]!r} appears twice in one object; keep one") from None
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: not a valid JSON configuration ({exc}); TOML files end in .toml") from None
+            raise ConfigError(f"{path}: not a valid JSON configuration ({exc}); TOML files end in .toml, "
+                              "YAML files in .yaml") from None
     return RunConfig.parse(raw, source=str(path), base=base)
+
+
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
+def _parse_yaml(text: str, path: Path) -> Any:
+    """A YAML configuration, read with PyYAML's safe loader (plain data only), duplicate
+    keys refused as in JSON."""
+    try:
+        import yaml
+    except ModuleNotFoundError:
+        raise ConfigError(f"{path}: reading YAML needs PyYAML (pip install 'windowgpt[yaml]'); or use JSON "
+                          "or TOML") from None
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+            for key in keys:
+                if keys.count(key) > 1:
+                    raise ConfigError(f"{path}: the key {key!r} appears twice in one mapping; keep one")
+            return super().construct_mapping(node, deep=deep)
+
+    try:
+        return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader: plain data only
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a configuration") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not a valid YAML configuration ({' '.join(str(exc).split())})") from None
 
 
 GROUP_TYPES: dict[str, type] = {
@@ -344,8 +383,27 @@ def _group_from_dict(base: Any, values: Any, source: str) -> Any:
     hints = typing.get_type_hints(type(base))
     unknown = sorted(set(values) - set(hints))
     if unknown:
-        raise ConfigError(f"{source}: unknown setting(s) {', '.join(unknown)}")
+        raise ConfigError(f"{source}: unknown setting(s) {', '.join(unknown)}"
+                          f"{_did_you_mean(unknown[0], hints, _section_of)}")
     return dataclasses.replace(base, **{k: coerce(hints[k], v, f"{source} {k}") for k, v in values.items()})
+
+
+def _section_of(name: str) -> str | None:
+    """The section that holds a setting (field names are unique across sections)."""
+    for group, cls in GROUP_TYPES.items():
+        if name in typing.get_type_hints(cls):
+            return group
+    return None
+
+
+def _did_you_mean(name: str, known: Any, section_of: Callable[[str], str | None]) -> str:
+    """'; it belongs in [optim]' for a setting put in the wrong section, '; did you mean
+    matrix_lr?' for a misspelled one, else nothing."""
+    home = section_of(name)
+    if home is not None and name not in known:
+        return f"; it belongs in [{home}]"
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def coerce(hint: Any, value: Any, what: str) -> Any:
@@ -409,8 +467,8 @@ def grad_accum_steps_for(cfg: RunConfig, world_size: int) -> int:
 
 
 # Settings that a resumed run may change: where its data lies and how it runs, never what it computes.
-RESUMABLE_SETTINGS = ("data_path", "tokenizer_path", "tokenizer_meta_path", "device", "attn_backend", "compile",
-                      "micro_batches_per_pass", "sample_every", "sample_prompt", "logger")
+RESUMABLE_SETTINGS = ("data_path", "tokenizer_path", "tokenizer_meta_path", "device", "cpu_threads", "attn_backend",
+                      "compile", "micro_batches_per_pass", "sample_every", "sample_prompt", "logger", "keep_checkpoints")
 
 
 # --- Presets ----------------------------------------------------------------------------
@@ -432,7 +490,7 @@ def tiny_preset() -> RunConfig:
         train=TrainConfig(
             iterations=60, warmdown_iters=20, warmup_steps=2, train_batch_tokens=8 * 8 * 128, grad_accum_steps=2,
             train_seq_len=128, max_wallclock_seconds=0.0, val_loss_every=0, train_log_every=10,
-            val_batch_size=8 * 8 * 128, swa_every=5, compile=False,
+            val_batch_size=8 * 8 * 128, swa_every=5, compile=False, cpu_threads=1,
         ),
         eval=EvalConfig(eval_seq_len=128, eval_stride=32, eval_batch_seqs=16),
         quant=QuantConfig(gptq_calib_samples=4, quant_passthrough_max_numel=1024),  # quantize its small matrices
@@ -475,7 +533,8 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "micro_batches_per_pass": (0, 1 << 16),
     "max_wallclock_seconds": (0, None), "val_loss_every": (0, INT_MAX), "train_log_every": (0, INT_MAX),
     "val_batch_size": (1, 1 << 40), "ema_decay": (0, 0.999999999), "warmdown_max_fraction": (1e-9, 1),
-    "swa_every": (1, INT_MAX), "checkpoint_every": (0, INT_MAX), "sample_every": (0, INT_MAX),
+    "swa_every": (1, INT_MAX), "checkpoint_every": (0, INT_MAX), "sample_every": (0, INT_MAX), "cpu_threads": (0, 4096),
+    "keep_checkpoints": (0, 1 << 20),
     "eval_seq_len": (1, 1 << 22), "eval_stride": (0, 1 << 22), "eval_batch_seqs": (0, 1 << 20),
     "quant_clip_range": (1, 127), "quant_passthrough_max_numel": (0, 1 << 40), "gptq_calib_samples": (0, 1 << 20),
     "gptq_block_size": (1, 1 << 16), "gptq_percdamp": (0, 1), "gptq_reserve_seconds": (0, None),

@@ -25,6 +25,13 @@ def resolve_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
+def use_cpu_threads(threads: int, device: torch.device) -> None:
+    """Run torch's CPU work on `threads` threads (0: leave torch's choice) where the model
+    runs on the CPU. Set once per process: torch keeps its thread pool."""
+    if device.type == "cpu" and threads > 0 and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 def autocast(device: torch.device, cache: bool = True) -> contextlib.AbstractContextManager:
     """bf16 autocast on CUDA as the reference; full float32 on the CPU. cache=False: without
     autocast's cache of cast weights, which a CUDA graph's replays would read stale."""

@@ -10,15 +10,17 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..config import RunConfig
 from ..errors import ArtifactError, ConfigError
 from ..storage.files import atomic_torch_save, is_sha256, read_json_object, tensors_sha256
 from ..storage.runlock import LOCK_NAME
+from ..storage.torchfile import TensorInfo, describe_torch_file
 from .shapes import check_tensors, described
+
+if TYPE_CHECKING:  # the run directory's names and layout need no torch; its checkpoint does
+    import torch
 
 FORMAT = "windowgpt.checkpoint"
 VERSION = 3  # 2: weights_sha256, and tokenizer_sha256 required; 3: state_sha256
@@ -30,7 +32,8 @@ TRAIN_LOG = "train.log"
 METRICS = "metrics.jsonl"
 HESSIANS_FILENAME = "hessians.safetensors"  # GPTQ's Hessians, collected inside training
 SUMMARY = "summary.json"  # written when a run finishes
-RUN_FILES = (RUN_CONFIG, TRAIN_LOG, METRICS, FILENAME, HESSIANS_FILENAME, SUMMARY)
+REPORT_FILES = ("report.md", "report.json", "report.png")  # what `report` writes beside a run's files
+RUN_FILES = (RUN_CONFIG, TRAIN_LOG, METRICS, FILENAME, HESSIANS_FILENAME, SUMMARY, *REPORT_FILES)
 WEIGHT_CHOICES = ("ema", "swa", "last")
 
 
@@ -68,6 +71,31 @@ class Checkpoint:
         return {k: source[k].to(self.model[k].dtype) for k in self.model}
 
 
+KEPT_PATTERN = "checkpoint-*.pt"  # the periodic checkpoints a run keeps (train --keep-checkpoints)
+
+
+def kept_checkpoint_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / f"checkpoint-{step:07d}.pt"
+
+
+def keep_checkpoint(run_dir: Path, step: int, keep: int) -> Path:
+    """A copy of the run's checkpoint.pt (a hard link where the file system has them: the
+    next checkpoint replaces checkpoint.pt by a rename, never in place) as
+    checkpoint-STEP.pt, the oldest beyond `keep` removed."""
+    import os
+    import shutil
+
+    source, target = checkpoint_path(run_dir), kept_checkpoint_path(run_dir, step)
+    target.unlink(missing_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+    for old in sorted(Path(run_dir).glob(KEPT_PATTERN))[:-keep]:
+        old.unlink(missing_ok=True)
+    return target
+
+
 def checkpoint_path(run_dir_or_file: Path) -> Path:
     path = Path(run_dir_or_file)
     return path / FILENAME if path.is_dir() else path
@@ -85,6 +113,8 @@ def save_checkpoint(path: Path, ckpt: Checkpoint) -> Path:
 
 
 def load_checkpoint(run_dir_or_file: Path, map_location: str | torch.device = "cpu") -> Checkpoint:
+    import torch
+
     path = checkpoint_path(run_dir_or_file)
     if not path.is_file():
         raise ArtifactError(f"{path}: no checkpoint here (train writes RUN_DIR/{FILENAME})")
@@ -121,7 +151,45 @@ def load_checkpoint(run_dir_or_file: Path, map_location: str | torch.device = "c
     return ckpt
 
 
+@dataclass
+class CheckpointDescription:
+    """What a checkpoint holds, read without torch (`storage.torchfile`): its tensors as
+    shapes and dtypes; its hashes are not checked (loading does)."""
+
+    version: int
+    config: RunConfig
+    model: dict[str, TensorInfo]
+    step: int
+    training_time_ms: float
+    tokenizer_sha256: str | None
+
+
+def describe_checkpoint(run_dir_or_file: Path) -> CheckpointDescription:
+    path = checkpoint_path(run_dir_or_file)
+    if not path.is_file():
+        raise ArtifactError(f"{path}: no checkpoint here (train writes RUN_DIR/{FILENAME})")
+    raw = describe_torch_file(path)
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise ArtifactError(f"{path}: not a windowgpt checkpoint")
+    if raw.get("version") not in READABLE_VERSIONS:
+        raise ArtifactError(f"{path}: checkpoint version {raw.get('version')} is not supported (this windowgpt "
+                            f"reads {', '.join(map(str, READABLE_VERSIONS))})")
+    try:
+        model = raw["model"]
+        if not isinstance(model, dict) or not all(isinstance(t, TensorInfo) for t in model.values()):
+            raise TypeError("expected a dict of tensors")
+        return CheckpointDescription(raw["version"], RunConfig.from_dict(raw["config"], source=f"{path} config"),
+                                     model, int(raw["step"]), float(raw["training_time_ms"]),
+                                     raw.get("tokenizer_sha256"))
+    except ConfigError as exc:
+        raise ArtifactError(str(exc)) from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ArtifactError(f"{path}: malformed checkpoint ({type(exc).__name__}: {exc})") from None
+
+
 def _tensors(value: Any) -> dict[str, torch.Tensor]:
+    import torch
+
     if not isinstance(value, dict) or not all(isinstance(v, torch.Tensor) for v in value.values()):
         raise TypeError("expected a dict of tensors")
     return value
@@ -143,6 +211,8 @@ def is_run_dir(path: Path) -> bool:
 def state_sha256(state: Any) -> str:
     """A fingerprint of the resume state (optimizer, loader, random state): its nested
     dicts, lists, numbers, strings and tensors, in order."""
+    import torch
+
     digest = hashlib.sha256()
 
     def feed(value: Any) -> None:

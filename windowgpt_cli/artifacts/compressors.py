@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-import torch
 
 from ..errors import ConfigError
 from ..storage import tensorfile
@@ -171,7 +170,7 @@ def _int8_ranges(payload: bytes) -> list[tuple[int, int]]:
     """Absolute byte ranges of the payload's int8 tensors worth entropy coding."""
     entries, _, start = tensorfile.layout(payload, "payload")
     ranges = [(start + b, start + e) for dtype, _, (b, e) in entries.values()
-              if dtype == torch.int8 and e - b >= RANS_MIN_SYMBOLS]
+              if dtype == "I8" and e - b >= RANS_MIN_SYMBOLS]
     return sorted(sorted(ranges, key=lambda r: r[0] - r[1])[:RANS_MAX_RANGES])
 
 

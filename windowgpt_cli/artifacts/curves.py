@@ -83,7 +83,9 @@ def _pyplot():
 def draw(runs: list[RunCurves]):
     """A 2 x 2 figure: train_loss and val_bpb (rows) against step and training time (columns)."""
     plt = _pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), dpi=80)
+    # Each column shares its x axis: a run validated once shows its point at the end of its
+    # training curve, not alone in the middle of an axis of its own.
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), dpi=80, sharex="col")
     for (metric, axis), ax in zip(PANELS, axes.flat):
         for i, run in enumerate(runs):
             x, y = run.series(metric, axis)
@@ -91,6 +93,9 @@ def draw(runs: list[RunCurves]):
             if metric == "val_bpb":  # the EMA weights' score, after the last step
                 ex, ey = run.series("post_ema_val_bpb", axis)
                 ax.plot(ex, ey, marker="x", linestyle="none", color=f"C{i}")
+                if len(x) == 1:  # a lone point: its value written beside it
+                    ax.annotate(f"{y[0]:.4f}", (x[0], y[0]), textcoords="offset points", xytext=(-6, 6),
+                                ha="right", fontsize=8, color=f"C{i}")
         ax.set_xlabel("step" if axis == "step" else "training time (s)")
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
@@ -110,8 +115,12 @@ def plot_runs(paths: list[Path], out: Path) -> Path:
     if not paths:
         raise ConfigError("give at least one run directory to plot")
     check_apart(out, paths)
+    return write_plot([load_run_curves(p) for p in paths], out)
+
+
+def write_plot(runs: list[RunCurves], out: Path) -> Path:
+    """The runs' curves drawn into out (.png or .html), which may only replace a plot."""
     claim_file(out, "a plot", is_plot)
-    runs = [load_run_curves(p) for p in paths]
     fig = draw(runs)
     buffer = io.BytesIO()
     if out.suffix.lower() == ".png":

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
-
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from ..config import RunConfig
 from ..errors import ArtifactError, ConfigError
@@ -23,20 +21,48 @@ from ..model.state_dict import unbank_state_dict
 from ..storage import tensorfile
 from ..storage.files import atomic_write_bytes, atomic_write_json, is_sha256, publish_dir, read_json_object, sha256_file
 from ..storage.outputs import check_apart, claim_dir
-from .checkpoint import HESSIANS_FILENAME, WEIGHT_CHOICES, Checkpoint, checkpoint_path, load_checkpoint
+from .checkpoint import HESSIANS_FILENAME, REPORT_FILES, WEIGHT_CHOICES, Checkpoint, checkpoint_path, load_checkpoint
 from .shapes import check_tensors, described
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 EXPORT_WEIGHTS = "model.safetensors"
 EXPORT_CONFIG = "config.json"
 EXPORT_INFO = "export.json"
 EXPORT_FORMAT = "windowgpt.export"
 EXPORT_VERSION = "1"
+# model.safetensors's metadata: "format: pt", as torch's safetensors files say (transformers
+# and others read them so), and windowgpt's own key naming the export's version.
+WEIGHTS_METADATA = {"format": "pt", EXPORT_FORMAT: EXPORT_VERSION}
 TOKENIZER_FILE = "tokenizer.model"  # an export's copy of its tokenizer, as a data directory holds it
 
 
 def read_export(export_dir: Path) -> tuple[RunConfig, dict[str, Tensor], dict]:
     """An export's config, per-layer tensors and export.json, each checked against the
     hashes export.json records."""
+    config, info = _checked_description(export_dir)
+    weights_path = export_dir / EXPORT_WEIGHTS
+    tensors, metadata = tensorfile.load(weights_path)
+    if not _is_export_weights(metadata):
+        raise ArtifactError(f"{weights_path}: not a windowgpt export of format version {EXPORT_VERSION}")
+    check_tensors(config.model, described(tensors), str(weights_path), per_layer=True)
+    return config, tensors, info
+
+
+def describe_export(export_dir: Path) -> tuple[RunConfig, dict[str, tensorfile.Entry], dict]:
+    """read_export's checks and figures without its tensors: the weights' entries (dtype code,
+    shape, offsets) from their file's header."""
+    config, info = _checked_description(export_dir)
+    weights_path = export_dir / EXPORT_WEIGHTS
+    entries, metadata = tensorfile.read_file_header(weights_path)
+    if not _is_export_weights(metadata):
+        raise ArtifactError(f"{weights_path}: not a windowgpt export of format version {EXPORT_VERSION}")
+    return config, entries, info
+
+
+def _checked_description(export_dir: Path) -> tuple[RunConfig, dict]:
+    """The export's configuration and export.json, the files checked against its hashes."""
     weights_path, config_path, info_path = (export_dir / EXPORT_WEIGHTS, export_dir / EXPORT_CONFIG,
                                             export_dir / EXPORT_INFO)
     for path in (config_path, info_path):
@@ -53,14 +79,15 @@ def read_export(export_dir: Path) -> tuple[RunConfig, dict[str, Tensor], dict]:
     if sha256_file(weights_path) != info["sha256"]:
         raise ArtifactError(f"{weights_path}: differs from the weights {EXPORT_INFO} records (corrupt or altered)")
     try:
-        config = RunConfig.load(config_path)
+        return RunConfig.load(config_path), info
     except ConfigError as exc:
         raise ArtifactError(str(exc)) from None
-    tensors, metadata = tensorfile.load(weights_path)
-    if metadata.get("format") != EXPORT_FORMAT or metadata.get("format_version") != EXPORT_VERSION:
-        raise ArtifactError(f"{weights_path}: not a windowgpt export of format version {EXPORT_VERSION}")
-    check_tensors(config.model, described(tensors), str(weights_path), per_layer=True)
-    return config, tensors, info
+
+
+def _is_export_weights(metadata: dict[str, str]) -> bool:
+    current = metadata.get("format") == "pt" and metadata.get(EXPORT_FORMAT) == EXPORT_VERSION
+    before = metadata.get("format") == EXPORT_FORMAT and metadata.get("format_version") == EXPORT_VERSION  # 0.1
+    return current or before
 
 
 def export(run_dir: Path, out: Path, weights: str = "ema") -> dict[str, Any]:
@@ -77,10 +104,10 @@ def export(run_dir: Path, out: Path, weights: str = "ema") -> dict[str, Any]:
 
 def _write_export(out: Path, run_dir: Path, ckpt: Checkpoint, tensors: dict[str, Tensor],
                   weights: str) -> dict[str, Any]:
-    tensorfile.save(out / EXPORT_WEIGHTS, tensors, {"format": EXPORT_FORMAT, "format_version": EXPORT_VERSION})
+    tensorfile.save(out / EXPORT_WEIGHTS, tensors, WEIGHTS_METADATA)
     atomic_write_json(out / EXPORT_CONFIG, ckpt.config.to_dict())
     hessians = _carry_hessians(Path(run_dir), out, weights)
-    tokenizer = _copy_tokenizer(ckpt, out)
+    tokenizer = copy_tokenizer(ckpt, out)
     info = {
         "format": EXPORT_FORMAT,
         "format_version": EXPORT_VERSION,
@@ -101,7 +128,7 @@ def _write_export(out: Path, run_dir: Path, ckpt: Checkpoint, tensors: dict[str,
     return info
 
 
-def _copy_tokenizer(ckpt: Checkpoint, out: Path) -> Path | None:
+def copy_tokenizer(ckpt: Checkpoint, out: Path) -> Path | None:
     """Copy the run's tokenizer beside the weights, when it is still where the run read it
     (and still the one it trained with); returns where it was."""
     data = ckpt.config.data
@@ -124,7 +151,7 @@ def _carry_hessians(run_dir: Path, out: Path, weights: str) -> str | None:
     return HESSIANS_FILENAME
 
 
-EXPORT_FILES = {EXPORT_WEIGHTS, EXPORT_CONFIG, EXPORT_INFO, HESSIANS_FILENAME, TOKENIZER_FILE}
+EXPORT_FILES = {EXPORT_WEIGHTS, EXPORT_CONFIG, EXPORT_INFO, HESSIANS_FILENAME, TOKENIZER_FILE, *REPORT_FILES}
 
 
 def is_export_dir(path: Path) -> bool:

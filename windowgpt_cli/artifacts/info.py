@@ -11,14 +11,13 @@ from ..config import GROUP_TYPES, RunConfig
 from ..errors import ArtifactError
 from ..model.state_dict import GROUPS, tensor_group, unbank_state_dict
 from ..storage.files import sha256_file
+from ..storage.tensorfile import ITEM_SIZES
 from . import ptz
 from .checkpoint import FILENAME as CHECKPOINT_FILENAME
-from .checkpoint import VERSION as CHECKPOINT_VERSION
-from .checkpoint import load_checkpoint
-from .export import EXPORT_INFO, EXPORT_VERSION, EXPORT_WEIGHTS, read_export
+from .checkpoint import describe_checkpoint
+from .export import EXPORT_INFO, EXPORT_VERSION, EXPORT_WEIGHTS, describe_export
 from .lineage import DATA_PATH_FIELDS
 from .results import find_eval_results, read_json
-from .shapes import check_tensors
 
 # --- Reading an artifact -----------------------------------------------------------------
 
@@ -78,20 +77,24 @@ def read_artifact(path: Path) -> ArtifactInfo:
     return info
 
 
+# Read without torch: what a file's headers say, the tensors themselves never decoded (each
+# stage that loads weights checks them against the model's shapes).
+
 def _read_run(run_dir: Path) -> ArtifactInfo:
-    ckpt = load_checkpoint(run_dir)
-    weights = unbank_state_dict(ckpt.weights("ema"), ckpt.config.model.num_layers)
+    ckpt = describe_checkpoint(run_dir)
+    weights = unbank_state_dict(ckpt.model, ckpt.config.model.num_layers)  # the EMA weights take these dtypes
     groups = _group_sizes({name: (t.numel(), t.numel() * t.element_size(), None) for name, t in weights.items()})
     checkpoint = run_dir / CHECKPOINT_FILENAME
-    return ArtifactInfo(run_dir, "run", CHECKPOINT_VERSION, ckpt.config, sha256_file(checkpoint),
+    return ArtifactInfo(run_dir, "run", ckpt.version, ckpt.config, sha256_file(checkpoint),
                         checkpoint.stat().st_size, groups, ckpt.step, ckpt.training_time_ms, ckpt.tokenizer_sha256,
                         run_dir=run_dir)
 
 
 def _read_export(export_dir: Path) -> ArtifactInfo:
-    config, tensors, info = read_export(export_dir)
+    config, entries, info = describe_export(export_dir)
     weights_path = export_dir / EXPORT_WEIGHTS
-    groups = _group_sizes({name: (t.numel(), t.numel() * t.element_size(), None) for name, t in tensors.items()})
+    groups = _group_sizes({name: (_numel(shape), _numel(shape) * ITEM_SIZES[code], None)
+                           for name, (code, shape, _) in entries.items()})
     lineage = {"run_sha256": info.get("source_sha256"), "weights": info.get("weights"),
                "run": info.get("source_checkpoint")}
     return ArtifactInfo(export_dir, "export", EXPORT_VERSION, config, sha256_file(weights_path),
@@ -102,8 +105,6 @@ def _read_export(export_dir: Path) -> ArtifactInfo:
 
 def _read_ptz(path: Path) -> ArtifactInfo:
     artifact = ptz.describe(path)  # its header and its payload's: the payload is not decoded
-    check_tensors(artifact.config.model, {name: (t.shape, t.dtype) for name, t in artifact.tensors.items()},
-                  str(path), per_layer=True)
     version, compressor = artifact.version, artifact.compressor
     groups = _group_sizes({name: (_numel(t.shape), t.stored_bytes, t.scheme + (f"_{t.method}" if t.method else ""))
                            for name, t in artifact.tensors.items()})

@@ -7,7 +7,7 @@ from typing import Any
 from ..challenge import BUDGET_BYTES
 from ..config import check_settings
 from ..record.codesize import code_bytes
-from .info import ArtifactInfo, changed_from_defaults, read_artifact
+from .info import ArtifactInfo, changed_from_defaults, flat_settings, read_artifact
 
 
 def inspect_artifact(path: Path, budget: int = BUDGET_BYTES) -> dict[str, Any]:
@@ -23,6 +23,7 @@ def inspect_artifact(path: Path, budget: int = BUDGET_BYTES) -> dict[str, Any]:
         "groups": {name: {"tensors": g.tensors, "params": g.params, "bytes": g.bytes,
                           **({"schemes": g.schemes} if g.schemes else {})} for name, g in info.groups.items()},
         "config_changes": {k: {"value": v, "default": d} for k, (v, d) in changed_from_defaults(info.config).items()},
+        "settings": flat_settings(info.config),
         "lineage": info.lineage, "run_dir": str(info.run_dir) if info.run_dir else None,
         "training": _training_summary(info), "evals": {mode: _eval_summary(r) for mode, r in info.evals.items()},
     }

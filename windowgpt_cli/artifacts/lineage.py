@@ -3,12 +3,14 @@ give the same bytes wherever they were quantized (paths go to the `.ptz.json` re
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import RunConfig
 from .export import EXPORT_INFO
 from .results import read_json
-from .weights import LoadedWeights
+
+if TYPE_CHECKING:
+    from .weights import LoadedWeights
 
 DATA_PATH_FIELDS = ("data_path", "tokenizer_path", "tokenizer_meta_path")
 

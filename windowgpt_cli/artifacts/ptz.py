@@ -29,19 +29,18 @@ import json
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from ..config import RunConfig
 from ..errors import ArtifactError, ConfigError
-from ..runtime import memory_bytes
 from ..storage import tensorfile
 from ..storage.files import atomic_write_bytes, is_sha256
 from . import compressors
 from .quantized import CONTROL, INT6, INT8, PASSTHROUGH, SCHEMES, QuantizedTensor, dequantize_state_dict
 from .shapes import check_tensors
+
+if TYPE_CHECKING:  # describing a .ptz needs no torch (`inspect`); decoding it does
+    from torch import Tensor
 
 MAGIC = b"WGPTZ"
 FORMAT_VERSION = 2  # 2: the payload's size and sha256 in the header
@@ -52,7 +51,7 @@ METADATA_KEY = "windowgpt.ptz"
 MAX_PAYLOAD_BYTES = 1 << 30
 # Reading holds the payload, its decoded tensors and the decoder's working arrays at once.
 READ_MEMORY_FACTOR = 3
-DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in tensorfile.DTYPE_CODES}
+DTYPES = set(tensorfile.DTYPE_NAMES.values())  # torch's names of the dtypes a tensor may have had
 
 
 @dataclass
@@ -129,7 +128,7 @@ def save(path: Path, artifact: PtzArtifact, compressor: str = compressors.DEFAUL
 @dataclass
 class TensorDescription:
     scheme: str
-    dtype: torch.dtype
+    dtype: str  # torch's name
     shape: tuple[int, ...]
     method: str
     stored_bytes: int  # codes and scales, or the kept values
@@ -230,6 +229,10 @@ def decompress_payload(data: bytes, source: str) -> bytes:
     _check_header(data, source)
     compressor_id = data[len(MAGIC) + 1]
     size, digest = _SIZE_AND_HASH.unpack_from(data, len(MAGIC) + 2)
+    import torch
+
+    from ..runtime import memory_bytes
+
     need, have = READ_MEMORY_FACTOR * size, memory_bytes(torch.device("cpu"))
     if have is not None and need > have:
         raise ArtifactError(f"{source}: declares a payload of {size:,} bytes; reading it needs about "
@@ -299,7 +302,7 @@ def _rebuild_tensors(described: dict[str, Any], stored: dict[str, Tensor], clip_
     return tensors
 
 
-def _description(info: Any, where: str) -> tuple[str, torch.dtype, tuple[int, ...], str]:
+def _description(info: Any, where: str) -> tuple[str, str, tuple[int, ...], str]:
     """A tensor's (scheme, dtype, shape, method) as the metadata describes it, each checked
     for type and bounds before anything is allocated."""
     shape = info.get("shape") if isinstance(info, dict) else None
@@ -307,11 +310,14 @@ def _description(info: Any, where: str) -> tuple[str, torch.dtype, tuple[int, ..
             or not isinstance(info.get("dtype"), str) or info["dtype"] not in DTYPES
             or not isinstance(info.get("method", ""), str) or not tensorfile.valid_shape(shape)):
         raise ArtifactError(f"{where} has an invalid description {str(info)[:200]}")
-    return info["scheme"], DTYPES[info["dtype"]], tuple(shape), info.get("method", "")
+    return info["scheme"], info["dtype"], tuple(shape), info.get("method", "")
 
 
 def _rebuild_one(name: str, info: Any, stored: dict[str, Tensor], clip_range: int, where: str) -> QuantizedTensor:
-    scheme, dtype, shape, method = _description(info, where)
+    import torch
+
+    scheme, dtype_name, shape, method = _description(info, where)
+    dtype = getattr(torch, dtype_name)
     if scheme in (PASSTHROUGH, CONTROL):
         values = _stored(stored, name, where)
         expected = {CONTROL: {torch.float32}, PASSTHROUGH: {torch.float16} if dtype.is_floating_point else {dtype}}

@@ -3,18 +3,14 @@ and how each scheme turns back into the original tensor."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
-import torch
-from torch import Tensor
-
-# Schemes, as recorded in a .ptz
-
+if TYPE_CHECKING:  # the scheme names alone need no torch
+    import torch
+    from torch import Tensor
 
 # Schemes, as recorded in a .ptz
 INT6, INT8, PASSTHROUGH, CONTROL = "int6", "int8", "passthrough", "passthrough_ctrl"
-
-
 SCHEMES = (INT6, INT8, PASSTHROUGH, CONTROL)
 
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Mapping
-
-import torch
+from typing import TYPE_CHECKING, Mapping
 
 from ..config import ModelConfig
 from ..errors import ArtifactError
-from ..model.gpt import GPT
 from ..model.state_dict import unbank_state_dict
 
-Described = Mapping[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, dtype)
+if TYPE_CHECKING:  # imported where a check runs: modules that import this one describe without torch
+    import torch
+
+Described = Mapping[str, "tuple[tuple[int, ...], torch.dtype]"]  # name -> (shape, dtype)
 
 
 def expected_shapes(cfg: ModelConfig, per_layer: bool) -> dict[str, tuple[int, ...]]:
@@ -25,6 +25,10 @@ def expected_shapes(cfg: ModelConfig, per_layer: bool) -> dict[str, tuple[int, .
 
 @functools.lru_cache(maxsize=8)
 def _shapes(fields: tuple, per_layer: bool) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    import torch
+
+    from ..model.gpt import GPT
+
     cfg = ModelConfig(*fields)
     with torch.device("meta"):
         state = GPT(cfg, initialize=False).state_dict()

@@ -6,7 +6,7 @@ import typer
 from .. import __version__
 from . import compare, generate, inspect, pack, plot, prepare, report, tokenizer_meta
 from .record_app import add_record_stages
-from .support import run_app
+from .support import add_command, run_app
 
 app = typer.Typer(
     name="windowgpt",
@@ -31,15 +31,15 @@ def _root(
     """Stages pass checkpoints and artifacts on disk, so each can be rerun on its own."""
 
 
-app.command("prepare")(prepare.command)
-app.command("tokenizer-meta")(tokenizer_meta.command)
+add_command(app, "prepare", prepare.command)
+add_command(app, "tokenizer-meta", tokenizer_meta.command)
 add_record_stages(app)
-app.command("report")(report.command)
-app.command("generate")(generate.command)
-app.command("inspect")(inspect.command)
-app.command("plot")(plot.command)
-app.command("compare")(compare.command)
-app.command("pack")(pack.command)
+add_command(app, "report", report.command)
+add_command(app, "generate", generate.command)
+add_command(app, "inspect", inspect.command)
+add_command(app, "plot", plot.command)
+add_command(app, "compare", compare.command)
+add_command(app, "pack", pack.command)
 
 
 def main() -> None:

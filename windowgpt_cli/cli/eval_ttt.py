@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .evaluate import EVAL_FLAG_ALIASES, SCORING_OPTIONS, ArtifactArg, DataOption, JsonOption, progress_display, report
@@ -14,19 +15,34 @@ if TYPE_CHECKING:
 
 
 
-@contextlib.contextmanager
-def chunk_progress(compiling: bool) -> Iterator[Callable[[ChunkProgress], None]]:
-    """A rich bar over chunks with the running bpb (until the first chunk is scored: whether
-    the scorer is compiling)."""
-    with Progress(TextColumn("[bold]ttt"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("bpb {task.fields[bpb]}"), TimeElapsedColumn(),
-                  console=err_console, transient=True) as progress:
-        task = progress.add_task("ttt", total=None, bpb="- (compiling)" if compiling else "-")
+class LogAndBar:
+    """eval-ttt's log lines and its bar over chunks (with the running bpb; until the first
+    chunk is scored, whether the scorer is compiling). While the bar is up, the log's lines
+    are printed above it on its console, never onto its line."""
 
-        def update_bar(info: ChunkProgress) -> None:
-            progress.update(task, completed=info.chunk, total=info.num_chunks, bpb=f"{info.val_bpb:.6f}")
+    def __init__(self, log_console: Console):
+        self.log_console = log_console
+        self.bar: Progress | None = None
 
-        yield update_bar
+    def line(self, text: str) -> None:
+        target = self.bar.console if self.bar is not None and self.log_console.is_terminal else self.log_console
+        target.print(text, highlight=False, soft_wrap=True)
+
+    @contextlib.contextmanager
+    def chunks(self, compiling: bool) -> Iterator[Callable[[ChunkProgress], None]]:
+        with Progress(TextColumn("[bold]ttt"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("bpb {task.fields[bpb]}"), TimeElapsedColumn(),
+                      console=err_console, transient=True) as progress:
+            task = progress.add_task("ttt", total=None, bpb="- (compiling)" if compiling else "-")
+
+            def update_bar(info: ChunkProgress) -> None:
+                progress.update(task, completed=info.chunk, total=info.num_chunks, bpb=f"{info.val_bpb:.6f}")
+
+            self.bar = progress
+            try:
+                yield update_bar
+            finally:
+                self.bar = None
 
 
 @user_errors_exit_1
@@ -40,12 +56,14 @@ def command(
     scoring: dict[str, Any] | None = None,
     overrides: dict[str, dict[str, Any]] | None = None,
 ) -> None:
-    """Score an artifact with score-first test-time training (settings default to the artifact's)."""
+    """Score an artifact with score-first test-time training (settings default to the artifact's).
+
+    Example: windowgpt eval-ttt demo-out/model.ptz --data demo-out/data
+    """
     from ..eval.evaluate import ttt_evaluate_artifact  # imports torch: only when the command runs
 
-    log_console = err_console if as_json else console
+    output = LogAndBar(err_console if as_json else console)
     out = ttt_evaluate_artifact(artifact, data, settings=overrides, **(scoring or {}),
-                                progress=progress_display(chunk_progress),
-                                echo=lambda line: log_console.print(line, highlight=False, soft_wrap=True))
+                                progress=progress_display(output.chunks), echo=output.line)
     if out.is_main:
         report(out.record, "eval-ttt (score-first test-time training)", as_json)

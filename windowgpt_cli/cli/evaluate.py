@@ -122,7 +122,10 @@ def command(
     scoring: dict[str, Any] | None = None,
     overrides: dict[str, dict[str, Any]] | None = None,
 ) -> None:
-    """Score an artifact on the validation shards: val_loss and val_bpb (standard or sliding window)."""
+    """Score an artifact on the validation shards: val_loss and val_bpb (standard or sliding window).
+
+    Example: windowgpt eval demo-out/model.ptz --data demo-out/data --stride 64
+    """
     from ..eval.evaluate import evaluate_artifact  # imports torch: only when the command runs
 
     out = evaluate_artifact(artifact, data, settings=overrides, **(scoring or {}),

@@ -38,7 +38,10 @@ def command(
         show_default=False)] = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Continue a prompt. The context is capped at the model's trained length; longer text keeps its latest tokens."""
+    """Continue a prompt. The context is capped at the model's trained length; longer text keeps its latest tokens.
+
+    Example: windowgpt generate demo-out/model.ptz --prompt "It was a dark night" --temperature 0
+    """
     from ..generate.text import generate_text  # imports torch: only when the command runs
 
     stream = not as_json and num_samples == 1 and console.is_terminal

@@ -68,7 +68,10 @@ def command(
     = BUDGET_BYTES,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of a table.")] = False,
 ) -> None:
-    """Show what an artifact holds: settings, sizes by group, quantization, budget, hashes and lineage."""
+    """Show what an artifact holds: settings, sizes by group, quantization, budget, hashes and lineage.
+
+    Example: windowgpt inspect demo-out/model.ptz
+    """
     from ..artifacts.inspect import inspect_artifact  # imports torch: only when the command runs
 
     record = inspect_artifact(artifact, budget)

@@ -12,7 +12,10 @@ from .support import console, out_option, user_errors_exit_1
 def command(
     out: Annotated[Path, out_option("The zipapp to write (e.g. OUT/code.pyz).", "an archive pack wrote")],
 ) -> None:
-    """Pack the modules a record run imports into a zipapp that runs the record stages."""
+    """Pack the modules a record run imports into a zipapp that runs the record stages.
+
+    Example: windowgpt pack --out record-out/code.pyz
+    """
     packed = pack(out)
     console.print(f"wrote {out}: {packed.form}, {packed.bytes:,} bytes (source {packed.source_bytes:,} bytes, "
                   f"sha256 {packed.sha256[:16]}...)", highlight=False, soft_wrap=True)

@@ -16,11 +16,14 @@ from .support import console, out_option, user_errors_exit_1
 
 @user_errors_exit_1
 def command(
-    runs: Annotated[list[Path], typer.Argument(help="Training run directories (or exports / .ptz files of "
+    runs: Annotated[list[Path], typer.Argument(metavar="RUN", help="Training run directories (or exports / .ptz files of "
                                                "runs that can be found).", show_default=False)],
     out: Annotated[Path, out_option("The picture to write: FILE.png or FILE.html.", "a picture plot wrote")],
 ) -> None:
-    """Plot train_loss and val_bpb against step and training time for one or more runs."""
+    """Plot train_loss and val_bpb against step and training time for one or more runs.
+
+    Example: windowgpt plot runs/a runs/b --out curves.png
+    """
     from ..artifacts.curves import plot_runs  # imports torch: only when the command runs
 
     path = plot_runs(runs, out)

@@ -34,6 +34,7 @@ def _summary_table(result: PrepareResult) -> Table:
 @user_errors_exit_1
 def command(
     inputs: Annotated[Optional[list[Path]], typer.Argument(
+        metavar="FILE",
         help="Documents: .jsonl (field text), .jsonl.xz, .jsonl.gz, or .txt (one document per file).",
         show_default=False)] = None,
     out: Annotated[Optional[Path], out_option("DATA_DIR to write shards, tokenizer and manifest to.",
@@ -51,7 +52,7 @@ def command(
         "--val-fraction", help=f"Share of documents (chosen by a hash of their text) for validation "
                                f"(default: {DEFAULT_VAL_FRACTION}).", show_default=False)] = None,
     val: Annotated[Optional[list[Path]], typer.Option(
-        "--val", help="Files forming the validation split instead (repeat for several).",
+        "--val", metavar="FILE", help="Files forming the validation split instead (repeat for several).",
         show_default=False)] = None,
     shard_tokens: Annotated[int, typer.Option("--shard-tokens", help="Tokens per shard file.")]
         = DEFAULT_SHARD_TOKENS,
@@ -59,7 +60,10 @@ def command(
         "--workers", help="Encoding processes (default: all cores).", show_default=False)] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
 ) -> None:
-    """Tokenize documents into train/val shards, with the tokenizer and a manifest (replaces DATA_DIR's shards)."""
+    """Tokenize documents into train/val shards, with the tokenizer and a manifest (replaces DATA_DIR's shards).
+
+    Example: windowgpt prepare corpus.jsonl --out data --vocab-size 1024
+    """
     from ..data.manifest import MANIFEST_NAME
     from ..data.shards import SPLITS
     from ..data.tokenizer import has_byte_fallback, load_sentencepiece, no_byte_fallback_warning

@@ -102,7 +102,10 @@ def command(
     json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON instead of a table.")] = False,
     overrides: dict[str, dict[str, Any]] | None = None,
 ) -> None:
-    """Quantize to int6/int8 (optionally GPTQ), compress, and check the size budget."""
+    """Quantize to int6/int8 (optionally GPTQ), compress, and check the size budget.
+
+    Example: windowgpt quantize demo-out/export --out demo-out/model.ptz --gptq
+    """
     from ..quant.quantize import quantize, report_path
 
     with _progress_bars(not json_output) as progress:

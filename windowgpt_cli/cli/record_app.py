@@ -8,16 +8,16 @@ from __future__ import annotations
 import typer
 
 from . import eval_ttt, evaluate, export, quantize, train
-from .support import run_app
+from .support import add_command, run_app
 
 
 def add_record_stages(app: typer.Typer) -> None:
     """Register train, export, quantize, eval and eval-ttt (the full command line too)."""
-    app.command("train", context_settings={"max_content_width": 120})(train.command)
-    app.command("export")(export.command)
-    app.command("quantize")(quantize.command)
-    app.command("eval")(evaluate.command)
-    app.command("eval-ttt")(eval_ttt.command)
+    add_command(app, "train", train.command, context_settings={"max_content_width": 120})
+    add_command(app, "export", export.command)
+    add_command(app, "quantize", quantize.command)
+    add_command(app, "eval", evaluate.command)
+    add_command(app, "eval-ttt", eval_ttt.command)
 
 
 app = typer.Typer(name="windowgpt", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,

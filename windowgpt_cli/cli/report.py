@@ -1,4 +1,5 @@
-"""`windowgpt report OUT`: the record report of a `make record` run, and its rule checks."""
+"""`windowgpt report`: the record report of a `make record` run and its rule checks, or the
+report card of one run, export or `.ptz` (`artifacts.report_card`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +11,7 @@ from rich.text import Text
 
 from ..config import check_settings
 from ..errors import RecordError
-from ..record.rules import FAIL, PASS, RECORD_JSON, RECORD_README, Rules, failed_checks, write_report
+from ..record.rules import FAIL, PASS, RECORD_JSON, RECORD_README, Rules, failed_checks, is_record_out, write_report
 from .support import console, user_errors_exit_1
 
 STATUS_STYLE = {PASS: "green", FAIL: "bold red"}
@@ -18,8 +19,9 @@ STATUS_STYLE = {PASS: "green", FAIL: "bold red"}
 
 @user_errors_exit_1
 def command(
-    out: Annotated[Path, typer.Argument(help="The OUT directory of `make record` or `make smoke-gpu`.",
-                                        show_default=False)],
+    out: Annotated[Path, typer.Argument(
+        metavar="PATH", help="The OUT directory of `make record` or `make smoke-gpu` (the record report), or a "
+        "training run, an export or a .ptz (its report card, written beside it).", show_default=False)],
     train_budget: Annotated[float, typer.Option("--train-budget", help="Seconds allowed for training "
                             "plus GPTQ calibration.")] = Rules.train_seconds,
     eval_budget: Annotated[float, typer.Option("--eval-budget", help="Seconds allowed for evaluation "
@@ -29,8 +31,15 @@ def command(
     gpus: Annotated[int, typer.Option("--gpus", help="The GPU count the time limits are defined on.")] = Rules.gpus,
     json_output: Annotated[bool, typer.Option("--json", help="Print record.json instead of a table.")] = False,
 ) -> None:
-    """Write OUT/record.json and OUT/README.md; exit 1 when the run breaks a rule."""
+    """Write a record run's OUT/record.json and OUT/README.md (exit 1 when it breaks a rule), or an
+    artifact's report card.
+
+    Example: windowgpt report demo-out/model.ptz
+    """
     check_settings(train_budget=train_budget, eval_budget=eval_budget, artifact_budget=artifact_budget, gpus=gpus)
+    if not is_record_out(out):
+        _report_card(out, artifact_budget, json_output)
+        return
     rules = Rules(train_seconds=train_budget, eval_seconds=eval_budget, artifact_bytes=artifact_budget, gpus=gpus)
     record = write_report(out, rules)
     if json_output:
@@ -49,3 +58,17 @@ def command(
     if failed:
         raise RecordError("the run breaks " + "; ".join(f"{c['rule']} ({c['value']} against {c['limit']})"
                                                         for c in failed))
+
+
+def _report_card(artifact: Path, budget: int, json_output: bool) -> None:
+    from ..artifacts.report_card import write_report_card  # imports torch: only when the command runs
+
+    card = write_report_card(artifact, budget)
+    if json_output:
+        console.print_json(data=card)
+        return
+    files = card["files"]
+    written = ", ".join(p for p in (files["markdown"], files["json"], files["curves"]) if p)
+    scores = "; ".join(f"{mode} {e['val_bpb']:.6f}" for mode, e in card["evaluations"].items()) or "none saved"
+    console.print(f"{card['artifact']}: val_bpb {scores}; {len(card['settings_changed'])} setting(s) differ "
+                  f"from the {card['closest_preset']} preset; wrote {written}", highlight=False, soft_wrap=True)

@@ -20,6 +20,7 @@ from rich.text import Text
 from ..config import (
     CHOICES,
     GROUP_TYPES,
+    PRESETS,
     RunConfig,
     apply_overrides,
     bounds_text,
@@ -125,6 +126,30 @@ def _importing(frame: FrameType | None) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+class Command(typer.core.TyperCommand):
+    """typer's command with its help shown plainly: a flag (`--resume`, `--compile/--no-compile`)
+    takes no value, so the help gives none, and an argument of several paths is named by its
+    metavar alone (typer would show `<bool>` and `<list[Path]>`)."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        params = super().get_params(ctx)
+        for param in params:
+            if getattr(param, "is_flag", False):
+                param.metavar = ""
+            elif param.param_type_name == "argument" and param.nargs != 1 and param.metavar:
+                param.display_type_rich = _no_type
+        return params
+
+
+def _no_type(ctx: Any) -> None:
+    return None
+
+
+def add_command(app: typer.Typer, name: str, func: Callable, **settings: Any) -> None:
+    """Register a command under `name`, its flags shown bare (`Command`)."""
+    app.command(name, cls=Command, **settings)(func)
 
 
 def run_app(app: typer.Typer) -> None:
@@ -308,8 +333,9 @@ def build_config(config_file: Optional[Path], preset_name: Optional[str],
 
 
 ConfigFileOption = Annotated[Optional[Path], typer.Option(
-    "--config", help="Settings from a JSON or TOML file ({section: {setting: value}}, as a run's config.json; "
-    "it may hold only some), applied over the preset; flags apply over both.", show_default=False)]
-PresetOption = Annotated[Optional[str], typer.Option(
+    "--config", help="Settings from a JSON, TOML or YAML file ({section: {setting: value}}, as a run's config.json "
+    "or configs/*.json; it may hold only some), applied over the preset; flags apply over both.",
+    show_default=False)]
+PresetOption = Annotated[Optional[Literal[tuple(PRESETS)]], typer.Option(  # type: ignore[misc]
     "--preset", help=escape("Start from a named preset: default (the reference's settings) or tiny (a small model "
                             "for a CPU). [default: default]"), show_default=False)]

@@ -43,7 +43,10 @@ def command(
         show_default=False)] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
-    """Write (or --check) a tokenizer's byte tables for bits per byte, and test them on a sample."""
+    """Write (or --check) a tokenizer's byte tables for bits per byte, and test them on a sample.
+
+    Example: windowgpt tokenizer-meta data/tokenizer.model --sample corpus.jsonl
+    """
     from ..data.tokenizer import no_byte_fallback_warning
     from ..data.tokenizer_meta import tokenizer_meta
 

@@ -26,6 +26,7 @@ from .support import (
     option_help,
     out_option,
     print_error,
+    print_warning,
     user_errors_exit_1,
     with_config_flags,
 )
@@ -36,7 +37,7 @@ Echo = Callable[[str], None]
 def summary_table(record: dict[str, Any], out_dir: Path) -> Table:
     table = Table(title=f"trained {out_dir}", show_header=False)
     table.add_column("metric", style="bold")
-    table.add_column("value", justify="right")
+    table.add_column("value", justify="right", overflow="fold")  # paths whole, never cut
     tokens_per_s = record["tokens_per_s"]
     rows = [
         ("steps", f"{record['step']:,}"),
@@ -156,11 +157,14 @@ def command(
         "--json", help="Print the final summary as JSON on stdout (log lines go to stderr).")] = False,
     overrides: dict[str, dict[str, Any]] | None = None,
 ) -> None:
-    """Train a model on token shards; logs like the reference, checkpoints atomically."""
+    """Train a model on token shards; logs like the reference, checkpoints atomically.
+
+    Example: windowgpt train --preset tiny --data demo-out/data --out demo-out/run
+    """
     # torch is imported only when a command runs, so that --help answers at once
     from ..artifacts.checkpoint import load_checkpoint
     from ..storage.files import json_text
-    from ..train.run import train_and_report
+    from ..train.run import check_requirements, train_and_report
     from ..train.trainer import find_inputs
 
     check_settings(stop_at_step=stop_at_step)
@@ -181,6 +185,8 @@ def command(
         resolved = cfg.resolved()
         typer.echo(json.dumps(resolved.to_dict(), indent=2))
         if dry_run:
+            check_requirements(resolved)
+            _warn_if_slow(resolved)
             inputs = find_inputs(resolved)
             err_console.print(f"ok: {len(inputs.train_files)} train and {len(inputs.val_files)} val shard(s) in "
                               f"{resolved.data.data_path}, tokenizer {inputs.tokenizer} ({inputs.vocab_size} tokens); "
@@ -190,6 +196,7 @@ def command(
         raise ConfigError("--out RUN_DIR is required")
     if not cfg.data.data_path:
         raise ConfigError("--data DATA_DIR is required")
+    _warn_if_slow(cfg)
     say = Output(json_output)
     done = train_and_report(cfg, out, resume=resume, force=force, stop_at_step=stop_at_step,
                             progress=progress_bar if err_console.is_terminal else None, echo=say.line)
@@ -209,6 +216,14 @@ def command(
     if result.stop_signal is not None:
         _stopped_by(result.stop_signal, "the stop came after the last step: the run finished and its files are "
                                         "complete")
+
+
+def _warn_if_slow(cfg: Any) -> None:
+    from ..train.run import cpu_slowness
+
+    slowness = cpu_slowness(cfg.resolved())  # of settings within their bounds
+    if slowness is not None:
+        print_warning(slowness)
 
 
 def _stopped_by(signum: int | None, what: str) -> None:

@@ -27,7 +27,7 @@ from ..data.tokenizer import ByteLuts, has_byte_fallback, load_byte_luts, load_s
 from ..distributed import DistContext, init_distributed, shutdown
 from ..errors import SettingError
 from ..model.gpt import GPT
-from ..runtime import compiled, enable_fast_math
+from ..runtime import compiled, enable_fast_math, use_cpu_threads
 from ..timing import Phases
 from .scoring import (
     BatchProgress,
@@ -219,6 +219,7 @@ def _load_with_settings(artifact: Path, data_dir: Path, settings: Settings, toke
         inputs = load_inputs(artifact, data_dir, tokenizer, ctx, attn_backend)
     cfg = apply_overrides(inputs.config, settings)
     validate(cfg)
+    use_cpu_threads(cfg.train.cpu_threads, ctx.device)
     return inputs, cfg
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from ..artifacts import weights as model_io
 from ..config import check_settings
 from ..data.tokenizer import BOS_ID, load_sentencepiece
-from ..runtime import resolve_device
+from ..runtime import resolve_device, use_cpu_threads
 from .decoding import OnTokens, continuation, generate
 
 
@@ -23,6 +23,7 @@ def generate_text(artifact: Path, prompt: str, *, max_new_tokens: int = 64, num_
                    seed=seed)
     dev = resolve_device(device)
     weights, model = model_io.build_model(Path(artifact), dev)
+    use_cpu_threads(weights.config.train.cpu_threads, dev)
     tokenizer_path = model_io.find_tokenizer(weights, Path(artifact), data_dir, tokenizer)
     # sdpa: --no-kv-cache runs every length once, which FlexAttention would compile anew each time
     model.set_attention_backend("sdpa", dev)

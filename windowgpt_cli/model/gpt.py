@@ -29,6 +29,17 @@ LinearObserver = Callable[[tuple[str, ...], Tensor], None]
 class CastedLinear(nn.Linear):
     """A linear layer whose float32 weight is cast to the activations' dtype."""
 
+    @classmethod
+    def uninitialized(cls, in_features: int, out_features: int) -> "CastedLinear":
+        """One without bias whose weight is left to be loaded: no initialization runs (on
+        the meta device it would import TorchDynamo, seconds on a CPU)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = in_features, out_features
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features))
+        layer.register_parameter("bias", None)
+        return layer
+
     def forward(self, x: Tensor) -> Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return F.linear(x, self.weight.to(x.dtype), bias)
@@ -173,11 +184,19 @@ class Block(nn.Module):
         self.mlp = MLP(layer, cfg.negative_slope)
         self.attn_scale = nn.Parameter(torch.ones(dim, dtype=torch.float32))
         self.mlp_scale = nn.Parameter(torch.ones(dim, dtype=torch.float32))
-        self.resid_mix = nn.Parameter(torch.stack((torch.ones(dim), torch.zeros(dim))).float())
+        mix = torch.zeros(2, dim, dtype=torch.float32)  # rows (1, 0): not torch.stack, which on the
+        mix[0] = 1.0  # meta device (`artifacts.shapes`) imports TorchDynamo, seconds on a CPU
+        self.resid_mix = nn.Parameter(mix)
         # A tensor, not a Python float: a compiled model then has one set of kernels for all
         # its blocks, instead of one per layer with its factor written into the code.
-        factor = 1.0 / math.sqrt(layer + 1) if cfg.ln_scale else 1.0
-        self.register_buffer("ln_scale_factor", torch.tensor(factor, dtype=torch.float32), persistent=False)
+        self.ln_factor = 1.0 / math.sqrt(layer + 1) if cfg.ln_scale else 1.0
+        self.register_buffer("ln_scale_factor", torch.tensor(self.ln_factor, dtype=torch.float32), persistent=False)
+
+    @torch.no_grad()
+    def restore_constants(self) -> None:
+        """Set the tensors a state dict does not hold (a loader that builds on the meta
+        device leaves them unset)."""
+        self.ln_scale_factor.fill_(self.ln_factor)
 
     def forward(self, stream: Residual, x0: Any, weights: tuple[Tensor | None, ...], rotary: tuple[Tensor, Tensor],
                 v_embed: ValueInjection | None, queries: Tensor | None = None, ops: TorchOps = TORCH_OPS,
@@ -213,12 +232,14 @@ class ProjectedEmbedding(nn.Module):
     """A low-dimensional embedding table projected to out_dim, and a learned scale that the
     step adding the embedding applies (`TorchOps.embed`, `TorchOps.shared_values`)."""
 
-    def __init__(self, num: int, dim: int, out_dim: int, scale: float, init_embed: Callable[[Tensor], object]):
+    def __init__(self, num: int, dim: int, out_dim: int, scale: float, init_embed: Callable[[Tensor], object],
+                 initialize: bool = True):
         super().__init__()
-        self.embed = nn.Embedding(num, dim)
-        init_embed(self.embed.weight)  # before the projection exists: keeps the reference's draw order
-        self.proj = CastedLinear(dim, out_dim, bias=False) if dim != out_dim else None
-        if self.proj is not None:
+        self.embed = embedding(num, dim, initialize)
+        if initialize:
+            init_embed(self.embed.weight)  # before the projection exists: keeps the reference's draw order
+        self.proj = linear(dim, out_dim, initialize) if dim != out_dim else None
+        if self.proj is not None and initialize:
             nn.init.zeros_(self.proj.weight)
         self.scale = nn.Parameter(torch.tensor(scale, dtype=torch.float32))
 
@@ -228,11 +249,22 @@ class ProjectedEmbedding(nn.Module):
         return self.proj(h) if self.proj is not None else h
 
 
+def embedding(num: int, dim: int, initialize: bool) -> nn.Embedding:
+    """An embedding table; initialize=False leaves it to be loaded (see CastedLinear.uninitialized)."""
+    return nn.Embedding(num, dim) if initialize else nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
+def linear(in_features: int, out_features: int, initialize: bool) -> CastedLinear:
+    if initialize:
+        return CastedLinear(in_features, out_features, bias=False)
+    return CastedLinear.uninitialized(in_features, out_features)
+
+
 class BigramHashEmbedding(ProjectedEmbedding):
     """An embedding of (previous token, token) pairs hashed into a small table."""
 
-    def __init__(self, buckets: int, dim: int, model_dim: int):
-        super().__init__(buckets, dim, model_dim, scale=0.05, init_embed=nn.init.zeros_)
+    def __init__(self, buckets: int, dim: int, model_dim: int, initialize: bool = True):
+        super().__init__(buckets, dim, model_dim, scale=0.05, init_embed=nn.init.zeros_, initialize=initialize)
         self.buckets = buckets
 
     def hash(self, tokens: Tensor) -> Tensor:
@@ -257,8 +289,9 @@ class BigramHashEmbedding(ProjectedEmbedding):
 class ValueEmbedding(ProjectedEmbedding):
     """Token identity re-injected into the attention values of chosen layers."""
 
-    def __init__(self, vocab_size: int, dim: int, kv_dim: int):
-        super().__init__(vocab_size, dim, kv_dim, scale=0.1, init_embed=lambda w: nn.init.normal_(w, std=0.01))
+    def __init__(self, vocab_size: int, dim: int, kv_dim: int, initialize: bool = True):
+        super().__init__(vocab_size, dim, kv_dim, scale=0.1, init_embed=lambda w: nn.init.normal_(w, std=0.01),
+                         initialize=initialize)
 
 
 # --- The model ---------------------------------------------------------------------------
@@ -270,8 +303,9 @@ class GPT(nn.Module):
         self.cfg = cfg
         n, dim = cfg.num_layers, cfg.model_dim
         # Creation order matters: it fixes which random numbers each tensor's init draws.
-        self.tok_emb = nn.Embedding(cfg.vocab_size, dim)
-        self.bigram = BigramHashEmbedding(cfg.bigram_vocab_size, cfg.bigram_dim, dim) if cfg.bigram_vocab_size > 0 else None
+        self.tok_emb = embedding(cfg.vocab_size, dim, initialize)
+        self.bigram = (BigramHashEmbedding(cfg.bigram_vocab_size, cfg.bigram_dim, dim, initialize)
+                       if cfg.bigram_vocab_size > 0 else None)
         self.smear = SmearGate(dim)
         self.num_encoder_layers = n // 2
         self.num_decoder_layers = n - self.num_encoder_layers
@@ -282,10 +316,11 @@ class GPT(nn.Module):
         self.mlp_down_bank = nn.Parameter(torch.empty(n, dim, cfg.mlp_dim))
         self.blocks = nn.ModuleList([Block(cfg, i) for i in range(n)])
         self.ve_layer_indices = list(cfg.ve_layers) if cfg.ve_enabled else []
-        self.ve_shared = ValueEmbedding(cfg.vocab_size, cfg.ve_dim, cfg.kv_dim) if self.ve_layer_indices else None
+        self.ve_shared = (ValueEmbedding(cfg.vocab_size, cfg.ve_dim, cfg.kv_dim, initialize)
+                          if self.ve_layer_indices else None)
         self.ve_layer_scales = nn.ParameterList(
             [nn.Parameter(torch.ones(1, dtype=torch.float32)) for _ in self.ve_layer_indices])
-        self.lm_head = None if cfg.tie_embeddings else CastedLinear(dim, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_embeddings else linear(dim, cfg.vocab_size, initialize)
         if initialize:
             self._init_weights()
 
@@ -319,6 +354,11 @@ class GPT(nn.Module):
                     nn.init.orthogonal_(module.weight)
 
     # --- backends and observation ---
+
+    def restore_constants(self) -> None:
+        """The tensors a state dict does not hold, set from the configuration again."""
+        for block in self.blocks:
+            block.restore_constants()
 
     def set_attention_backend(self, name: str, device: torch.device) -> str:
         backend = resolve_backend(name, device)

@@ -3,8 +3,10 @@ uses (`unbank_state_dict`, `rebank_state_dict`), the control tensors kept exact,
 categories quantization and reports sort tensors into."""
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the names alone need no torch (commands that only describe a run)
+    from torch import Tensor
 
 # Control tensors stay float32 and go to the scalar optimizer; quantization keeps them exact.
 CONTROL_TENSOR_NAME_PATTERNS = (
@@ -45,6 +47,8 @@ def unbank_state_dict(sd: dict[str, Tensor], num_layers: int) -> dict[str, Tenso
 
 def rebank_state_dict(sd: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
     """Inverse of unbank_state_dict."""
+    import torch
+
     slots = bank_slots(num_layers)
     consumed = {layer_name for bank in slots.values() for _, layer_name in bank}
     out = {name: t for name, t in sd.items() if name not in consumed}

@@ -28,7 +28,7 @@ from ..errors import ArtifactError, ConfigError
 from ..model.gpt import build_model
 from ..model.state_dict import GROUPS, tensor_group, unbank_state_dict
 from ..record import codesize
-from ..runtime import resolve_device, synchronize
+from ..runtime import resolve_device, synchronize, use_cpu_threads
 from ..storage.files import atomic_write_bytes, atomic_write_json, read_json_object, sha256_bytes, tensors_sha256
 from ..storage.outputs import check_apart, claim_file
 from .calibration import Calibration, calibrate, load_hessians
@@ -72,6 +72,7 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
         raise ConfigError(f"{model_path} is already quantized; quantize a run or export directory")
     cfg = quant_settings(weights.config, gptq, calib_batches, clip_range, settings)
     dev = resolve_device(device)
+    use_cpu_threads(cfg.train.cpu_threads, dev)
     timings: dict[str, float] = {"load": time.perf_counter() - started}
 
     hessians, calibration, where = None, None, None

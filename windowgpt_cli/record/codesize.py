@@ -13,10 +13,12 @@ archive, the file that ran; run from the source tree, it is the modules' source 
 from __future__ import annotations
 
 import ast
+import functools
 import zipfile
 import zipimport
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 PACKAGE = "windowgpt_cli"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
@@ -27,6 +29,7 @@ RECORD_ROOTS = (*RECORD_STAGES, RECORD_ENTRY, ENTRY)
 SOURCE_FORM = "Python source as on disk (uncompressed), not packed"
 
 
+@functools.lru_cache(maxsize=4096)
 def module_file(module: str, package_dir: Path = PACKAGE_DIR) -> Path | None:
     """The file of a module of the package, or None if it is not one."""
     parts = module.split(".")
@@ -45,7 +48,7 @@ def imported_modules(module: str, package_dir: Path = PACKAGE_DIR) -> set[str]:
     assert path is not None, module
     is_package = path.name == "__init__.py"
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+    for node in _statements(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -54,6 +57,17 @@ def imported_modules(module: str, package_dir: Path = PACKAGE_DIR) -> set[str]:
             found.update(f"{base}.{alias.name}" for alias in node.names)  # `from . import ptz`
     with_parents = {".".join(name.split(".")[:i + 1]) for name in found for i in range(name.count(".") + 1)}
     return {name for name in with_parents if module_file(name, package_dir) is not None}
+
+
+def _statements(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """Every statement, nested ones too (imports inside functions, branches, try blocks):
+    imports are statements, so the expressions, most of a tree, need no visit."""
+    stack = list(body)
+    while stack:
+        statement = stack.pop()
+        yield statement
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            stack.extend(getattr(statement, field, None) or ())
 
 
 def _absolute(module: str, is_package: bool, target: str | None, level: int) -> str:

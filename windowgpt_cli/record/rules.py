@@ -76,6 +76,13 @@ class RunFiles:
     packed_code_sha256: str | None  # OUT/code.pyz's, if there is one
 
 
+def is_record_out(path: Path) -> bool:
+    """Whether a path is the OUT directory of `make record` (its stages' folders and files),
+    rather than one run, export or .ptz."""
+    path = Path(path)
+    return path.is_dir() and (path / "train").is_dir() and not (path / "checkpoint.pt").exists()
+
+
 def read_run(out: Path) -> RunFiles:
     from ..storage.files import sha256_file
 

@@ -14,11 +14,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Callable, TypeVar
-
-import torch
+from typing import IO, TYPE_CHECKING, Any, Callable, TypeVar
 
 from ..errors import ArtifactError
+
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 
@@ -117,6 +118,8 @@ def atomic_write_json(path: Path, obj: Any) -> Path:
 
 
 def atomic_torch_save(obj: Any, path: Path) -> Path:
+    import torch
+
     buf = io.BytesIO()
     torch.save(obj, buf)
     return atomic_write_bytes(path, buf.getvalue())
@@ -124,6 +127,8 @@ def atomic_torch_save(obj: Any, path: Path) -> Path:
 
 def tensors_sha256(tensors: dict[str, torch.Tensor] | None) -> str:
     """A fingerprint of named tensors: names, dtypes, shapes and bytes, in name order."""
+    import torch
+
     digest = hashlib.sha256()
     for name in sorted(tensors or {}):
         t = tensors[name].detach().to("cpu").contiguous()

@@ -8,26 +8,38 @@ unpickles anything, so a file from an untrusted source cannot run code.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
 import sys
 from pathlib import Path
-from typing import Any, Mapping
-
-import numpy as np
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import ArtifactError
 from .files import atomic_write_bytes
 
-DTYPE_CODES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}
-CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+# The format's dtype codes: torch's dtype names and their sizes. Headers are read with these
+# alone (commands that only describe a file import no torch); tensors need torch.
+DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+               "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+ITEM_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+@functools.cache
+def code_dtypes() -> dict[str, "torch.dtype"]:
+    import torch
+
+    return {code: getattr(torch, name) for code, name in DTYPE_NAMES.items()}
+
+
+@functools.cache
+def dtype_codes() -> dict["torch.dtype", str]:
+    return {dtype: code for code, dtype in code_dtypes().items()}
 METADATA_KEY = "__metadata__"
 MAX_HEADER_BYTES = 100_000_000  # as the reference implementation: refuse absurd headers early
 _LENGTH = struct.Struct("<Q")
@@ -38,6 +50,8 @@ if sys.byteorder != "little":  # tensors are written as the host lays them out
 
 def tensor_bytes(t: Tensor) -> bytes:
     """The raw bytes of a tensor in row-major order."""
+    import torch
+
     flat = t.detach().to("cpu").contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy().tobytes()
 
@@ -54,10 +68,10 @@ def dumps(tensors: Mapping[str, Tensor], metadata: Mapping[str, str] | None = No
     for name, t in tensors.items():
         if name == METADATA_KEY:
             raise ValueError(f"{METADATA_KEY} is reserved and cannot name a tensor")
-        if t.dtype not in DTYPE_CODES:
+        if t.dtype not in dtype_codes():
             raise TypeError(f"{name}: dtype {t.dtype} cannot be stored in a tensor file")
         data = tensor_bytes(t)
-        header[name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape),
+        header[name] = {"dtype": dtype_codes()[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + len(data)]}
         chunks.append(data)
         offset += len(data)
@@ -68,10 +82,14 @@ def dumps(tensors: Mapping[str, Tensor], metadata: Mapping[str, str] | None = No
 
 def loads(data: bytes | bytearray | memoryview, source: str = "tensor file") -> tuple[dict[str, Tensor], dict[str, str]]:
     """Parse safetensors bytes into (tensors in file order, metadata); ArtifactError if malformed."""
+    import numpy as np
+    import torch
+
     view = memoryview(data)
     entries, metadata, data_start = layout(view, source)
     tensors: dict[str, Tensor] = {}
-    for name, (dtype, shape, (begin, end)) in entries.items():
+    for name, (code, shape, (begin, end)) in entries.items():
+        dtype = code_dtypes()[code]
         if begin == end:
             tensors[name] = torch.empty(shape, dtype=dtype)
             continue
@@ -95,7 +113,19 @@ def load(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     return loads(data, source=str(path))
 
 
-Entry = tuple[torch.dtype, tuple[int, ...], tuple[int, int]]  # dtype, shape, offsets from data_start
+Entry = tuple[str, tuple[int, ...], tuple[int, int]]  # dtype code, shape, offsets from data_start
+
+
+def read_file_header(path: Path) -> tuple[dict[str, Entry], dict[str, str]]:
+    """A file's entries and metadata, read from its header alone."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(_LENGTH.size)
+            prefix += f.read(header_length(prefix, str(path)) - len(prefix))
+    except OSError as exc:
+        raise ArtifactError(f"{path}: cannot read tensor file ({exc.strerror or exc})") from None
+    return read_header(prefix, str(path))
 
 
 def header_length(prefix: bytes, source: str = "tensor file") -> int:
@@ -147,18 +177,18 @@ def _parse_entry(name: str, info: Any, source: str) -> Entry:
     where = f"{source}: tensor {name!r}"
     if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
         raise ArtifactError(f"{where} needs exactly dtype, shape and data_offsets")
-    dtype = CODE_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
-    if dtype is None:
+    code = info["dtype"] if isinstance(info["dtype"], str) and info["dtype"] in ITEM_SIZES else None
+    if code is None:
         raise ArtifactError(f"{where} has unsupported dtype {info['dtype']!r}")
     shape, offsets = info["shape"], info["data_offsets"]
     if not valid_shape(shape):
         raise ArtifactError(f"{where} has an invalid shape {str(shape)[:100]}")
     if not _is_int_list(offsets) or len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1]:
         raise ArtifactError(f"{where} has invalid data_offsets {offsets!r}")
-    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    expected = math.prod(shape) * ITEM_SIZES[code]
     if offsets[1] - offsets[0] != expected:
         raise ArtifactError(f"{where}: {offsets[1] - offsets[0]} bytes do not match shape {shape} of {info['dtype']}")
-    return dtype, tuple(shape), (offsets[0], offsets[1])
+    return code, tuple(shape), (offsets[0], offsets[1])
 
 
 def _check_layout(entries: Mapping[str, Entry], payload_size: int, source: str) -> None:

@@ -4,6 +4,7 @@ when WANDB_MODE=offline is set). Both are optional extras."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,11 +20,23 @@ class MetricSink(Protocol):
     def close(self) -> None: ...
 
 
+def check_logger(logger: str) -> None:
+    """The logger's extra is installed (found, not imported): before a run starts."""
+    if logger not in LOGGERS:
+        raise ConfigError(f"--logger {logger!r} must be one of {', '.join(LOGGERS)}")
+    if logger != "none" and importlib.util.find_spec(logger) is None:
+        raise _missing_extra(logger)
+
+
+def _missing_extra(extra: str) -> ConfigError:
+    return ConfigError(f"--logger {extra} needs the optional extra: pip install 'windowgpt[{extra}]'")
+
+
 def _import_extra(module: str, extra: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ConfigError(f"--logger {extra} needs the optional extra: pip install 'windowgpt[{extra}]'") from None
+        raise _missing_extra(extra) from None
 
 
 def _scalars(values: dict[str, Any]) -> dict[str, float]:
@@ -59,8 +72,7 @@ class WandbSink:
 
 
 def open_sink(logger: str, out_dir: Path, cfg: RunConfig) -> MetricSink | None:
-    if logger not in LOGGERS:
-        raise ConfigError(f"--logger {logger!r} must be one of {', '.join(LOGGERS)}")
+    check_logger(logger)
     if logger == "tensorboard":
         return TensorBoardSink(out_dir)
     if logger == "wandb":

@@ -14,16 +14,25 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 from ..artifacts.checkpoint import FILENAME as CHECKPOINT_FILENAME
-from ..artifacts.checkpoint import RUN_CONFIG, RUN_FILES, SUMMARY, checkpoint_path, is_run_dir, load_checkpoint
-from ..config import RunConfig
+from ..artifacts.checkpoint import (
+    KEPT_PATTERN,
+    RUN_CONFIG,
+    RUN_FILES,
+    SUMMARY,
+    checkpoint_path,
+    is_run_dir,
+    load_checkpoint,
+)
+from ..config import RunConfig, parameter_estimate
 from ..distributed import init_distributed, shutdown
 from ..errors import ArtifactError, ConfigError, DataError
-from ..runtime import is_out_of_memory
+from ..model.attention import resolve_backend
+from ..runtime import is_out_of_memory, resolve_device, use_cpu_threads
 from ..storage.files import atomic_write_json
 from ..storage.outputs import check_apart, claim_dir
 from ..storage.runlock import run_lock
 from ..timing import Phases, compile_line, compile_seconds
-from .metric_sinks import open_sink
+from .metric_sinks import check_logger, open_sink
 from .trainer import RunLog, StopRequests, Trainer, TrainResult, build_setup, describe
 
 Echo = Callable[[str], None]
@@ -32,6 +41,44 @@ StepProgress = Callable[[dict], None]
 # that yields the echo to use meanwhile and a callback for each step (or None).
 ProgressDisplay = Callable[[int, Echo], ContextManager[tuple[Echo, StepProgress | None]]]
 
+
+
+# What one CPU thread sustains training a small model, in FLOP/s (the tiny preset: 1.0 s a
+# step of 8,192 tokens and 224k parameters on one core of a 2-core machine).
+CPU_FLOPS_PER_THREAD = 1.1e10
+SLOW_CPU_STEP_SECONDS = 30.0
+
+
+def check_requirements(cfg: RunConfig) -> None:
+    """What the settings need beyond the core dependencies (a logger's extra, an attention
+    backend's package or device), checked before anything is written or trained."""
+    check_logger(cfg.train.logger)
+    resolve_backend(cfg.train.attn_backend, resolve_device(cfg.train.device))
+
+
+def cpu_slowness(cfg: RunConfig) -> str | None:
+    """Where the run would train on the CPU for minutes a step: a line saying roughly how
+    slow (6 FLOPs per parameter and token), and what to train instead."""
+    import torch
+
+    if resolve_device(cfg.train.device).type != "cpu":
+        return None
+    threads = cfg.train.cpu_threads or torch.get_num_threads()
+    params = parameter_estimate(cfg.model)
+    seconds = 6 * params * cfg.train.train_batch_tokens / (CPU_FLOPS_PER_THREAD * threads)
+    if seconds < SLOW_CPU_STEP_SECONDS:
+        return None
+    return (f"training {params / 1e6:.1f}M parameters on {cfg.train.train_batch_tokens:,} tokens a step on the CPU "
+            f"({threads} thread{'s' * (threads != 1)}) takes roughly {_duration(seconds)} a step, "
+            f"{cfg.train.iterations:,} steps planned; for a model that trains here in about a minute: --preset tiny")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.0f} h"
 
 
 @dataclass
@@ -71,7 +118,9 @@ def train_and_report(cfg: RunConfig, out_dir: Path, *, resume: bool = False, for
                                                             cfg.data.tokenizer_meta_path)])
     if not resume:
         claim_dir(out_dir, "a training run", is_run_dir)  # before the directory is touched (and again, locked)
+    check_requirements(cfg)
     ctx = init_distributed(cfg.train.device)
+    use_cpu_threads(cfg.train.cpu_threads, ctx.device)
     created = not out_dir.exists()
     try:
         with run_lock(out_dir) if ctx.is_main else contextlib.nullcontext():
@@ -117,6 +166,7 @@ def _claim_run_dir(out_dir: Path, resume: bool, force: bool, notify: Echo):
         return load_checkpoint(out_dir)
     claim_dir(out_dir, "a training run", is_run_dir)
     existing = [name for name in RUN_FILES if (out_dir / name).exists()]
+    existing += sorted(p.name for p in out_dir.glob(KEPT_PATTERN)) if out_dir.is_dir() else []
     if (out_dir / CHECKPOINT_FILENAME).exists() and not force:
         raise ConfigError(f"{out_dir} already holds a checkpoint: pass --resume to continue it, --force to start "
                           "afresh, or choose a new --out")

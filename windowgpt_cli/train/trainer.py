@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..artifacts.checkpoint import FILENAME as CHECKPOINT_FILENAME
-from ..artifacts.checkpoint import HESSIANS_FILENAME, Checkpoint, save_checkpoint
+from ..artifacts.checkpoint import HESSIANS_FILENAME, Checkpoint, keep_checkpoint, save_checkpoint
 from ..config import ModelConfig, RunConfig, grad_accum_steps_for
 from ..data.loader import Prefetcher, TokenStream, load_validation_tokens
 from ..data.manifest import verify_data
@@ -531,6 +531,9 @@ class Trainer:
                     synchronize(device)
                     self.training_time_ms += 1000.0 * (time.perf_counter() - t0)
                     path = self.checkpoint(prefetcher)
+                    if periodic and t.keep_checkpoints and s.ctx.is_main:
+                        self.log.line(f"checkpoint:kept step:{self.step} path:"
+                                      f"{keep_checkpoint(self.out_dir, self.step, t.keep_checkpoints)}")
                     if pause:
                         why = "interrupted" if interrupted else "stop-at-step"
                         self.log.line(f"checkpoint:{why} step:{self.step}/{t.iterations} path:{path}")
