@@ -1,6 +1,7 @@
 """Newton-Schulz, Muon, the optimizer table, the schedule and the weight averages."""
 import dataclasses
 
+import pytest
 import torch
 
 from windowgpt_cli.config import OptimConfig, TrainConfig, tiny_preset
@@ -108,3 +109,55 @@ def test_ema_warmup_follows_early_weights():
     for step in range(50):
         avg.update_ema(model, step)
     assert avg.ema[avg.names.index("smear.gate")].min() > 0.99
+
+
+def test_the_reference_polynomial_is_unchanged_and_polar_express_orthogonalizes_closer():
+    from windowgpt_cli.train.optim import NS_COEFFICIENTS, ns_coefficients
+
+    g = torch.randn(4, 48, 32, generator=torch.Generator().manual_seed(0))
+    x = g.bfloat16().mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    a, b, c = NS_COEFFICIENTS
+    for _ in range(5):  # the reference's loop, written out
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    assert torch.equal(newton_schulz5(g), x.mT)
+    assert ns_coefficients("reference", 3) == [NS_COEFFICIENTS] * 3
+    polar = ns_coefficients("polar_express", 10)
+    assert polar[0][0] == pytest.approx(8.28721201814563 / 1.01) and polar[7:] == [(1.875, -1.25, 0.375)] * 3
+    # Five steps of each on ill-conditioned matrices: Polar Express lands nearer to orthogonal.
+    u, _, v = torch.linalg.svd(torch.randn(48, 32, generator=torch.Generator().manual_seed(1)), full_matrices=False)
+    ill = u @ torch.diag(torch.logspace(0, -3, 32)) @ v
+    spread = {name: (torch.linalg.svdvals(newton_schulz5(ill, coefficients=name).float()) - 1).abs().max().item()
+              for name in ("reference", "polar_express")}
+    assert spread["polar_express"] < spread["reference"], spread
+
+
+def test_a_floor_and_a_fractional_warmdown():
+    t = TrainConfig(iterations=100, warmdown_iters=20)
+    reference = [lr_scale(s, 10.0 * s, t, None) for s in range(101)]
+    t.min_lr_fraction = 0.1
+    assert lr_scale(50, 0.0, t, None) == 1.0 and lr_scale(99, 0.0, t, None) == pytest.approx(0.1 + 0.9 * 0.05)
+    assert lr_scale(90, 0.0, t, None) == pytest.approx(0.1 + 0.9 * 0.5)
+    t.min_lr_fraction, t.warmdown_fraction = 0.0, 0.85  # the last 85 of 100 steps
+    assert lr_scale(15, 0.0, t, None) == 1.0 and lr_scale(16, 0.0, t, None) < 1.0
+    assert lr_scale(100 - 85 // 2, 0.0, t, None) == pytest.approx((85 // 2) / 85)
+    assert lr_scale(500, 750.0, t, 1000.0) == pytest.approx(250 / 850)  # 85% of a 1000 ms budget
+    assert lr_scale(100, 100.0, t, 1000.0) == 1.0
+    t.warmdown_fraction = 0.0
+    assert [lr_scale(s, 10.0 * s, t, None) for s in range(101)] == reference  # the defaults: unchanged
+
+
+def test_polar_express_and_the_schedule_are_settings_with_bounds():
+    from windowgpt_cli.config import RunConfig, apply_overrides, validate
+    from windowgpt_cli.errors import ConfigError
+
+    cfg = apply_overrides(RunConfig(), {"optim": {"muon_ns_coefficients": "polar_express"},
+                                        "train": {"min_lr_fraction": 0.1, "warmdown_fraction": 0.85}})
+    validate(cfg)
+    optimizers = build_optimizers(build_model(tiny_preset().model, torch.device("cpu")), cfg.optim)
+    assert optimizers.muon.ns_coefficients == "polar_express"
+    for bad in ({"optim": {"muon_ns_coefficients": "cubic"}}, {"train": {"min_lr_fraction": 1.5}},
+                {"train": {"warmdown_fraction": -0.1}}):
+        with pytest.raises(ConfigError):
+            validate(apply_overrides(RunConfig(), bad))

@@ -97,6 +97,9 @@ class OptimConfig:
     scalar_lr: float = setting(0.025, "AdamW learning rate of control tensors and small projections.")
     muon_momentum: float = setting(0.99, "Muon momentum once warmed up.")
     muon_backend_steps: int = setting(5, "Newton-Schulz iterations per Muon update.")
+    muon_ns_coefficients: str = setting("reference", "The Newton-Schulz polynomial of each Muon iteration: "
+                                        "reference (3.4445, -4.7750, 2.0315 at every step) or polar_express "
+                                        "(the Polar Express paper's coefficients, one set per iteration).")
     muon_momentum_warmup_start: float = setting(0.92, "Muon momentum at step 0, raised linearly to muon_momentum.")
     muon_momentum_warmup_steps: int = setting(1500, "Steps over which Muon momentum warms up.")
     muon_wd: float = setting(0.04, "Muon's decoupled weight decay.")
@@ -134,6 +137,10 @@ class TrainConfig:
     ema_decay: float = setting(0.997, "Decay of the weights' exponential moving average (what export uses).")
     ema_warmup: bool = setting(True, "Decay min(ema_decay, (1 + step) / (10 + step)), so that a short run's EMA "
                                      "follows its weights; off reproduces the reference.")
+    warmdown_fraction: float = setting(0.0, "Warm-down as a fraction of the run: of iterations, or of the "
+                                            "budget under a wallclock cap; 0 = warmdown_iters steps.")
+    min_lr_fraction: float = setting(0.0, "The warm-down's floor: the learning rate falls linearly to this "
+                                          "fraction of its peak; 0 = to zero, the reference's.")
     warmdown_max_fraction: float = setting(0.5, "Under a wallclock cap, the warm-down lasts warmdown_iters steps "
                                                 "at the current pace but at most this fraction of the budget; 1.0 "
                                                 "= the reference.")
@@ -533,6 +540,7 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "micro_batches_per_pass": (0, 1 << 16),
     "max_wallclock_seconds": (0, None), "val_loss_every": (0, INT_MAX), "train_log_every": (0, INT_MAX),
     "val_batch_size": (1, 1 << 40), "ema_decay": (0, 0.999999999), "warmdown_max_fraction": (1e-9, 1),
+    "warmdown_fraction": (0, 1), "min_lr_fraction": (0, 1),
     "swa_every": (1, INT_MAX), "checkpoint_every": (0, INT_MAX), "sample_every": (0, INT_MAX), "cpu_threads": (0, 4096),
     "keep_checkpoints": (0, 1 << 20),
     "eval_seq_len": (1, 1 << 22), "eval_stride": (0, 1 << 22), "eval_batch_seqs": (0, 1 << 20),
@@ -554,6 +562,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "cuda"),
     "attn_backend": ("auto", "fa3", "flex", "triton", "sdpa"),
     "logger": ("none", "tensorboard", "wandb"),
+    "muon_ns_coefficients": ("reference", "polar_express"),
 }
 MAX_PARAMETERS = 4_000_000_000  # about 150 times the reference model
 

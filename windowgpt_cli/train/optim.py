@@ -14,11 +14,33 @@ from ..model.gpt import GPT
 from ..model.state_dict import is_control_tensor
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+# The Polar Express paper's quintics (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932),
+# one per iteration, the last repeated beyond the list; all but the last divided by a safety
+# factor of 1.01 (a, b, c by 1.01, 1.01^3, 1.01^5), as the paper does for bfloat16.
+_POLAR_EXPRESS = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+POLAR_EXPRESS_COEFFICIENTS = tuple((a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in _POLAR_EXPRESS[:-1]) \
+    + _POLAR_EXPRESS[-1:]
 
 
-def newton_schulz5(g: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
+def ns_coefficients(name: str, steps: int) -> list[tuple[float, float, float]]:
+    """The (a, b, c) of each of `steps` iterations (`OptimConfig.muon_ns_coefficients`)."""
+    if name == "reference":
+        return [NS_COEFFICIENTS] * steps
+    table = POLAR_EXPRESS_COEFFICIENTS
+    return [table[min(i, len(table) - 1)] for i in range(steps)]
+
+
+def newton_schulz5(g: Tensor, steps: int = 5, eps: float = 1e-7, coefficients: str = "reference") -> Tensor:
     """Approximately orthogonalize each matrix of a batch [B, M, N] (or one [M, N]) in bf16."""
-    a, b, c = NS_COEFFICIENTS
     x = g.bfloat16()
     squeeze = x.ndim == 2
     if squeeze:
@@ -27,7 +49,7 @@ def newton_schulz5(g: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
     if transposed:
         x = x.mT
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
-    for _ in range(steps):
+    for a, b, c in ns_coefficients(coefficients, steps):
         gram = x @ x.mT
         x = a * x + (b * gram + c * (gram @ gram)) @ x
     if transposed:
@@ -78,9 +100,10 @@ class Muon(torch.optim.Optimizer):
     """
 
     def __init__(self, params: list[Tensor], lr: float, momentum: float, backend_steps: int,
-                 weight_decay: float = 0.0, nesterov: bool = True):
+                 weight_decay: float = 0.0, nesterov: bool = True, ns_coefficients: str = "reference"):
         super().__init__(params, dict(lr=lr, momentum=momentum, backend_steps=backend_steps,
                                       nesterov=nesterov, weight_decay=weight_decay))
+        self.ns_coefficients = ns_coefficients  # a setting, not state: a checkpoint's groups need not hold it
         self._banks: list[_Bank] | None = None
         self._pending: list[Any] | None = None
         self._nccl = False
@@ -173,7 +196,7 @@ class Muon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
             buf.mul_(momentum).add_(grad)
             update = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
-            update = newton_schulz5(update, steps=group["backend_steps"])
+            update = newton_schulz5(update, steps=group["backend_steps"], coefficients=self.ns_coefficients)
             if sharded:
                 gathering = (self._start_all_gather(bank.full_update, update), bank)
             else:
@@ -280,7 +303,8 @@ def build_optimizers(model: GPT, cfg: OptimConfig) -> Optimizers:
     scalar = torch.optim.AdamW([{"params": scalars, "lr": cfg.scalar_lr, "base_lr": cfg.scalar_lr}],
                                weight_decay=cfg.adam_wd, **adam)
     muon = Muon([model.qo_bank, model.kv_bank, model.mlp_up_bank, model.mlp_down_bank], lr=cfg.matrix_lr,
-                momentum=cfg.muon_momentum, backend_steps=cfg.muon_backend_steps, weight_decay=cfg.muon_wd)
+                momentum=cfg.muon_momentum, backend_steps=cfg.muon_backend_steps, weight_decay=cfg.muon_wd,
+                ns_coefficients=cfg.muon_ns_coefficients)
     for group in muon.param_groups:
         group["base_lr"] = cfg.matrix_lr
     adams: list[torch.optim.Optimizer] = [tok, scalar]
@@ -303,17 +327,29 @@ def _check_every_parameter_has_one_optimizer(model: GPT, optimizers: list[torch.
 # --- Schedule ----------------------------------------------------------------------------
 
 def lr_scale(step: int, elapsed_ms: float, train: TrainConfig, wallclock_ms: float | None) -> float:
-    """1 until warm-down, then linear to 0: over the last warmdown_iters steps, or, under a
-    wallclock cap, over the time that many steps take at the current pace (at most
-    warmdown_max_fraction of the budget)."""
-    if train.warmdown_iters <= 0:
+    """1 until warm-down, then linear to min_lr_fraction (0, the reference's), over the last
+    warmdown_iters steps, or, under a wallclock cap, over the time that many steps take at
+    the current pace (at most warmdown_max_fraction of the budget); with warmdown_fraction,
+    over that fraction of the iterations or of the budget instead."""
+    scale = _warmdown_scale(step, elapsed_ms, train, wallclock_ms)
+    floor = train.min_lr_fraction
+    return scale if floor == 0 else floor + (1.0 - floor) * scale
+
+
+def _warmdown_scale(step: int, elapsed_ms: float, train: TrainConfig, wallclock_ms: float | None) -> float:
+    by_fraction = train.warmdown_fraction > 0
+    warmdown_steps = round(train.warmdown_fraction * train.iterations) if by_fraction else train.warmdown_iters
+    if warmdown_steps <= 0 and not (by_fraction and wallclock_ms is not None):
         return 1.0
     if wallclock_ms is None:
-        start = max(train.iterations - train.warmdown_iters, 0)
+        start = max(train.iterations - warmdown_steps, 0)
         if start <= step < train.iterations:
-            return max((train.iterations - step) / max(train.warmdown_iters, 1), 0.0)
+            return max((train.iterations - step) / max(warmdown_steps, 1), 0.0)
         return 1.0
-    warmdown_ms = min(train.warmdown_iters * (elapsed_ms / max(step, 1)), train.warmdown_max_fraction * wallclock_ms)
+    if by_fraction:
+        warmdown_ms = train.warmdown_fraction * wallclock_ms
+    else:
+        warmdown_ms = min(warmdown_steps * (elapsed_ms / max(step, 1)), train.warmdown_max_fraction * wallclock_ms)
     remaining_ms = max(wallclock_ms - elapsed_ms, 0.0)
     return remaining_ms / max(warmdown_ms, 1e-9) if remaining_ms <= warmdown_ms else 1.0
 
