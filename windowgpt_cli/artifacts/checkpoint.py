@@ -115,18 +115,12 @@ def save_checkpoint(path: Path, ckpt: Checkpoint) -> Path:
 def load_checkpoint(run_dir_or_file: Path, map_location: str | torch.device = "cpu") -> Checkpoint:
     import torch
 
-    path = checkpoint_path(run_dir_or_file)
-    if not path.is_file():
-        raise ArtifactError(f"{path}: no checkpoint here (train writes RUN_DIR/{FILENAME})")
+    path = _existing(run_dir_or_file)
     try:
         raw = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # truncated zip, pickle refused by weights_only, ...
         raise ArtifactError(f"{path}: not a readable windowgpt checkpoint ({type(exc).__name__})") from None
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        raise ArtifactError(f"{path}: not a windowgpt checkpoint")
-    if raw.get("version") not in READABLE_VERSIONS:
-        raise ArtifactError(f"{path}: checkpoint version {raw.get('version')} is not supported (this windowgpt "
-                            f"reads {', '.join(map(str, READABLE_VERSIONS))})")
+    _check_format(raw, path)
     try:
         config = RunConfig.from_dict(raw["config"], source=f"{path} config")
         ckpt = Checkpoint(
@@ -165,15 +159,9 @@ class CheckpointDescription:
 
 
 def describe_checkpoint(run_dir_or_file: Path) -> CheckpointDescription:
-    path = checkpoint_path(run_dir_or_file)
-    if not path.is_file():
-        raise ArtifactError(f"{path}: no checkpoint here (train writes RUN_DIR/{FILENAME})")
+    path = _existing(run_dir_or_file)
     raw = describe_torch_file(path)
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        raise ArtifactError(f"{path}: not a windowgpt checkpoint")
-    if raw.get("version") not in READABLE_VERSIONS:
-        raise ArtifactError(f"{path}: checkpoint version {raw.get('version')} is not supported (this windowgpt "
-                            f"reads {', '.join(map(str, READABLE_VERSIONS))})")
+    _check_format(raw, path)
     try:
         model = raw["model"]
         if not isinstance(model, dict) or not all(isinstance(t, TensorInfo) for t in model.values()):
@@ -185,6 +173,21 @@ def describe_checkpoint(run_dir_or_file: Path) -> CheckpointDescription:
         raise ArtifactError(str(exc)) from None
     except (KeyError, TypeError, ValueError) as exc:
         raise ArtifactError(f"{path}: malformed checkpoint ({type(exc).__name__}: {exc})") from None
+
+
+def _existing(run_dir_or_file: Path) -> Path:
+    path = checkpoint_path(run_dir_or_file)
+    if not path.is_file():
+        raise ArtifactError(f"{path}: no checkpoint here (train writes RUN_DIR/{FILENAME})")
+    return path
+
+
+def _check_format(raw: Any, path: Path) -> None:
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise ArtifactError(f"{path}: not a windowgpt checkpoint")
+    if raw.get("version") not in READABLE_VERSIONS:
+        raise ArtifactError(f"{path}: checkpoint version {raw.get('version')} is not supported (this windowgpt "
+                            f"reads {', '.join(map(str, READABLE_VERSIONS))})")
 
 
 def _tensors(value: Any) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..config import RunConfig
 from ..errors import ArtifactError, ConfigError
@@ -84,6 +84,17 @@ def _checked_description(export_dir: Path) -> tuple[RunConfig, dict]:
         raise ArtifactError(str(exc)) from None
 
 
+def checkpoint_to_export(run_dir: Path, out: Path, weights: str, kind: str,
+                         is_own: Callable[[Path], bool]) -> Checkpoint:
+    """The run's checkpoint, once the weights asked for and the output are checked: `out`
+    apart from the run, and new, empty or an export of this kind."""
+    if weights not in WEIGHT_CHOICES:
+        raise ConfigError(f"--weights {weights!r} must be one of {', '.join(WEIGHT_CHOICES)}")
+    check_apart(out, [run_dir])
+    claim_dir(out, kind, is_own)
+    return load_checkpoint(run_dir)
+
+
 def _is_export_weights(metadata: dict[str, str]) -> bool:
     current = metadata.get("format") == "pt" and metadata.get(EXPORT_FORMAT) == EXPORT_VERSION
     before = metadata.get("format") == EXPORT_FORMAT and metadata.get("format_version") == EXPORT_VERSION  # 0.1
@@ -92,12 +103,7 @@ def _is_export_weights(metadata: dict[str, str]) -> bool:
 
 def export(run_dir: Path, out: Path, weights: str = "ema") -> dict[str, Any]:
     """Write the export directory `out`; returns what export.json records."""
-
-    if weights not in WEIGHT_CHOICES:
-        raise ConfigError(f"--weights {weights!r} must be one of {', '.join(WEIGHT_CHOICES)}")
-    check_apart(out, [run_dir])
-    claim_dir(out, "an export", is_export_dir)
-    ckpt = load_checkpoint(run_dir)
+    ckpt = checkpoint_to_export(run_dir, out, weights, "an export", is_export_dir)
     tensors = unbank_state_dict(ckpt.weights(weights), ckpt.config.model.num_layers)
     return publish_dir(Path(out), lambda folder: _write_export(folder, run_dir, ckpt, tensors, weights))
 

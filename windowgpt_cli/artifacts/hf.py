@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..errors import ArtifactError, ConfigError
+from ..errors import ArtifactError
 from ..storage import tensorfile
 from ..storage.files import atomic_write_bytes, atomic_write_json, atomic_write_text, publish_dir, read_json_object
-from ..storage.outputs import check_apart, claim_dir
-from .checkpoint import WEIGHT_CHOICES, Checkpoint, load_checkpoint
-from .export import TOKENIZER_FILE, copy_tokenizer
+from .checkpoint import Checkpoint
+from .export import TOKENIZER_FILE, checkpoint_to_export, copy_tokenizer
 
 MODELING_FILE = "modeling_windowgpt.py"
 HF_CONFIG = "config.json"
@@ -32,11 +31,7 @@ HF_FILES = {HF_CONFIG, HF_WEIGHTS, MODELING_FILE, TOKENIZER_FILE, "README.md"}
 
 def export_hf(run_dir: Path, out: Path, weights: str = "ema") -> dict[str, Any]:
     """Write the transformers folder `out` from a run's chosen weights; returns its config.json."""
-    if weights not in WEIGHT_CHOICES:
-        raise ConfigError(f"--weights {weights!r} must be one of {', '.join(WEIGHT_CHOICES)}")
-    check_apart(out, [run_dir])
-    claim_dir(out, "a Hugging Face export", is_hf_dir)
-    ckpt = load_checkpoint(run_dir)
+    ckpt = checkpoint_to_export(run_dir, out, weights, "a Hugging Face export", is_hf_dir)
     return publish_dir(Path(out), lambda folder: _write(folder, ckpt, weights))
 
 
