@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import RunConfig
 from ..errors import ArtifactError, ConfigError
-from ..storage.files import atomic_torch_save, is_sha256, read_json_object, tensors_sha256
+from ..storage.files import atomic_torch_save, atomic_write_bytes, is_sha256, read_json, tensors_sha256
 from ..storage.runlock import LOCK_NAME
 from ..storage.torchfile import TensorInfo, describe_torch_file
 from .shapes import check_tensors, described
@@ -80,17 +80,16 @@ def kept_checkpoint_path(run_dir: Path, step: int) -> Path:
 
 def keep_checkpoint(run_dir: Path, step: int, keep: int) -> Path:
     """A copy of the run's checkpoint.pt (a hard link where the file system has them: the
-    next checkpoint replaces checkpoint.pt by a rename, never in place) as
-    checkpoint-STEP.pt, the oldest beyond `keep` removed."""
+    next checkpoint replaces checkpoint.pt by a rename, never in place; else a copy written
+    atomically) as checkpoint-STEP.pt, the oldest beyond `keep` removed."""
     import os
-    import shutil
 
     source, target = checkpoint_path(run_dir), kept_checkpoint_path(run_dir, step)
     target.unlink(missing_ok=True)
     try:
         os.link(source, target)
     except OSError:
-        shutil.copyfile(source, target)
+        atomic_write_bytes(target, source.read_bytes())
     for old in sorted(Path(run_dir).glob(KEPT_PATTERN))[:-keep]:
         old.unlink(missing_ok=True)
     return target
@@ -204,11 +203,7 @@ def is_run_dir(path: Path) -> bool:
     path = Path(path)
     if (path / FILENAME).is_file() or (path / LOCK_NAME).is_file():
         return True
-    try:
-        raw = read_json_object(path / RUN_CONFIG)
-    except ArtifactError:
-        return False
-    return {"model", "train"} <= set(raw)
+    return {"model", "train"} <= set(read_json(path / RUN_CONFIG) or {})
 
 
 def state_sha256(state: Any) -> str:

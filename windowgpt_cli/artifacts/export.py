@@ -19,7 +19,15 @@ from ..config import RunConfig
 from ..errors import ArtifactError, ConfigError
 from ..model.state_dict import unbank_state_dict
 from ..storage import tensorfile
-from ..storage.files import atomic_write_bytes, atomic_write_json, is_sha256, publish_dir, read_json_object, sha256_file
+from ..storage.files import (
+    atomic_write_bytes,
+    atomic_write_json,
+    is_sha256,
+    publish_dir,
+    read_json,
+    read_json_object,
+    sha256_file,
+)
 from ..storage.outputs import check_apart, claim_dir
 from .checkpoint import HESSIANS_FILENAME, REPORT_FILES, WEIGHT_CHOICES, Checkpoint, checkpoint_path, load_checkpoint
 from .shapes import check_tensors, described
@@ -164,9 +172,6 @@ def is_export_dir(path: Path) -> bool:
     """Whether a directory is an export (export may replace it): its export.json, and only
     the export's files and the scores `eval` saved in it."""
     path = Path(path)
-    try:
-        info = read_json_object(path / EXPORT_INFO)
-    except ArtifactError:
-        return False
+    info = read_json(path / EXPORT_INFO) or {}
     return info.get("format") == EXPORT_FORMAT and all(
         p.name in EXPORT_FILES or re.fullmatch(r"eval-[a-z]+\.json", p.name) for p in path.iterdir())

@@ -17,7 +17,7 @@ from typing import Any
 from .. import __version__
 from ..errors import ArtifactError
 from ..storage import tensorfile
-from ..storage.files import atomic_write_bytes, atomic_write_json, atomic_write_text, publish_dir, read_json_object
+from ..storage.files import atomic_write_bytes, atomic_write_json, atomic_write_text, publish_dir, read_json
 from .checkpoint import Checkpoint
 from .export import TOKENIZER_FILE, checkpoint_to_export, copy_tokenizer
 
@@ -85,8 +85,5 @@ def is_hf_dir(path: Path) -> bool:
     """Whether a directory is a folder `export --format hf` wrote (and so may replace): its
     config.json names windowgpt and it holds nothing else."""
     path = Path(path)
-    try:
-        config = read_json_object(path / HF_CONFIG)
-    except ArtifactError:
-        return False
+    config = read_json(path / HF_CONFIG) or {}
     return config.get("model_type") == MODEL_TYPE and all(p.name in HF_FILES for p in path.iterdir())

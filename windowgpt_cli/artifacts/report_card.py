@@ -14,8 +14,7 @@ from typing import Any
 
 from ..challenge import BUDGET_BYTES
 from ..config import PRESETS, preset
-from ..errors import ArtifactError
-from ..storage.files import atomic_write_json, atomic_write_text, read_json_object
+from ..storage.files import atomic_write_json, atomic_write_text, read_json, starts_with
 from ..storage.outputs import claim_file
 from .info import flat_settings
 from .inspect import inspect_artifact
@@ -140,14 +139,8 @@ def _number(value: Any) -> str:
 
 
 def is_card_json(path: Path) -> bool:
-    try:
-        return read_json_object(path).get("kind") == CARD_KIND
-    except ArtifactError:
-        return False
+    return (read_json(path) or {}).get("kind") == CARD_KIND
 
 
 def is_card_markdown(path: Path) -> bool:
-    try:
-        return Path(path).read_text(encoding="utf-8", errors="replace").startswith(CARD_MARK)
-    except OSError:
-        return False
+    return starts_with(path, CARD_MARK)

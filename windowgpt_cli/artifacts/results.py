@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import ArtifactError
-from ..storage.files import atomic_write_json, read_json_object
+from ..storage.files import atomic_write_json, read_json
 from ..storage.outputs import claim_file
 from .checkpoint import FILENAME as CHECKPOINT_FILENAME
 from .export import EXPORT_WEIGHTS
@@ -33,14 +32,6 @@ def find_eval_results(artifact: Path) -> dict[str, dict[str, Any]]:
     """The saved results of `eval` and `eval-ttt` on this artifact, by mode."""
     found = {mode: read_json(eval_result_path(artifact, mode)) for mode in EVAL_MODES}
     return {mode: record for mode, record in found.items() if record is not None}
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    """A JSON object, or None where there is none to read (results are optional)."""
-    try:
-        return read_json_object(path)
-    except ArtifactError:
-        return None
 
 
 def is_eval_result(path: Path) -> bool:

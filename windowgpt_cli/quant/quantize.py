@@ -29,7 +29,7 @@ from ..model.gpt import build_model
 from ..model.state_dict import GROUPS, tensor_group, unbank_state_dict
 from ..record import codesize
 from ..runtime import resolve_device, synchronize, use_cpu_threads
-from ..storage.files import atomic_write_bytes, atomic_write_json, read_json_object, sha256_bytes, tensors_sha256
+from ..storage.files import atomic_write_bytes, atomic_write_json, read_json, sha256_bytes, tensors_sha256
 from ..storage.outputs import check_apart, claim_file
 from .calibration import Calibration, calibrate, load_hessians
 from .gptq import quantize_state_dict
@@ -119,11 +119,7 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
 
 def is_quant_report(path: Path) -> bool:
     """Whether a file is the report quantize writes beside a .ptz (it may replace that)."""
-    try:
-        report = read_json_object(path)
-    except ArtifactError:
-        return False
-    return {"artifact", "compressor", "payload_bytes", "budget_bytes"} <= set(report)
+    return {"artifact", "compressor", "payload_bytes", "budget_bytes"} <= set(read_json(path) or {})
 
 
 def quant_settings(cfg: RunConfig, gptq: bool | None, calib_batches: int | None, clip_range: int | None,

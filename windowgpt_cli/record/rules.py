@@ -260,19 +260,15 @@ def write_report(out: Path, rules: Rules = Rules()) -> dict[str, Any]:
 
 
 def is_record_json(path: Path) -> bool:
-    from ..storage.files import read_json_object
+    from ..storage.files import read_json
 
-    try:
-        return {"checks", "val_bpb", "passed"} <= set(read_json_object(path))
-    except ArtifactError:
-        return False
+    return {"checks", "val_bpb", "passed"} <= set(read_json(path) or {})
 
 
 def is_record_readme(path: Path) -> bool:
-    try:
-        return Path(path).read_text(encoding="utf-8", errors="replace").startswith(README_MARK)
-    except OSError:
-        return False
+    from ..storage.files import starts_with
+
+    return starts_with(path, README_MARK)
 
 
 def failed_checks(record: dict[str, Any]) -> list[dict[str, Any]]:

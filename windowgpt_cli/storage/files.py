@@ -113,6 +113,26 @@ def read_json_object(path: Path, error: type[Exception] = ArtifactError, hint: s
     return value
 
 
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object, or None where there is none to read (optional files, and the checks
+    of whether a file is a command's own output)."""
+    try:
+        return read_json_object(path)
+    except ArtifactError:
+        return None
+
+
+def starts_with(path: Path, mark: str) -> bool:
+    """Whether a file begins with the text `mark` (a command's own output names itself so);
+    only that many bytes are read."""
+    data = mark.encode("utf-8")
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(data)) == data
+    except OSError:
+        return False
+
+
 def atomic_write_json(path: Path, obj: Any) -> Path:
     return atomic_write_text(path, json_text(obj) + "\n")
 

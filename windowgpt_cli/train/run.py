@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
+import torch
+
 from ..artifacts.checkpoint import FILENAME as CHECKPOINT_FILENAME
 from ..artifacts.checkpoint import (
     KEPT_PATTERN,
@@ -59,8 +61,6 @@ def check_requirements(cfg: RunConfig) -> None:
 def cpu_slowness(cfg: RunConfig) -> str | None:
     """Where the run would train on the CPU for minutes a step: a line saying roughly how
     slow (6 FLOPs per parameter and token), and what to train instead."""
-    import torch
-
     if resolve_device(cfg.train.device).type != "cpu":
         return None
     threads = cfg.train.cpu_threads or torch.get_num_threads()
