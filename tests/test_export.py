@@ -138,7 +138,7 @@ def test_cli_export_and_quantize_report_and_enforce_the_budget(quant_run_dir: Pa
         assert label in result.output
     assert f"{report['total_bytes']:,}" in result.output
     # the default, auto, chose one compressor; the header and the report name it
-    assert report["compressor_option"] == "auto" and report["compressor"] in ("lzma", "rans")
+    assert report["compressor_option"] == "auto" and report["compressor"] == "groups"
     assert ptz.compressor_of(artifact.read_bytes()) == report["compressor"]
     assert f"({report['compressor']} by auto," in result.output
     _, model = model_io.build_model(artifact, torch.device("cpu"))  # loads as eval loads it
@@ -156,7 +156,34 @@ def test_cli_export_and_quantize_report_and_enforce_the_budget(quant_run_dir: Pa
     assert result.exit_code == 1 and "already quantized" in result.output
 
     result = runner.invoke(app, ["quantize", str(tmp_path / "e"), "--out", str(tmp_path / "z.ptz"),
-                                 "--compressor", "zstd"], env=WIDE)
+                                 "--compressor", "zip"], env=WIDE)
     assert result.exit_code == 1 and result.output.count("error:") == 1
-    assert "must be one of auto, lzma, rans" in result.output
+    assert "must be one of auto, lzma, rans, brotli, zstd" in result.output
     assert not (tmp_path / "z.ptz").exists()
+
+
+def test_quantize_settings_reach_the_report_the_table_and_inspect(quant_run_dir: Path, tmp_path: Path):
+    """Each group's bits, LQER corrections, round-trip error and compressed bytes, from the
+    quantize report, its table, and `inspect` of the .ptz alone."""
+    runner = CliRunner()
+    artifact = tmp_path / "m.ptz"
+    result = runner.invoke(app, ["quantize", str(quant_run_dir), "--out", str(artifact), "--quant-embed-bits", "7",
+                                 "--quant-lqer-rank", "2", "--quant-lqer-top-k", "1", "--quant-mlp-clip-sigmas",
+                                 "8"], env=WIDE)
+    assert result.exit_code == 0, result.output
+    report = json.loads(report_path(artifact).read_text())
+    groups = report["groups"]
+    assert groups["embed"]["bits"] == [7] and sum(g.get("lqer", 0) for g in groups.values()) == 1
+    assert all(0 < groups[g]["rel_error"] < 0.5 for g in ("attn", "mlp", "embed"))
+    assert report["sections"] and sum(g.get("compressed_bytes", 0) for g in groups.values()) <= report["model_bytes"]
+    assert report["schemes"]["int6_rtn_sigma"] > 0 and report["schemes"]["int7"] == 1
+    for words in ("rel.", "compressed", "sections", "layout", "7"):
+        assert words in result.output
+    again = runner.invoke(app, ["inspect", str(artifact), "--json"], env=WIDE)
+    described = json.loads(again.stdout)
+    for name in ("attn", "mlp", "embed"):
+        assert described["groups"][name]["bits"] == groups[name]["bits"]
+        assert described["groups"][name]["lqer"] == groups[name]["lqer"]
+    assert described["sections"] == report["sections"]
+    table = runner.invoke(app, ["inspect", str(artifact)], env=WIDE)
+    assert "rel. error" in table.output and "compressed" in table.output and "sections" in table.output

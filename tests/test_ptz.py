@@ -14,7 +14,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from windowgpt_cli.artifacts import compressors, ptz
+from windowgpt_cli.artifacts import codecs, compressors, grouped, ptz
 from windowgpt_cli.artifacts import weights as model_io
 from windowgpt_cli.storage import tensorfile
 from windowgpt_cli.artifacts.checkpoint import load_checkpoint
@@ -102,7 +102,7 @@ def test_ptz_round_trip_restores_dequantized_tensors_and_config(tmp_path: Path, 
     size = ptz.save(path, artifact, compressor)
     assert size == path.stat().st_size
     used = ptz.compressor_of(path.read_bytes())
-    assert used == compressor or compressor == compressors.AUTO and used in compressors.COMPRESSORS
+    assert used == compressor or compressor == compressors.AUTO and used == compressors.GROUPS
     assert path.read_bytes()[:7] == b"WGPTZ" + bytes([ptz.FORMAT_VERSION, compressors.COMPRESSORS[used].id])
     back = ptz.load(path)
     assert back.config.to_dict() == artifact.config.to_dict()
@@ -281,24 +281,24 @@ def test_rans_lanes_grow_with_the_symbols_within_bounds():
     assert 27_000_000 // lanes[3] >= compressors.RANS_SYMBOLS_PER_LANE
 
 
-def test_auto_keeps_the_smaller_of_rans_and_lzma_on_a_small_payload():
-    noisy = tensorfile.dumps({"a.q": _codes(300, 400, 6, 3)})  # independent codes: rans is smaller
-    periodic = tensorfile.dumps({"a.q": (torch.arange(120_000) % 50 - 25).to(torch.int8)})  # lzma's kind
-    assert len(noisy) < compressors.AUTO_TRIES_LZMA_BELOW and len(periodic) < compressors.AUTO_TRIES_LZMA_BELOW
-    winners = set()
-    for payload in (noisy, periodic):
-        sizes = {name: len(ptz.compress_payload(payload, name)) for name in compressors.COMPRESSORS}
-        auto = ptz.compress_payload(payload, compressors.AUTO)
-        assert len(auto) == min(sizes.values()) and sizes[ptz.compressor_of(auto)] == len(auto)
-        assert ptz.decompress_payload(auto, "x") == payload
-        winners.add(ptz.compressor_of(auto))
-    assert winners == {"rans", "lzma"}
-
-
-def test_auto_codes_large_payloads_with_rans_alone(monkeypatch: pytest.MonkeyPatch):
-    payload = tensorfile.dumps({"a.q": (torch.arange(120_000) % 50 - 25).to(torch.int8)})  # lzma would win
-    monkeypatch.setattr(compressors, "AUTO_TRIES_LZMA_BELOW", len(payload))
-    assert ptz.compressor_of(ptz.compress_payload(payload, compressors.AUTO)) == "rans"
+def test_auto_codes_each_group_with_its_smallest_codec_and_layout():
+    """Independent codes go to rans; codes repeating along columns to a transposed layout;
+    auto's sections are each the smallest of every codec and layout tried."""
+    noisy = _codes(300, 400, 6, 3)
+    rows = (torch.arange(200)[:, None] % 7 - 3).expand(200, 300).to(torch.int8).contiguous()  # constant rows
+    payload = tensorfile.dumps({"blocks.0.attn.c_q.weight.q": noisy, "blocks.0.mlp.fc.weight.q": rows})
+    auto = ptz.compress_payload(payload, compressors.AUTO)
+    assert ptz.compressor_of(auto) == "groups" and ptz.decompress_payload(auto, "x") == payload
+    _, sections = grouped.compress(payload)
+    cost = {s.name: len(s.body) + grouped._order_bytes(s, s.transform) for s in sections}
+    assert {s.name: s.transform for s in sections}["mlp/codes"] in ("transpose", "sort_transpose")
+    for codec in codecs.available():
+        for transform in grouped.TRANSFORMS:
+            _, alone = grouped.compress(payload, [codec], [transform])
+            for s in alone:
+                assert cost[s.name] <= len(s.body) + grouped._order_bytes(s, s.transform), (s.name, codec, transform)
+    whole = min(len(ptz.compress_payload(payload, name)) for name in ("lzma", "rans"))
+    assert len(auto) < whole
 
 
 def _as_rans_v1(coded: bytes) -> bytes:

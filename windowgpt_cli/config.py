@@ -188,6 +188,24 @@ class QuantConfig:
     gptq_reserve_seconds: float = setting(14.0, "Under a wallclock cap, training with use_gptq stops this long "
                                                 "before it to collect GPTQ's Hessians inside the budget (the "
                                                 "reference's GPTQ_RESERVE_MS).")
+    quant_embed_bits: int = setting(8, "Bits of the token embedding's codes (one scale per row); 8 = the "
+                                       "reference's int8.")
+    quant_mlp_clip_sigmas: float = setting(0.0, "Clip each MLP matrix row at this many standard deviations of "
+                                                "its weights (the row's scale: that / the clip range); 0 = the "
+                                                "reference's search over five percentiles.")
+    quant_attn_clip_sigmas: float = setting(0.0, "The same for the attention matrices; 0 = the reference's "
+                                                 "percentile search.")
+    quant_embed_clip_sigmas: float = setting(0.0, "The same for the token embedding; 0 = the reference's "
+                                                  "99.99984th percentile.")
+    quant_gptq_embed: bool = setting(False, "With GPTQ, quantize the token embedding by GPTQ too, on the "
+                                            "Hessian of the output layer's input (tied embeddings).")
+    quant_gates_int8: bool = setting(False, "Store the small 2-D control tensors (gates, skip weights) as int8 "
+                                            "codes with one scale per row instead of floats.")
+    quant_lqer_rank: int = setting(0, "Rank of LQER's correction of the quantization error (W ~ codes x scales "
+                                      "+ A B, the factors quantized); 0 = none.")
+    quant_lqer_top_k: int = setting(3, "LQER corrects the K quantized matrices of the largest error.")
+    quant_lqer_factor_bits: int = setting(4, "Bits of LQER's factor codes (asymmetric, per group).")
+    quant_lqer_group_size: int = setting(64, "Values of an LQER factor sharing one scale and offset.")
 
 
 @dataclass
@@ -546,6 +564,9 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "eval_seq_len": (1, 1 << 22), "eval_stride": (0, 1 << 22), "eval_batch_seqs": (0, 1 << 20),
     "quant_clip_range": (1, 127), "quant_passthrough_max_numel": (0, 1 << 40), "gptq_calib_samples": (0, 1 << 20),
     "gptq_block_size": (1, 1 << 16), "gptq_percdamp": (0, 1), "gptq_reserve_seconds": (0, None),
+    "quant_embed_bits": (2, 8), "quant_mlp_clip_sigmas": (0, 1000), "quant_attn_clip_sigmas": (0, 1000),
+    "quant_embed_clip_sigmas": (0, 1000), "quant_lqer_rank": (0, 256), "quant_lqer_top_k": (1, 1 << 16),
+    "quant_lqer_factor_bits": (2, 8), "quant_lqer_group_size": (1, 1 << 16),
     "ttt_lr": (0, None), "ttt_epochs": (0, 1000), "ttt_chunk_tokens": (1, 1 << 30), "ttt_seq_len": (0, 1 << 22),
     "ttt_freeze_blocks": (0, 128),
     "ttt_momentum": (0, 1), "ttt_batch_seqs": (1, 1 << 20), "ttt_grad_clip": (0, None),
@@ -651,6 +672,10 @@ def validate(cfg: RunConfig) -> None:
         (not (cfg.quant.use_gptq and 0 < t.max_wallclock_seconds <= cfg.quant.gptq_reserve_seconds),
          "gptq_reserve_seconds", f"gptq_reserve_seconds={cfg.quant.gptq_reserve_seconds} leaves no training time "
          f"within max_wallclock_seconds={t.max_wallclock_seconds}"),
+        (not cfg.quant.quant_gptq_embed or cfg.quant.use_gptq, "quant_gptq_embed",
+         "quant_gptq_embed needs use_gptq (--gptq)"),
+        (not cfg.quant.quant_gptq_embed or m.tie_embeddings, "quant_gptq_embed",
+         "quant_gptq_embed needs tied embeddings (its Hessian is the output layer's input)"),
     ]
     for ok, name, message in checks:
         if not ok:

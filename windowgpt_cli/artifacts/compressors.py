@@ -1,12 +1,11 @@
 """The compressors of a `.ptz` payload, each named by an id in the `.ptz` header.
 
-`lzma` (xz preset 6, the reference's) and `rans`, which entropy-codes the int6/int8 codes
-with their own per-tensor statistics and gives the rest to lzma. `auto`, the default, is no
-format of its own: it codes with rans and, on payloads under AUTO_TRIES_LZMA_BELOW bytes
-(where xz takes a few seconds at most), also with lzma, keeping the smaller. On the payload
-of a full-size model xz preset 6 takes tens of seconds where rans takes about one, and rans
-is the smaller; on a tiny model its lane states and frequency tables can outweigh what it
-saves. `python3 bench/compressors.py MODEL.ptz` measures every compressor, and other lzma
+Whole-payload compressors: `lzma` (xz preset 6, the reference's), `rans`, which
+entropy-codes the int8 code tensors with their own per-tensor statistics and gives the rest
+to lzma, and `brotli` and `zstd` (the `windowgpt[compress]` extra). `auto`, the default,
+codes the payload group by group (`grouped`: each tensor group's codes, scales and kept
+values with the codec and byte layout that make them smallest); the header names it
+`groups`. `python3 bench/compressors.py MODEL.ptz` measures every compressor, and other lzma
 settings, zlib and bz2, on a model's payload.
 
 Every decompressor stops at the size the header declares, so a small file cannot inflate
@@ -25,10 +24,12 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..storage import tensorfile
-
-
-class CorruptPayload(ValueError):
-    """A compressed payload that does not decode (truncated, altered or inconsistent)."""
+from .rans import RANS_MAX_LANES, RANS_MIN_LANES, RANS_SCALE_BITS, RANS_SYMBOLS_PER_LANE  # noqa: F401 - public
+from .rans import CorruptPayload, rans_lanes
+from .rans import first_line as _first_line
+from .rans import rans_decode as _rans_decode
+from .rans import rans_encode as _rans_encode
+from .rans import symbol_frequencies as _symbol_frequencies
 
 
 @dataclass(frozen=True)
@@ -74,96 +75,13 @@ def _unlzma(data: bytes, limit: int) -> bytes:
 # states (uint32), the words in decoding order (uint16). Compressor id 2, the first
 # version, is the same without the lane count in its header, always RANS_V1_LANES lanes.
 
-RANS_SCALE_BITS = 15  # symbol frequencies sum to 2**15
-RANS_LOW = 1 << 16  # states live in [2**16, 2**32)
 RANS_MIN_SYMBOLS = 4096  # smaller int8 tensors stay with lzma
 RANS_MAX_RANGES = 4096  # int8 tensors coded at most (the largest); bounds the decoder's tables
-RANS_SYMBOLS_PER_LANE = 4096  # lanes: the largest power of two giving each lane at least this many
-
-
-RANS_MIN_LANES, RANS_MAX_LANES = 64, 8192
 
 
 RANS_V1_LANES = 1024
 _RANS_HEADER = struct.Struct("<QQQII")  # side bytes, words, symbols, crc32 of the payload, lanes
 _RANS_V1_HEADER = struct.Struct("<QQQI")  # id 2: the same without lanes
-_SLOT_MASK = (1 << RANS_SCALE_BITS) - 1
-
-
-def rans_lanes(symbols: int) -> int:
-    """The lane count for this many symbols (a power of two)."""
-    return min(RANS_MAX_LANES, max(RANS_MIN_LANES, 1 << max(0, (symbols // RANS_SYMBOLS_PER_LANE).bit_length() - 1)))
-
-
-def _symbol_frequencies(symbols: np.ndarray) -> np.ndarray:
-    """Counts scaled to sum to 2**RANS_SCALE_BITS, every symbol present keeping at least 1."""
-    counts = np.bincount(symbols, minlength=256).astype(np.int64)
-    total = 1 << RANS_SCALE_BITS
-    freq = np.where(counts > 0, np.maximum(1, counts * total // max(1, counts.sum())), 0)
-    freq[np.argmax(freq)] += total - freq.sum()  # the most frequent symbol absorbs rounding
-    return freq
-
-
-def _rans_encode(freq: np.ndarray, cum: np.ndarray, lanes: int) -> tuple[np.ndarray, np.ndarray]:
-    """Code symbol i of frequency freq[i] and cumulative frequency cum[i] (uint16 arrays)
-    into lane i % lanes. Returns (16-bit words in decoding order, final lane states)."""
-    x = np.full(lanes, RANS_LOW, dtype=np.uint32)
-    chunks = []
-    for start in reversed(range(0, len(freq), lanes)):  # rANS codes backwards
-        stop = min(start + lanes, len(freq))
-        xs, f = x[:stop - start], freq[start:stop]
-        emit = xs >> (32 - RANS_SCALE_BITS) >= f  # x >= f * 2**17 would overflow at f = 2**15
-        chunks.append((xs[emit] & 0xFFFF).astype(np.uint16))
-        xs = np.where(emit, xs >> 16, xs)
-        q, r = np.divmod(xs, f)
-        x[:stop - start] = (q << RANS_SCALE_BITS) + r + cum[start:stop]
-    words = np.concatenate(chunks[::-1]) if chunks else np.zeros(0, dtype=np.uint16)
-    return words, x
-
-
-def _rans_decode(words: np.ndarray, states: np.ndarray, lengths: list[int], freq: np.ndarray) -> np.ndarray:
-    """Decode sum(lengths) symbols: range k's lengths[k] symbols under frequency row freq[k].
-    The decoding tables (2**15 slots a row) are built for the rows a batch of lanes spans,
-    at most a few at a time, so the decoder's memory stays that of its output."""
-    x, lanes = states.astype(np.uint32), len(states)
-    starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-    total = int(starts[-1])
-    out = np.empty(total, dtype=np.uint8)
-    built: tuple[int, int] | None = None
-    pos = 0
-    for start in range(0, total, lanes):
-        stop = min(start + lanes, total)
-        rows = np.searchsorted(starts, np.arange(start, stop), side="right") - 1
-        if built != (int(rows[0]), int(rows[-1])):
-            built = (int(rows[0]), int(rows[-1]))
-            symbol_of, step_of = _decoding_tables(freq[built[0]:built[1] + 1])
-        xs = x[:stop - start]
-        slot = ((rows - built[0]).astype(np.uint32) << RANS_SCALE_BITS) + (xs & _SLOT_MASK)
-        out[start:stop] = symbol_of[slot]
-        step = step_of[slot]
-        xs = (step >> 16) * (xs >> RANS_SCALE_BITS) + (step & 0xFFFF)  # < 2**32 for any input
-        refill = np.flatnonzero(xs < RANS_LOW)
-        if pos + len(refill) > len(words):
-            raise CorruptPayload("rANS stream ends early")
-        xs[refill] = (xs[refill] << 16) | words[pos:pos + len(refill)].astype(np.uint32)
-        pos += len(refill)
-        x[:stop - start] = xs
-    if pos != len(words) or np.any(x != RANS_LOW):
-        raise CorruptPayload("rANS stream does not decode to its initial state")
-    return out
-
-
-def _decoding_tables(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per frequency row, each of the 2**15 slots' symbol and decoding step (see _rans_decode)."""
-    slots = np.arange(1 << RANS_SCALE_BITS, dtype=np.uint32)
-    symbol_of, step_of = [], []
-    for f in freq.astype(np.uint32):
-        symbol = np.repeat(np.arange(256, dtype=np.uint8), f)
-        symbol_of.append(symbol)
-        step_of.append((f[symbol] << 16) | (slots - (np.cumsum(f) - f)[symbol]))
-    if not symbol_of:
-        return np.zeros(0, np.uint8), np.zeros(0, np.uint32)
-    return np.concatenate(symbol_of), np.concatenate(step_of)
 
 
 def _int8_ranges(payload: bytes) -> list[tuple[int, int]]:
@@ -289,15 +207,46 @@ def _interleave(rest: bytes, ranges: list[tuple[int, int]], coded: bytes) -> byt
 # and frequency tables outweigh what it saves. Larger payloads are mostly int6/int8 codes,
 # on which rans is the smaller (`bench/compressors.py` measures both).
 
+def _codec(name: str) -> Compressor:
+    """A whole-payload compressor made of one of `codecs`' codecs."""
+    def encode(payload: bytes) -> bytes:
+        from . import codecs
+
+        return codecs.encode(name, payload)
+
+    def decode(data: bytes, limit: int) -> bytes:
+        from . import codecs
+
+        return codecs.decode(codecs.CODEC_IDS[name], data, limit)
+
+    return Compressor(WHOLE_PAYLOAD_IDS[name], encode, decode)
+
+
+def _groups_compress(payload: bytes) -> bytes:
+    from . import grouped
+
+    return grouped.compress(payload)[0]
+
+
+def _groups_decompress(data: bytes, limit: int) -> bytes:
+    from . import grouped
+
+    return grouped.decompress(data, limit)
+
+
 AUTO = "auto"
-AUTO_TRIES_LZMA_BELOW = 4_000_000  # payload bytes: xz preset 6 takes a few seconds at most
+GROUPS = "groups"  # what auto writes
+WHOLE_PAYLOAD_IDS = {"brotli": 5, "zstd": 6}
 COMPRESSORS: dict[str, Compressor] = {
     "lzma": Compressor(1, _lzma, _unlzma),  # the reference's: xz, preset 6
     "rans": Compressor(3, _rans_compress, _rans_decompress),
+    "brotli": _codec("brotli"),
+    "zstd": _codec("zstd"),
+    GROUPS: Compressor(4, _groups_compress, _groups_decompress),
 }
 
 
-COMPRESSOR_CHOICES = (AUTO, *COMPRESSORS)
+COMPRESSOR_CHOICES = (AUTO, *(name for name in COMPRESSORS if name != GROUPS))
 DEFAULT_COMPRESSOR = AUTO
 
 
@@ -309,26 +258,10 @@ _DECOMPRESSORS: dict[int, tuple[str, Callable[[bytes, int], bytes]]] = {
 }
 
 
-def _compress_auto(payload: bytes) -> tuple[Compressor, bytes]:
-    rans = COMPRESSORS["rans"]
-    if len(payload) >= AUTO_TRIES_LZMA_BELOW:
-        return rans, rans.compress(payload)
-    with ThreadPoolExecutor(1) as pool:
-        lzma_body = pool.submit(_lzma, payload)
-        rans_body = rans.compress(payload)
-        lzma_body = lzma_body.result()
-    return (rans, rans_body) if len(rans_body) < len(lzma_body) else (COMPRESSORS["lzma"], lzma_body)
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-
-
 def compress(payload: bytes, compressor: str = DEFAULT_COMPRESSOR) -> tuple[int, bytes]:
     """(the id the header records, the compressed bytes); for "auto", lzma's or rans's."""
     if compressor == AUTO:
-        spec, body = _compress_auto(payload)
-        return spec.id, body
+        compressor = GROUPS
     if compressor not in COMPRESSORS:
         raise ConfigError(f"unknown compressor {compressor!r}; choose from {', '.join(COMPRESSOR_CHOICES)}")
     spec = COMPRESSORS[compressor]
@@ -377,11 +310,15 @@ class _LzmaPrefix:
         return out
 
 
-def payload_prefix(compressor_id: int, data: bytes, n: int) -> bytes | None:
+def payload_prefix(compressor_id: int, data: bytes, n: int, limit: int = 1 << 30) -> bytes | None:
     """The payload's first n bytes, decoded alone; None where this compressor cannot give
     them without decoding everything (the caller then decompresses the whole payload)."""
     if compressor_id == COMPRESSORS["lzma"].id:
         return _LzmaPrefix(data).read(n)
+    if compressor_id == COMPRESSORS[GROUPS].id:
+        from . import grouped
+
+        return grouped.prefix(data, n, limit)
     if compressor_id not in (COMPRESSORS["rans"].id, 2):
         return None
     header = _RANS_HEADER if compressor_id == COMPRESSORS["rans"].id else _RANS_V1_HEADER

@@ -13,6 +13,7 @@ from ..model.state_dict import GROUPS, tensor_group, unbank_state_dict
 from ..storage.files import sha256_file
 from ..storage.tensorfile import ITEM_SIZES
 from . import ptz
+from .quantized import CONTROL, scheme_bits
 from .checkpoint import FILENAME as CHECKPOINT_FILENAME
 from .checkpoint import describe_checkpoint
 from .export import EXPORT_INFO, EXPORT_VERSION, EXPORT_WEIGHTS, describe_export
@@ -27,6 +28,7 @@ class GroupSize:
     params: int = 0
     bytes: int = 0  # as stored in this artifact (codes and scales for a .ptz)
     schemes: dict[str, int] = field(default_factory=dict)  # .ptz: tensors per quantization scheme
+    quality: dict[str, Any] = field(default_factory=dict)  # .ptz: code widths, LQER count, round-trip error
 
 
 @dataclass
@@ -47,6 +49,7 @@ class ArtifactInfo:
     run_dir: Path | None = None  # the training run, when it can be found
     summary: dict[str, Any] | None = None  # the run's summary.json
     evals: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sections: list[dict[str, Any]] = field(default_factory=list)  # .ptz coded per group: its sections
 
     @property
     def name(self) -> str:
@@ -108,6 +111,9 @@ def _read_ptz(path: Path) -> ArtifactInfo:
     version, compressor = artifact.version, artifact.compressor
     groups = _group_sizes({name: (_numel(t.shape), t.stored_bytes, t.scheme + (f"_{t.method}" if t.method else ""))
                            for name, t in artifact.tensors.items()})
+    for name, row in quality_rows({n: (_numel(t.shape), t.scheme, t.lqer_rank > 0, t.error)
+                                   for n, t in artifact.tensors.items()}).items():
+        groups[name].quality = row
     report = read_json(path.with_name(path.name + ".json"))
     lineage = dict(artifact.source)
     run_dir = None
@@ -115,7 +121,29 @@ def _read_ptz(path: Path) -> ArtifactInfo:
         lineage.update({k: v for k, v in report["source"].items() if k not in lineage})
         run_dir = _run_dir_of(report["source"])
     return ArtifactInfo(path, "ptz", version, artifact.config, sha256_file(path), path.stat().st_size, groups,
-                        lineage.get("step"), None, artifact.tokenizer_sha256, lineage, compressor, report, run_dir)
+                        lineage.get("step"), None, artifact.tokenizer_sha256, lineage, compressor, report, run_dir,
+                        sections=ptz.sections_of(path.read_bytes()))
+
+
+def quality_rows(tensors: dict[str, tuple[int, str, bool, float | None]]) -> dict[str, dict[str, Any]]:
+    """Per tensor group, from each tensor's (parameters, scheme, corrected by LQER, relative
+    squared error): the code widths, the LQER corrections, and the round trip's relative
+    squared error averaged over the group's parameters (where the errors are recorded)."""
+    rows: dict[str, dict[str, Any]] = {}
+    weighted: dict[str, list[float]] = {}
+    for name, (numel, scheme, corrected, error) in tensors.items():
+        group = tensor_group(name)
+        row = rows.setdefault(group, {"bits": [], "lqer": 0})
+        bits = scheme_bits(scheme) or (32 if scheme == CONTROL else 16)
+        row["bits"] = sorted(set(row["bits"]) | {bits})
+        row["lqer"] += corrected
+        if error is not None:
+            total = weighted.setdefault(group, [0.0, 0.0])
+            total[0] += error * numel
+            total[1] += numel
+    for group, (err, numel) in weighted.items():
+        rows[group]["rel_error"] = float(f"{err / numel:.4g}") if numel else 0.0
+    return rows
 
 
 def _group_sizes(tensors: dict[str, tuple[int, int, str | None]]) -> dict[str, GroupSize]:

@@ -21,7 +21,8 @@ def inspect_artifact(path: Path, budget: int = BUDGET_BYTES) -> dict[str, Any]:
         "tokenizer_sha256": info.tokenizer_sha256,
         "parameters": info.params,
         "groups": {name: {"tensors": g.tensors, "params": g.params, "bytes": g.bytes,
-                          **({"schemes": g.schemes} if g.schemes else {})} for name, g in info.groups.items()},
+                          **({"schemes": g.schemes} if g.schemes else {}), **g.quality}
+                   for name, g in info.groups.items()},
         "config_changes": {k: {"value": v, "default": d} for k, (v, d) in changed_from_defaults(info.config).items()},
         "settings": flat_settings(info.config),
         "lineage": info.lineage, "run_dir": str(info.run_dir) if info.run_dir else None,
@@ -30,7 +31,7 @@ def inspect_artifact(path: Path, budget: int = BUDGET_BYTES) -> dict[str, Any]:
     if info.kind == "ptz":
         code = code_bytes()
         total = info.file_bytes + code
-        record.update({"compressor": info.compressor, "code_bytes": code, "total_bytes": total,
+        record.update({"compressor": info.compressor, "sections": info.sections, "code_bytes": code, "total_bytes": total,
                        "budget_bytes": budget, "within_budget": total <= budget})
     return record
 

@@ -8,15 +8,10 @@ inflate beyond it, and the payload must match its hash. The payload is a safeten
 JSON document: the format version, the run configuration, how each tensor was quantized
 (scheme, original dtype, shape), the tokenizer's sha256 and where the weights came from.
 
-Compressors: `lzma` (xz preset 6, the reference's) and `rans`, which entropy-codes the
-int6/int8 codes with their own per-tensor statistics and gives the rest to lzma. `auto`, the
-default, is no format of its own: it codes with rans and, on payloads under
-AUTO_TRIES_LZMA_BELOW bytes (where xz takes a few seconds at most), also with lzma, keeping
-the smaller; the header names the one kept. On the payload of a full-size model xz preset 6
-takes tens of seconds where rans takes about one, and rans is the smaller; on a tiny model
-its lane states and frequency tables can outweigh what it saves. `python3
-bench/compressors.py MODEL.ptz` measures every compressor, and other lzma settings, zlib and
-bz2, on a model's payload.
+Compressors (`compressors`): the reference's `lzma`, `rans`, `brotli`, `zstd`, and `auto`,
+which codes each tensor group apart with the codec and byte layout that make it smallest
+(`grouped`; the header names it `groups`). `python3 bench/compressors.py MODEL.ptz` measures
+them on a model's payload.
 
 The reference wrote an lzma-compressed pickle; loading one can execute arbitrary code, so
 windowgpt never unpickles an artifact, and anything that is not a `.ptz` of this version
@@ -36,7 +31,16 @@ from ..errors import ArtifactError, ConfigError
 from ..storage import tensorfile
 from ..storage.files import atomic_write_bytes, is_sha256
 from . import compressors
-from .quantized import CONTROL, INT6, INT8, PASSTHROUGH, SCHEMES, QuantizedTensor, dequantize_state_dict
+from .quantized import (
+    CONTROL,
+    PASSTHROUGH,
+    SCHEMES,
+    LowRank,
+    LowRankFactor,
+    QuantizedTensor,
+    code_limit,
+    dequantize_state_dict,
+)
 from .shapes import check_tensors
 
 if TYPE_CHECKING:  # describing a .ptz needs no torch (`inspect`); decoding it does
@@ -61,6 +65,7 @@ class PtzArtifact:
     tokenizer_sha256: str | None = None
     source: dict[str, Any] = field(default_factory=dict)  # where the weights came from
     clip_range: int = 31
+    errors: dict[str, float] = field(default_factory=dict)  # per tensor: quantization's relative squared error
 
     def dequantized(self) -> dict[str, Tensor]:
         return dequantize_state_dict(self.tensors)
@@ -68,14 +73,30 @@ class PtzArtifact:
 
 # --- Writing -----------------------------------------------------------------------------
 
+LOW_RANK_PARTS = ("a", "b")
+LOW_RANK_KEYS = ("q", "scale", "offset")
+
+
+def low_rank_keys(name: str) -> list[str]:
+    """The stored tensors of a matrix's LQER correction."""
+    return [f"{name}.lqer_{part}.{key}" for part in LOW_RANK_PARTS for key in LOW_RANK_KEYS]
+
+
 def payload_tensors(tensors: dict[str, QuantizedTensor]) -> dict[str, Tensor]:
     """The stored tensors: `name.q` (codes) and `name.scale` for quantized ones, `name` for
-    kept ones; all codes first, then kept tensors, then scales, so that like bytes are
-    contiguous for the compressor."""
+    kept ones, and `name.lqer_{a,b}.{q,scale,offset}` for corrections; all codes first, then
+    kept tensors, then scales, then corrections, so that like bytes are contiguous for the
+    compressor."""
     codes = {name + ".q": qt.values for name, qt in tensors.items() if qt.scale is not None}
     kept = {name: qt.values for name, qt in tensors.items() if qt.scale is None}
     scales = {name + ".scale": qt.scale for name, qt in tensors.items() if qt.scale is not None}
-    return {**codes, **kept, **scales}
+    corrections = {}
+    for name, qt in tensors.items():
+        if qt.correction is not None:
+            factors = (qt.correction.a, qt.correction.b)
+            values = [t for f in factors for t in (f.codes, f.scale, f.offset)]
+            corrections.update(zip(low_rank_keys(name), values))
+    return {**codes, **kept, **scales, **corrections}
 
 
 def payload_bytes(artifact: PtzArtifact) -> bytes:
@@ -84,7 +105,7 @@ def payload_bytes(artifact: PtzArtifact) -> bytes:
         "format_version": FORMAT_VERSION,
         "config": artifact.config.to_dict(),
         "clip_range": artifact.clip_range,
-        "tensors": {name: _tensor_meta(qt) for name, qt in artifact.tensors.items()},
+        "tensors": {name: _tensor_meta(qt, artifact.errors.get(name)) for name, qt in artifact.tensors.items()},
         "tokenizer_sha256": artifact.tokenizer_sha256,
         "source": artifact.source,
     }
@@ -92,10 +113,14 @@ def payload_bytes(artifact: PtzArtifact) -> bytes:
     return tensorfile.dumps(payload_tensors(artifact.tensors), {METADATA_KEY: text})
 
 
-def _tensor_meta(qt: QuantizedTensor) -> dict[str, Any]:
+def _tensor_meta(qt: QuantizedTensor, error: float | None) -> dict[str, Any]:
     meta: dict[str, Any] = {"scheme": qt.scheme, "dtype": str(qt.dtype).removeprefix("torch."), "shape": list(qt.shape)}
     if qt.method:
         meta["method"] = qt.method
+    if qt.correction is not None:
+        meta["lqer"] = {"rank": qt.correction.rank, "bits": qt.correction.bits, "group_size": qt.correction.group_size}
+    if error is not None:
+        meta["error"] = float(f"{error:.4g}")
     return meta
 
 
@@ -109,6 +134,21 @@ def compress_payload(payload: bytes, compressor: str = compressors.DEFAULT_COMPR
     compressor_id, body = compressors.compress(payload, compressor)
     digest = hashlib.sha256(payload).digest()
     return MAGIC + bytes([FORMAT_VERSION, compressor_id]) + _SIZE_AND_HASH.pack(len(payload), digest) + body
+
+
+def sections_of(data: bytes) -> list[dict[str, Any]]:
+    """A `groups`-coded .ptz's sections (codec, transform, sizes), from its map alone; []
+    for the whole-payload compressors."""
+    _check_header(data, ".ptz")
+    if data[len(MAGIC) + 1] != compressors.COMPRESSORS[compressors.GROUPS].id:
+        return []
+    from . import grouped
+
+    size = _SIZE_AND_HASH.unpack_from(data, len(MAGIC) + 2)[0]
+    try:
+        return grouped.describe_sections(data[HEADER_BYTES:], size)
+    except compressors.CorruptPayload as exc:
+        raise ArtifactError(f".ptz: {exc}") from None
 
 
 def compressor_of(data: bytes) -> str:
@@ -131,7 +171,9 @@ class TensorDescription:
     dtype: str  # torch's name
     shape: tuple[int, ...]
     method: str
-    stored_bytes: int  # codes and scales, or the kept values
+    stored_bytes: int  # codes and scales (and corrections), or the kept values
+    error: float | None = None  # quantization's relative squared error, where recorded
+    lqer_rank: int = 0
 
 
 @dataclass
@@ -156,9 +198,9 @@ def describe(path: Path) -> PtzDescription:
     compressor_id, (size, _digest) = data[len(MAGIC) + 1], _SIZE_AND_HASH.unpack_from(data, len(MAGIC) + 2)
     body = data[HEADER_BYTES:]
     try:
-        head = compressors.payload_prefix(compressor_id, body, 8)
+        head = compressors.payload_prefix(compressor_id, body, 8, size)
         prefix = None if head is None else compressors.payload_prefix(
-            compressor_id, body, tensorfile.header_length(head, f"{path} (payload)"))
+            compressor_id, body, tensorfile.header_length(head, f"{path} (payload)"), size)
     except compressors.CorruptPayload as exc:
         raise ArtifactError(f"{path}: {exc}") from None
     if prefix is None:  # a compressor that keeps no prefix apart: decode it all
@@ -169,12 +211,14 @@ def describe(path: Path) -> PtzDescription:
     stored = {name: end - begin for name, (_, _, (begin, end)) in entries.items()}
     tensors = {}
     for name, info in meta["tensors"].items():
-        scheme, dtype, shape, method = _description(info, f"{path}: tensor {name!r}")
-        kept = scheme in (PASSTHROUGH, CONTROL)
-        keys = [name] if kept else [name + ".q", name + ".scale"]
+        where = f"{path}: tensor {name!r}"
+        scheme, dtype, shape, method = _description(info, where)
+        keys = _stored_keys(name, scheme, info, where)
         if not all(k in stored for k in keys):
-            raise ArtifactError(f"{path}: tensor {name!r}: payload lacks {next(k for k in keys if k not in stored)!r}")
-        tensors[name] = TensorDescription(scheme, dtype, shape, method, sum(stored[k] for k in keys))
+            raise ArtifactError(f"{where}: payload lacks {next(k for k in keys if k not in stored)!r}")
+        error = info.get("error") if isinstance(info.get("error"), (int, float)) else None
+        rank = _lqer_description(info, where)[0] if "lqer" in info else 0
+        tensors[name] = TensorDescription(scheme, dtype, shape, method, sum(stored[k] for k in keys), error, rank)
     source = meta.get("source") if isinstance(meta.get("source"), dict) else {}
     return PtzDescription(data[len(MAGIC)], compressors.name_of(compressor_id), size, config, tensors,
                           meta.get("tokenizer_sha256"), source, meta.get("clip_range"))
@@ -222,7 +266,9 @@ def decode(data: bytes, source: str = ".ptz") -> PtzArtifact:
     if not is_sha256(tokenizer):
         raise ArtifactError(f"{source}: records no tokenizer sha256")
     source_info = meta.get("source") if isinstance(meta.get("source"), dict) else {}
-    return PtzArtifact(config, tensors, tokenizer, source_info, clip_range)
+    errors = {name: float(info["error"]) for name, info in meta["tensors"].items()
+              if isinstance(info.get("error"), (int, float))}
+    return PtzArtifact(config, tensors, tokenizer, source_info, clip_range, errors)
 
 
 def decompress_payload(data: bytes, source: str) -> bytes:
@@ -293,9 +339,10 @@ def _rebuild_tensors(described: dict[str, Any], stored: dict[str, Tensor], clip_
     tensors: dict[str, QuantizedTensor] = {}
     used: set[str] = set()
     for name, info in described.items():
-        qt = _rebuild_one(name, info, stored, clip_range, f"{source}: tensor {name!r}")
+        where = f"{source}: tensor {name!r}"
+        qt = _rebuild_one(name, info, stored, clip_range, where)
         tensors[name] = qt
-        used.update([name] if qt.scale is None else [name + ".q", name + ".scale"])
+        used.update(_stored_keys(name, qt.scheme, info, where))
     extra = sorted(set(stored) - used)
     if extra:
         raise ArtifactError(f"{source}: payload holds tensors the metadata does not describe ({extra[0]}, ...)")
@@ -326,15 +373,59 @@ def _rebuild_one(name: str, info: Any, stored: dict[str, Tensor], clip_range: in
                                 f"which does not match {scheme} {shape}")
         return QuantizedTensor(scheme, dtype, values, None, method)
     codes, scale = _stored(stored, name + ".q", where), _stored(stored, name + ".scale", where)
-    limit = clip_range if scheme == INT6 else 127
+    limit = code_limit(scheme, clip_range)
     scale_shape = (shape[0],) if len(shape) == 2 else ()
     if codes.dtype != torch.int8 or tuple(codes.shape) != shape or tuple(scale.shape) != scale_shape \
             or not scale.dtype.is_floating_point:
         raise ArtifactError(f"{where}: stored codes or scales do not match its {scheme} description")
     if codes.numel() and int(codes.to(torch.int16).abs().max()) > limit:
         raise ArtifactError(f"{where}: codes exceed the {scheme} range of +-{limit}")
-    assert scheme in (INT6, INT8)
-    return QuantizedTensor(scheme, dtype, codes, scale, method)
+    correction = _rebuild_correction(name, info, shape, stored, where) if "lqer" in info else None
+    return QuantizedTensor(scheme, dtype, codes, scale, method, correction)
+
+
+def _stored_keys(name: str, scheme: str, info: dict[str, Any], where: str) -> list[str]:
+    """The payload tensors that hold one described tensor."""
+    if scheme in (PASSTHROUGH, CONTROL):
+        return [name]
+    keys = [name + ".q", name + ".scale"]
+    if "lqer" in info:
+        _lqer_description(info, where)
+        keys += low_rank_keys(name)
+    return keys
+
+
+LQER_BOUNDS = {"rank": (1, 256), "bits": (2, 8), "group_size": (1, 1 << 16)}
+
+
+def _lqer_description(info: dict[str, Any], where: str) -> tuple[int, int, int]:
+    lqer = info.get("lqer")
+    if not isinstance(lqer, dict) or not all(isinstance(lqer.get(k), int) and not isinstance(lqer.get(k), bool)
+                                             and lo <= lqer[k] <= hi for k, (lo, hi) in LQER_BOUNDS.items()):
+        raise ArtifactError(f"{where} has an invalid LQER description {str(lqer)[:200]}")
+    if len(info.get("shape", ())) != 2:
+        raise ArtifactError(f"{where}: an LQER correction needs a matrix")
+    return lqer["rank"], lqer["bits"], lqer["group_size"]
+
+
+def _rebuild_correction(name: str, info: dict[str, Any], shape: tuple[int, ...], stored: dict[str, Tensor],
+                        where: str) -> LowRank:
+    import torch
+
+    rank, bits, group = _lqer_description(info, where)
+    factor_shapes = ((shape[0], rank), (rank, shape[1]))
+    factors = []
+    keys = iter(low_rank_keys(name))
+    for factor_shape in factor_shapes:
+        codes, scale, offset = (_stored(stored, next(keys), where) for _ in LOW_RANK_KEYS)
+        groups = -(-factor_shape[0] * factor_shape[1] // group)
+        if codes.dtype != torch.uint8 or tuple(codes.shape) != factor_shape or any(
+                t.dtype != torch.float16 or tuple(t.shape) != (groups,) for t in (scale, offset)):
+            raise ArtifactError(f"{where}: its stored LQER factors do not match rank {rank}, groups of {group}")
+        if codes.numel() and int(codes.max()) >= 1 << bits:
+            raise ArtifactError(f"{where}: LQER codes exceed {bits} bits")
+        factors.append(LowRankFactor(codes, scale, offset))
+    return LowRank(factors[0], factors[1], bits, group)
 
 
 def _stored(stored: dict[str, Tensor], key: str, where: str) -> Tensor:

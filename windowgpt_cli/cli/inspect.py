@@ -23,6 +23,34 @@ def _number(value: Any) -> str:
     return str(value)
 
 
+def bits_text(row: dict[str, Any]) -> str:
+    """A tensor group's code widths, with its LQER corrections: "6/8 +lqer x3"."""
+    bits = "/".join(str(b) for b in row.get("bits", []))
+    return bits + (f" +lqer x{row['lqer']}" if row.get("lqer") else "")
+
+
+def error_text(row: dict[str, Any]) -> str:
+    """A tensor group's round-trip relative squared error ("" where none is recorded)."""
+    return "" if "rel_error" not in row else f"{row['rel_error']:.2e}" if row["rel_error"] else "0"
+
+
+def compressed_bytes(group: str, sections: list[dict[str, Any]]) -> str:
+    """A tensor group's bytes in a per-group coded .ptz ("" for a whole-payload compressor)."""
+    coded = [s["compressed_bytes"] for s in sections if str(s["section"]).split("/")[0] == group]
+    return f"{sum(coded):,}" if coded else ""
+
+
+def sections_table(sections: list[dict[str, Any]]) -> Table:
+    """The sections of a per-group coded .ptz: the codec and layout each one chose."""
+    table = Table(title="sections (the rest: header and small tensors, in the map, lzma)")
+    for col in ("section", "tensors", "codec", "layout", "bytes", "compressed"):
+        table.add_column(col, justify="left" if col in ("section", "codec", "layout") else "right")
+    for s in sections:
+        table.add_row(str(s["section"]), str(s["tensors"]), str(s["codec"]), str(s["transform"]),
+                      f"{s['raw_bytes']:,}", f"{s['compressed_bytes']:,}")
+    return table
+
+
 def inspect_table(r: dict[str, Any]) -> Table:
     table = Table(title=f"{r['artifact']} ({r['kind']}, format {r['format_version']})", show_header=False)
     table.add_column("field", style="bold")
@@ -35,8 +63,12 @@ def inspect_table(r: dict[str, Any]) -> Table:
     table.add_row("parameters", f"{r['parameters']:,}")
     for name, g in r["groups"].items():
         schemes = ", ".join(f"{k} x{n}" for k, n in g.get("schemes", {}).items())
-        table.add_row(f"  {name}", f"{g['params']:,} params in {g['tensors']} tensors, {g['bytes']:,} bytes"
-                      + (f" ({schemes})" if schemes else ""))
+        line = f"{g['params']:,} params in {g['tensors']} tensors, {g['bytes']:,} bytes" + (
+            f" ({schemes})" if schemes else "")
+        if "bits" in g:
+            line += f"; bits {bits_text(g)}, rel. error {error_text(g) or 'not recorded'}"
+        compressed = compressed_bytes(name, r.get("sections", []))
+        table.add_row(f"  {name}", line + (f"; {compressed} compressed" if compressed else ""))
     if r["kind"] == "ptz":
         style = "green" if r["within_budget"] else "bold red"
         table.add_row("compressor", r["compressor"])
@@ -79,3 +111,5 @@ def command(
         typer.echo(json.dumps(record, indent=2))
     else:
         console.print(inspect_table(record))
+        if record.get("sections"):
+            console.print(sections_table(record["sections"]))

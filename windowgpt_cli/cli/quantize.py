@@ -12,6 +12,7 @@ from rich.text import Text
 
 from ..challenge import BUDGET_BYTES, INSIDE_TRAINING
 from ..errors import ArtifactError
+from .inspect import bits_text, compressed_bytes, error_text, sections_table
 from .support import console, err_console, option_help, out_option, user_errors_exit_1, with_config_flags
 
 if TYPE_CHECKING:  # torch is imported only when a command runs, so that --help answers at once
@@ -34,22 +35,22 @@ def _progress_bars(enabled: bool) -> Iterator[StartPhase | None]:
 
 def _budget_table(report: dict[str, Any]) -> Table:
     chosen = f" by {report['compressor_option']}" if report["compressor_option"] != report["compressor"] else ""
-    table = Table(title=f"{report['artifact']} ({report['compressor']}{chosen}, clip {report['clip_range']}"
+    table = Table(title=f"{Path(report['artifact']).name} ({report['compressor']}{chosen}, clip {report['clip_range']}"
                         f"{', GPTQ' if report['gptq'] else ''})")
-    for col in ("group", "tensors", "params", "raw bytes", "quantized bytes"):
-        table.add_column(col, justify="left" if col == "group" else "right")
+    for col in ("group", "params", "bits", "rel. error", "quantized bytes", "compressed"):
+        table.add_column(col, justify="left" if col == "group" else "right", no_wrap=col == "group")
     for name, row in report["groups"].items():
         if row["tensors"]:
-            table.add_row(name, str(row["tensors"]), f"{row['params']:,}", f"{row['raw_bytes']:,}",
-                          f"{row['quantized_bytes']:,}")
+            table.add_row(name, f"{row['params']:,}", bits_text(row), error_text(row), f"{row['quantized_bytes']:,}",
+                          compressed_bytes(name, report.get("sections", [])))
     table.add_section()
-    table.add_row("payload", "", "", "", f"{report['payload_bytes']:,}")
-    table.add_row("compressed model", "", "", "", f"{report['model_bytes']:,}")
-    table.add_row("code", "", "", "", f"{report['code_bytes']:,}")
+    table.add_row("payload", "", "", "", f"{report['payload_bytes']:,}", "")
+    table.add_row("compressed model", "", "", "", "", f"{report['model_bytes']:,}")
+    table.add_row("code", "", "", "", "", f"{report['code_bytes']:,}")
     style = "green" if report["within_budget"] else "bold red"
-    table.add_row("total", "", "", "", Text(f"{report['total_bytes']:,}", style=style))
-    table.add_row("budget", "", "", "", f"{report['budget_bytes']:,}")
-    table.add_row("headroom", "", "", "", Text(f"{report['headroom_bytes']:,}", style=style))
+    table.add_row("total", "", "", "", "", Text(f"{report['total_bytes']:,}", style=style))
+    table.add_row("budget", "", "", "", "", f"{report['budget_bytes']:,}")
+    table.add_row("headroom", "", "", "", "", Text(f"{report['headroom_bytes']:,}", style=style))
     return table
 
 
@@ -92,8 +93,10 @@ def command(
         "Training shards for GPTQ calibration, when the run holds no Hessians from training.",
         "the artifact's data_path"), show_default=False)] = None,
     compressor: Annotated[Optional[str], typer.Option("--compressor", help=option_help(
-        "Payload compressor: auto (rans, or lzma where that is smaller on a small payload), rans, or lzma "
-        "(the reference's xz preset 6).", "auto"), show_default=False)] = None,
+        "Payload compressor: auto (each tensor group with the codec and byte layout that make it smallest: "
+        "lzma, rans, and brotli and zstd where installed, over transposed, similarity-sorted or byte-shuffled "
+        "layouts), or one for the whole payload: lzma (the reference's xz preset 6), rans, brotli, zstd "
+        "(brotli and zstd: pip install 'windowgpt[compress]').", "auto"), show_default=False)] = None,
     budget: Annotated[int, typer.Option("--budget", help="Bytes allowed for code plus compressed model; "
                       "exceeding it exits 1 (the artifact is still written).")] = BUDGET_BYTES,
     device: Annotated[str, typer.Option("--device", help="auto (CUDA when available), cpu or cuda.")] = "auto",
@@ -115,6 +118,8 @@ def command(
         console.print_json(data=report)
     else:
         console.print(_budget_table(report))
+        if report.get("sections"):
+            console.print(sections_table(report["sections"]))
         console.print(_timing_line(report), highlight=False)
         console.print(_code_line(report), highlight=False, soft_wrap=True)
         calibration = _calibration_line(report)

@@ -321,6 +321,7 @@ class GPT(nn.Module):
         self.ve_layer_scales = nn.ParameterList(
             [nn.Parameter(torch.ones(1, dtype=torch.float32)) for _ in self.ve_layer_indices])
         self.lm_head = None if cfg.tie_embeddings else linear(dim, cfg.vocab_size, initialize)
+        self.head_observer: LinearObserver | None = None  # GPTQ calibration of the output layer
         if initialize:
             self._init_weights()
 
@@ -371,16 +372,19 @@ class GPT(nn.Module):
         return self.blocks[0].attn.backend
 
     @contextlib.contextmanager
-    def observe_linear_inputs(self, callback: LinearObserver) -> Iterator[None]:
-        """Call callback(weight_names, x) with the input of every block matrix (for GPTQ)."""
+    def observe_linear_inputs(self, callback: LinearObserver, head: bool = False) -> Iterator[None]:
+        """Call callback(weight_names, x) with the input of every block matrix (for GPTQ),
+        and with head, of the output layer too."""
         modules = [m for block in self.blocks for m in (block.attn, block.mlp)]
         for m in modules:
             m.observer = callback
+        self.head_observer = callback if head else None
         try:
             yield
         finally:
             for m in modules:
                 m.observer = None
+            self.head_observer = None
 
     # --- forward ---
 
@@ -481,6 +485,8 @@ class GPT(nn.Module):
     def logits(self, hidden: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
         """Soft-capped logits for hidden states of any leading shape."""
         weight = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+        if self.head_observer is not None:
+            self.head_observer(("tok_emb.weight" if self.lm_head is None else "lm_head.weight",), hidden.detach())
         return ops.softcap(F.linear(hidden, weight.to(hidden.dtype)), self.cfg.logit_softcap)
 
     def forward_logits(self, input_ids: Tensor) -> Tensor:

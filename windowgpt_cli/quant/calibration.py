@@ -77,7 +77,7 @@ def calibrate(model: torch.nn.Module, cfg: RunConfig, train_files: list[Path], d
             tokens += y.numel()
             yield x, y
 
-    sums, _ = accumulate_hessians(model, counted(), device, on_batch)
+    sums, _ = accumulate_hessians(model, counted(), device, on_batch, head=cfg.quant.quant_gptq_embed)
     for total in sums.values():
         all_reduce_(total)
     total_tokens = int(all_reduce_(torch.tensor(tokens, dtype=torch.int64, device=device)).item())
@@ -92,16 +92,18 @@ HESSIAN_DAMPING = 0.01  # added (times the mean diagonal) when calibration ends
 
 
 def collect_hessians(model: torch.nn.Module, batches: Iterable[tuple[Tensor, Tensor]], device: torch.device,
-                     on_batch: Callable[[], None] | None = None) -> dict[tuple[str, ...], Tensor]:
+                     on_batch: Callable[[], None] | None = None, head: bool = False) -> dict[tuple[str, ...], Tensor]:
     """The calibration Hessians of the batches: their sums, averaged per batch and damped."""
-    sums, count = accumulate_hessians(model, batches, device, on_batch)
+    sums, count = accumulate_hessians(model, batches, device, on_batch, head)
     return finalize_hessians(sums, count)
 
 
 def accumulate_hessians(model: torch.nn.Module, batches: Iterable[tuple[Tensor, Tensor]], device: torch.device,
-                        on_batch: Callable[[], None] | None = None) -> tuple[dict[tuple[str, ...], Tensor], int]:
+                        on_batch: Callable[[], None] | None = None,
+                        head: bool = False) -> tuple[dict[tuple[str, ...], Tensor], int]:
     """Sum x^T x of every block matrix's input over the batches (the model's
-    `observe_linear_inputs`), as the reference; returns the sums and the number of batches."""
+    `observe_linear_inputs`), as the reference, and with head of the output layer's input
+    (GPTQ on the tied embedding); returns the sums and the number of batches."""
     sums: dict[tuple[str, ...], Tensor] = {}
 
     def accumulate(names: tuple[str, ...], x: Tensor) -> None:
@@ -115,7 +117,7 @@ def accumulate_hessians(model: torch.nn.Module, batches: Iterable[tuple[Tensor, 
     model.eval()
     count = 0
     try:
-        with torch.no_grad(), autocast(device), model.observe_linear_inputs(accumulate):
+        with torch.no_grad(), autocast(device), model.observe_linear_inputs(accumulate, head):
             for inputs, targets in batches:
                 model(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True))
                 count += 1

@@ -1,6 +1,8 @@
 """GPTQ (Frantar et al. 2023) for the int6 matrices, and `quantize_state_dict`, which
-quantizes a whole per-layer state dict: its int6 matrices by GPTQ where they have
-calibration Hessians, every other tensor by `schemes.quantize_tensor`.
+quantizes a whole per-layer state dict: its int6 matrices (and, when the plan says so, the
+token embedding, on the output layer's Hessian) by GPTQ where they have calibration
+Hessians, every other tensor by `schemes.quantize_tensor`, then adds LQER's corrections
+where the plan asks for them (`lqer`).
 
 This computes what the reference's column-by-column CPU loop computes, but for all five
 clip candidates at once (stacked as extra rows) and for all layers of one shape at once
@@ -8,6 +10,7 @@ clip candidates at once (stacked as extra rows) and for all layers of one shape 
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Sequence
@@ -16,12 +19,17 @@ import torch
 from torch import Tensor
 
 from ..artifacts.quantized import INT6, QuantizedTensor
+from ..model.state_dict import classify_param
 from ..runtime import synchronize
+from .lqer import add_corrections
 from .schemes import (
+    INT6_CATEGORIES,
     INT6_CLIP_QUANTILES,
-    PASSTHROUGH_MAX_NUMEL,
+    REFERENCE_PLAN,
+    QuantPlan,
     choose_scheme,
     int6_candidate_scales,
+    method_of,
     quantize_int6_rtn,
     quantize_tensor,
     reconstruction_mse,
@@ -80,20 +88,23 @@ def gptq_codes(w: Tensor, h_inv_upper: Tensor, scale: Tensor, clip_range: int, b
 
 
 def gptq_quantize_batch(weights: Tensor, hessians: Tensor, row_splits: Sequence[int], clip_range: int = 31,
-                        block_size: int = 128, percdamp: float = 0.01) -> list[list[tuple[Tensor, Tensor, str]]]:
+                        block_size: int = 128, percdamp: float = 0.01,
+                        clip_sigmas: float = 0.0) -> list[list[tuple[Tensor, Tensor, str]]]:
     """GPTQ int6 for B problems of one shape: weights [B, R, C], hessians [B, C, C].
 
     The R rows of a problem may be several matrices sharing one Hessian (row_splits gives
     their row counts, e.g. c_q, c_k, c_v); each picks its own clip percentile, by MSE over
     the matrix as the reference. Returns, per problem and matrix, (codes int8 [rows, C] in
     the original column order, float16 scales [rows], method); a problem whose Hessian
-    cannot be factored falls back to rounding to nearest, as the reference.
+    cannot be factored falls back to rounding to nearest, as the reference. With
+    clip_sigmas > 0 each row has one candidate scale, clip_sigmas standard deviations.
     """
     w = weights.float()
     b, r, c = w.shape
     dead, order, upper = prepare_gptq_hessians(hessians.to(w.device), percdamp)
-    k = len(INT6_CLIP_QUANTILES)
-    scales = int6_candidate_scales(w.reshape(b * r, c), clip_range).view(k, b, r).transpose(0, 1)  # [B, K, R]
+    candidates = int6_candidate_scales(w.reshape(b * r, c), clip_range, clip_sigmas)
+    k = candidates.shape[0]
+    scales = candidates.view(k, b, r).transpose(0, 1)  # [B, K, R]
     w_ordered = torch.gather(w, 2, order.unsqueeze(1).expand_as(w))
     w_ordered.masked_fill_(torch.gather(dead, 1, order).unsqueeze(1), 0.0)
     factored = ~torch.isnan(upper).flatten(1).any(dim=1)
@@ -106,13 +117,13 @@ def gptq_quantize_batch(weights: Tensor, hessians: Tensor, row_splits: Sequence[
         per_matrix = []
         for lo, hi in _row_ranges(row_splits):
             if not factored[i]:
-                q, s = quantize_int6_rtn(w[i, lo:hi].cpu(), clip_range)
-                per_matrix.append((q, s, "rtn"))
+                q, s = quantize_int6_rtn(w[i, lo:hi].cpu(), clip_range, clip_sigmas)
+                per_matrix.append((q, s, method_of("rtn", clip_sigmas)))
                 continue
             errs = [reconstruction_mse(w_ordered[i, lo:hi], codes[i, j, lo:hi], scales[i, j, lo:hi]) for j in range(k)]
             best = min(range(k), key=lambda j: (errs[j], j))
             q = codes[i, best, lo:hi][:, inverse[i]]
-            per_matrix.append((q.to(torch.int8).cpu(), scales[i, best, lo:hi].cpu(), "gptq"))
+            per_matrix.append((q.to(torch.int8).cpu(), scales[i, best, lo:hi].cpu(), method_of("gptq", clip_sigmas)))
         results.append(per_matrix)
     return results
 
@@ -128,65 +139,88 @@ def _row_ranges(row_splits: Sequence[int]) -> Iterator[tuple[int, int]]:
 class GPTQProblem:
     names: tuple[str, ...]  # matrices sharing one input, quantized together
     hessian: Tensor
+    scheme: str
+    limit: int  # the codes' largest magnitude
+    clip_sigmas: float
 
-    def key(self, sd: Mapping[str, Tensor]) -> tuple[tuple[int, ...], int]:
-        return tuple(sd[n].shape[0] for n in self.names), self.hessian.shape[0]
+    def key(self, sd: Mapping[str, Tensor]) -> tuple:
+        return (tuple(sd[n].shape[0] for n in self.names), self.hessian.shape[0], self.scheme, self.limit,
+                self.clip_sigmas)
 
 
-def plan_gptq(sd: Mapping[str, Tensor], hessians: Hessians,
-              passthrough_max_numel: int = PASSTHROUGH_MAX_NUMEL) -> list[list[GPTQProblem]]:
-    """Group the int6 matrices that have a Hessian into batches of identical shape."""
-    batches: dict[tuple[tuple[int, ...], int], list[GPTQProblem]] = {}
+def gptq_member(name: str, t: Tensor, h: Tensor, plan: QuantPlan) -> bool:
+    """Whether GPTQ quantizes this tensor on Hessian h: an int6 matrix, or the token
+    embedding when the plan says so; its columns the Hessian's size."""
+    if t.ndim != 2 or t.shape[1] != h.shape[0]:
+        return False
+    category = classify_param(name)
+    if category == "embed":
+        return plan.gptq_embed and choose_scheme(name, t, plan) != "passthrough"
+    return category in INT6_CATEGORIES and choose_scheme(name, t, plan) == INT6
+
+
+def plan_gptq(sd: Mapping[str, Tensor], hessians: Hessians, plan: QuantPlan = REFERENCE_PLAN) -> list[list[GPTQProblem]]:
+    """Group the matrices that have a Hessian into batches of identical shape and scheme."""
+    batches: dict[tuple, list[GPTQProblem]] = {}
     for names, h in hessians.items():
-        members = tuple(n for n in names if n in sd and choose_scheme(n, sd[n], passthrough_max_numel) == INT6
-                        and sd[n].ndim == 2 and sd[n].shape[1] == h.shape[0])
+        members = tuple(n for n in names if n in sd and gptq_member(n, sd[n], h, plan))
         if members:
-            problem = GPTQProblem(members, h)
+            scheme = choose_scheme(members[0], sd[members[0]], plan)
+            problem = GPTQProblem(members, h, scheme, plan.limit(scheme), plan.clip_sigmas(members[0]))
             batches.setdefault(problem.key(sd), []).append(problem)
     return list(batches.values())
 
 
-def quantize_state_dict(sd: Mapping[str, Tensor], clip_range: int = 31, hessians: Hessians | None = None,
+def quantize_state_dict(sd: Mapping[str, Tensor], clip_range: int | None = None, hessians: Hessians | None = None,
                         block_size: int = 128, percdamp: float = 0.01, device: torch.device | None = None,
                         max_batch_elements: int = 1 << 28, on_progress: Progress | None = None,
                         timings: dict[str, float] | None = None,
-                        passthrough_max_numel: int = PASSTHROUGH_MAX_NUMEL) -> dict[str, QuantizedTensor]:
-    """Quantize a per-layer state dict; with Hessians, their int6 matrices by GPTQ on `device`.
+                        plan: QuantPlan = REFERENCE_PLAN) -> dict[str, QuantizedTensor]:
+    """Quantize a per-layer state dict as the plan says (clip_range, when given, replaces
+    the plan's); with Hessians, its matrices by GPTQ on `device`.
 
-    `timings`, when given, receives the seconds spent in GPTQ ("gptq") and on the other
-    tensors ("rounding").
+    `timings`, when given, receives the seconds spent in GPTQ ("gptq"), on the other
+    tensors ("rounding") and on LQER's corrections ("lqer").
     """
+    if clip_range is not None:
+        plan = dataclasses.replace(plan, clip_range=clip_range)
     device = device or torch.device("cpu")
     done: dict[str, QuantizedTensor] = {}
     started = time.perf_counter()
-    for batch in plan_gptq(sd, hessians or {}, passthrough_max_numel):
-        rows = sum(sd[n].shape[0] for n in batch[0].names) * len(INT6_CLIP_QUANTILES)
+    for batch in plan_gptq(sd, hessians or {}, plan):
+        candidates = 1 if batch[0].clip_sigmas > 0 else len(INT6_CLIP_QUANTILES)
+        rows = sum(sd[n].shape[0] for n in batch[0].names) * candidates
         per_chunk = max(1, max_batch_elements // (rows * batch[0].hessian.shape[0]))
         for start in range(0, len(batch), per_chunk):
             chunk = batch[start:start + per_chunk]
-            done.update(_gptq_chunk(sd, chunk, clip_range, block_size, percdamp, device))
+            done.update(_gptq_chunk(sd, chunk, block_size, percdamp, device))
             if on_progress:
                 on_progress(sum(len(p.names) for p in chunk))
     synchronize(device)
     gptq_done = time.perf_counter()
     for name, t in sd.items():
         if name not in done:
-            done[name] = quantize_tensor(name, t, clip_range, passthrough_max_numel)
+            done[name] = quantize_tensor(name, t, plan)
             if on_progress:
                 on_progress(1)
+    rounded = time.perf_counter()
+    out = {name: done[name] for name in sd}
+    if plan.lqer_rank > 0:
+        add_corrections(sd, out, plan, device)
     if timings is not None:
-        timings.update(gptq=gptq_done - started, rounding=time.perf_counter() - gptq_done)
-    return {name: done[name] for name in sd}
+        timings.update(gptq=gptq_done - started, rounding=rounded - gptq_done, lqer=time.perf_counter() - rounded)
+    return out
 
 
-def _gptq_chunk(sd: Mapping[str, Tensor], problems: list[GPTQProblem], clip_range: int, block_size: int,
-                percdamp: float, device: torch.device) -> dict[str, QuantizedTensor]:
+def _gptq_chunk(sd: Mapping[str, Tensor], problems: list[GPTQProblem], block_size: int, percdamp: float,
+                device: torch.device) -> dict[str, QuantizedTensor]:
     weights = torch.stack([torch.cat([sd[n].detach().float() for n in p.names]) for p in problems]).to(device)
     hessians = torch.stack([p.hessian.float() for p in problems]).to(device)
     row_splits = [sd[n].shape[0] for n in problems[0].names]
-    results = gptq_quantize_batch(weights, hessians, row_splits, clip_range, block_size, percdamp)
+    first = problems[0]
+    results = gptq_quantize_batch(weights, hessians, row_splits, first.limit, block_size, percdamp, first.clip_sigmas)
     out: dict[str, QuantizedTensor] = {}
     for problem, per_matrix in zip(problems, results):
         for name, (codes, scale, method) in zip(problem.names, per_matrix):
-            out[name] = QuantizedTensor(INT6, sd[name].dtype, codes.contiguous(), scale.contiguous(), method)
+            out[name] = QuantizedTensor(problem.scheme, sd[name].dtype, codes.contiguous(), scale.contiguous(), method)
     return out

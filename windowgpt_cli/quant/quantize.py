@@ -15,11 +15,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..artifacts import compressors, ptz
+from ..artifacts import codecs, compressors, ptz
 from ..artifacts.checkpoint import HESSIANS_FILENAME
 from ..artifacts.lineage import weights_lineage, without_paths
 from ..artifacts.ptz import is_ptz
-from ..artifacts.quantized import INT6, QuantizedTensor
+from ..artifacts.info import quality_rows
+from ..artifacts.quantized import QuantizedTensor
 from ..artifacts.weights import LoadedWeights, load_weights, located_tokenizer
 from ..challenge import AFTER_TRAINING, BUDGET_BYTES, INSIDE_TRAINING
 from ..config import RunConfig, apply_overrides, check_settings, validate
@@ -33,6 +34,7 @@ from ..storage.files import atomic_write_bytes, atomic_write_json, read_json, sh
 from ..storage.outputs import check_apart, claim_file
 from .calibration import Calibration, calibrate, load_hessians
 from .gptq import quantize_state_dict
+from .schemes import QuantPlan
 
 
 def report_path(artifact: Path) -> Path:
@@ -66,6 +68,8 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
         compressor = compressors.DEFAULT_COMPRESSOR
     if compressor not in compressors.COMPRESSOR_CHOICES:
         raise ConfigError(f"--compressor {compressor!r} must be one of {', '.join(compressors.COMPRESSOR_CHOICES)}")
+    if compressor in codecs.PACKAGES:
+        codecs.require(compressor)
     quant_settings(RunConfig(), gptq, calib_batches, clip_range, settings)  # bounded before anything is read
     weights = load_weights(model_path)
     if weights.kind == "ptz":
@@ -90,16 +94,22 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
     advance = progress("quantizing", len(sd)) if progress else None
     q = cfg.quant
     phases: dict[str, float] = {}
-    tensors = quantize_state_dict(sd, q.quant_clip_range, hessians, q.gptq_block_size, q.gptq_percdamp,
-                                  device=dev, on_progress=advance, timings=phases,
-                                  passthrough_max_numel=q.quant_passthrough_max_numel)
+    plan = QuantPlan.from_config(q)
+    if plan.gptq_embed and hessians is not None and not any("tok_emb.weight" in names for names in hessians):
+        raise ConfigError("quant_gptq_embed needs the output layer's Hessian, which these Hessians lack (collected "
+                          "without it): --recalibrate --data DATA")
+    tensors = quantize_state_dict(sd, None, hessians, q.gptq_block_size, q.gptq_percdamp, device=dev,
+                                  on_progress=advance, timings=phases, plan=plan)
     timings["quantize"] = time.perf_counter() - t0
     if cfg.quant.use_gptq:
         timings["gptq"] = phases["gptq"]
+    if plan.lqer_rank:
+        timings["lqer"] = phases["lqer"]
 
     t0 = time.perf_counter()
+    errors = {name: relative_error(sd[name], qt) for name, qt in tensors.items()}
     artifact = ptz.PtzArtifact(without_paths(cfg), tensors, weights.tokenizer_sha256, weights_lineage(weights),
-                               q.quant_clip_range)
+                               q.quant_clip_range, errors)
     payload = ptz.payload_bytes(artifact)
     data = ptz.compress_payload(payload, compressor)
     timings["compress"] = time.perf_counter() - t0
@@ -109,7 +119,7 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
     timings["total"] = time.perf_counter() - started
 
     source = {**artifact.source, "path": str(weights.path)}  # the payload holds no paths; the report does
-    report = _report(out, data, payload, sd, tensors, cfg, compressor, budget, dev, timings, source)
+    report = _report(out, data, payload, sd, tensors, errors, cfg, compressor, budget, dev, timings, source)
     report.update(_calibration_record(calibration, where, weights) if calibration else {"calibration": None})
     tokenizer = located_tokenizer(weights)  # for generate and eval to find it later
     report["tokenizer"] = {"path": str(tokenizer) if tokenizer else None, "sha256": weights.tokenizer_sha256}
@@ -176,27 +186,53 @@ def _calibration_record(calibration: Calibration, where: str, weights: LoadedWei
     return {"calibration": where, "calibration_info": info}
 
 
-def _report(out: Path, data: bytes, payload: bytes, sd: dict[str, torch.Tensor], tensors: dict[str, QuantizedTensor],
-            cfg: RunConfig, compressor: str, budget: int, dev: torch.device, timings: dict[str, float],
-            source: dict[str, Any]) -> dict[str, Any]:
+def relative_error(weight: torch.Tensor, qt: QuantizedTensor) -> float:
+    """The round trip's squared error over the weight's squared norm (0 for kept values)."""
+    w = weight.detach().float().cpu()
+    norm = float(w.pow(2).sum())
+    return float((w - qt.dequantize().float()).pow(2).sum()) / norm if norm > 0 else 0.0
 
+
+def group_rows(sd: dict[str, torch.Tensor], tensors: dict[str, QuantizedTensor],
+               errors: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """Per tensor group: tensors, parameters, bytes before and after quantization, and
+    (`info.quality_rows`) the code widths, LQER corrections and round-trip error."""
     groups = {g: {"tensors": 0, "params": 0, "raw_bytes": 0, "quantized_bytes": 0} for g in GROUPS}
-    schemes: dict[str, int] = {}
     for name, qt in tensors.items():
         row = groups[tensor_group(name)]
         row["tensors"] += 1
         row["params"] += sd[name].numel()
         row["raw_bytes"] += sd[name].numel() * sd[name].element_size()
         row["quantized_bytes"] += qt.stored_bytes
-        label = f"{qt.scheme}_{qt.method}" if qt.scheme == INT6 else qt.scheme
+    quality = quality_rows({name: (sd[name].numel(), qt.scheme, qt.correction is not None, errors.get(name))
+                            for name, qt in tensors.items()})
+    for group, row in quality.items():
+        groups[group].update(row)
+    return groups
+
+
+def _report(out: Path, data: bytes, payload: bytes, sd: dict[str, torch.Tensor], tensors: dict[str, QuantizedTensor],
+            errors: dict[str, float], cfg: RunConfig, compressor: str, budget: int, dev: torch.device,
+            timings: dict[str, float], source: dict[str, Any]) -> dict[str, Any]:
+
+    groups = group_rows(sd, tensors, errors)
+    schemes: dict[str, int] = {}
+    for qt in tensors.values():
+        label = f"{qt.scheme}_{qt.method}" if qt.method else qt.scheme
         schemes[label] = schemes.get(label, 0) + 1
+    sections = ptz.sections_of(data)
+    for row in sections:
+        group = str(row["section"]).split("/")[0]
+        if group in groups:
+            groups[group].setdefault("compressed_bytes", 0)
+            groups[group]["compressed_bytes"] += row["compressed_bytes"]
     code = codesize.count_code()
     total = len(data) + code.bytes
     return {
         "artifact": str(out), "sha256": sha256_bytes(data), "format_version": ptz.FORMAT_VERSION,
         "compressor": ptz.compressor_of(data), "compressor_option": compressor, "source": source, "device": str(dev),
         "gptq": cfg.quant.use_gptq, "calib_batches": cfg.quant.gptq_calib_samples if cfg.quant.use_gptq else 0,
-        "clip_range": cfg.quant.quant_clip_range, "schemes": schemes, "groups": groups,
+        "clip_range": cfg.quant.quant_clip_range, "schemes": schemes, "groups": groups, "sections": sections,
         "payload_bytes": len(payload), "model_bytes": len(data), "code_bytes": code.bytes,
         "code_counted": code.form, "code_modules": code.files, "code_source_bytes": code.source_bytes,
         "code_archive": code.archive, "code_sha256": code.sha256, "total_bytes": total,

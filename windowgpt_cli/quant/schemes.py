@@ -11,16 +11,25 @@ reference's order of precedence:
   the scale chosen among five clip percentiles by mean squared error, either by rounding
   to nearest (here) or by GPTQ against calibration Hessians (`gptq`);
 - everything else (embeddings): int8 per row, clipped at the 99.99984th percentile.
+
+`QuantPlan` holds the settings that depart from it, each off by default: the token
+embedding's bits, clipping at k standard deviations of a row (per group: MLP, attention,
+embedding) in place of the percentile searches, int8 rows for small gates, GPTQ on the
+embedding (`gptq`) and LQER's low-rank corrections (`lqer`).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import Tensor
 
-from ..artifacts.quantized import CONTROL, INT6, INT8, PASSTHROUGH, QuantizedTensor
+from ..artifacts.quantized import CONTROL, INT6, INT8, PASSTHROUGH, QuantizedTensor, code_limit, int_scheme
 from ..model.state_dict import classify_param, is_control_tensor
+
+if TYPE_CHECKING:
+    from ..config import QuantConfig
 
 INT6_CLIP_QUANTILES = (0.999, 0.9995, 0.9999, 0.99999, 1.0)  # 1.0 = the row's max |w|
 INT8_CLIP_QUANTILE = 99.99984 / 100.0
@@ -32,16 +41,56 @@ PASSTHROUGH_DTYPE = torch.float16
 _QUANTILE_MAX_NUMEL = 1 << 24  # torch.quantile refuses larger inputs
 
 
+# --- The plan ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """How each tensor is quantized; the defaults are the reference's scheme."""
+
+    clip_range: int = 31
+    passthrough_max_numel: int = PASSTHROUGH_MAX_NUMEL
+    embed_bits: int = 8
+    mlp_clip_sigmas: float = 0.0  # 0: the reference's percentile search
+    attn_clip_sigmas: float = 0.0
+    embed_clip_sigmas: float = 0.0
+    gptq_embed: bool = False
+    gates_int8: bool = False
+    lqer_rank: int = 0  # 0: no low-rank corrections
+    lqer_top_k: int = 3
+    lqer_factor_bits: int = 4
+    lqer_group_size: int = 64
+
+    @classmethod
+    def from_config(cls, q: QuantConfig) -> QuantPlan:
+        return cls(q.quant_clip_range, q.quant_passthrough_max_numel, q.quant_embed_bits, q.quant_mlp_clip_sigmas,
+                   q.quant_attn_clip_sigmas, q.quant_embed_clip_sigmas, q.quant_gptq_embed, q.quant_gates_int8,
+                   q.quant_lqer_rank, q.quant_lqer_top_k, q.quant_lqer_factor_bits, q.quant_lqer_group_size)
+
+    def clip_sigmas(self, name: str) -> float:
+        """The k of k-sigma clipping for this tensor (0: the reference's clipping)."""
+        return {"mlp": self.mlp_clip_sigmas, "attn": self.attn_clip_sigmas,
+                "embed": self.embed_clip_sigmas}.get(classify_param(name), 0.0)
+
+    def limit(self, scheme: str) -> int:
+        return code_limit(scheme, self.clip_range)
+
+
+REFERENCE_PLAN = QuantPlan()
+
+
 # --- Which scheme -------------------------------------------------------------------------
 
-def choose_scheme(name: str, t: Tensor, passthrough_max_numel: int = PASSTHROUGH_MAX_NUMEL) -> str:
-    if not t.is_floating_point() or t.numel() <= passthrough_max_numel:
+def choose_scheme(name: str, t: Tensor, plan: QuantPlan = REFERENCE_PLAN) -> str:
+    if not t.is_floating_point() or t.numel() <= plan.passthrough_max_numel:
+        if plan.gates_int8 and t.is_floating_point() and t.ndim == 2 and is_control_tensor(name):
+            return INT8
         return PASSTHROUGH
     if is_control_tensor(name):
-        return CONTROL
-    if classify_param(name) in INT6_CATEGORIES:
+        return INT8 if plan.gates_int8 and t.ndim == 2 else CONTROL
+    category = classify_param(name)
+    if category in INT6_CATEGORIES:
         return INT6
-    return INT8
+    return int_scheme(plan.embed_bits) if category == "embed" else INT8
 
 
 # --- Rounding to nearest --------------------------------------------------------------------
@@ -54,13 +103,26 @@ def row_quantiles(a: Tensor, q: Sequence[float]) -> Tensor:
     return torch.cat([torch.quantile(chunk, qs, dim=1) for chunk in a.split(rows_per_chunk)], dim=1)
 
 
-def int6_candidate_scales(w: Tensor, clip_range: int) -> Tensor:
-    """Float16 row scales [K, rows] for each clip percentile in INT6_CLIP_QUANTILES."""
+def int6_candidate_scales(w: Tensor, clip_range: int, clip_sigmas: float = 0.0) -> Tensor:
+    """Float16 row scales [K, rows] for each clip percentile in INT6_CLIP_QUANTILES, or
+    [1, rows] for clipping at clip_sigmas standard deviations."""
+    if clip_sigmas > 0:
+        return sigma_scales(w, clip_range, clip_sigmas).unsqueeze(0)
     a = w.float().abs()
     partial = [q for q in INT6_CLIP_QUANTILES if q < 1.0]
     clips = list(row_quantiles(a, partial)) if partial else []
     clips += [a.amax(dim=1) for q in INT6_CLIP_QUANTILES if q >= 1.0]
     return torch.stack([(c / clip_range).clamp_min(1.0 / clip_range).to(SCALE_DTYPE) for c in clips])
+
+
+def sigma_scales(w: Tensor, limit: int, clip_sigmas: float) -> Tensor:
+    """Float16 row scales clipping each row of w at clip_sigmas standard deviations, or at
+    its largest |w| where that is smaller (clipping no weight costs nothing there)."""
+    w = w.float()
+    amax = w.abs().amax(dim=1)
+    clip = torch.minimum(clip_sigmas * w.std(dim=1, correction=0), amax)
+    clip = torch.where(clip > 0, clip, amax)
+    return (clip / limit).clamp_min(1e-8).to(SCALE_DTYPE)
 
 
 def round_to_grid(w: Tensor, scale: Tensor, clip_range: int) -> Tensor:
@@ -73,8 +135,9 @@ def reconstruction_mse(w: Tensor, codes: Tensor, scale: Tensor) -> float:
     return (w - codes.float() * scale.float().unsqueeze(-1)).pow(2).mean().item()
 
 
-def quantize_int6_rtn(t: Tensor, clip_range: int = 31) -> tuple[Tensor, Tensor]:
-    """int6 codes by rounding to nearest, with the clip percentile of least MSE."""
+def quantize_int6_rtn(t: Tensor, clip_range: int = 31, clip_sigmas: float = 0.0) -> tuple[Tensor, Tensor]:
+    """int6 codes by rounding to nearest, with the clip percentile of least MSE (or the
+    scales of clip_sigmas standard deviations)."""
     w = t.float()
     if w.ndim != 2:  # one scale for the whole tensor, from its max |w|
         amax = w.abs().max().item()
@@ -82,7 +145,7 @@ def quantize_int6_rtn(t: Tensor, clip_range: int = 31) -> tuple[Tensor, Tensor]:
         codes = torch.clamp(torch.round(w / scale.float()), -clip_range, clip_range)
         return codes.to(torch.int8), scale
     best: tuple[float, Tensor, Tensor] | None = None
-    for scale in int6_candidate_scales(w, clip_range):
+    for scale in int6_candidate_scales(w, clip_range, clip_sigmas):
         codes = round_to_grid(w, scale.float(), clip_range)
         err = reconstruction_mse(w, codes, scale)
         if best is None or err < best[0]:  # strict: the earliest of equal candidates wins
@@ -91,8 +154,9 @@ def quantize_int6_rtn(t: Tensor, clip_range: int = 31) -> tuple[Tensor, Tensor]:
     return best[1].to(torch.int8), best[2]
 
 
-def quantize_int8(t: Tensor) -> tuple[Tensor, Tensor]:
-    """int8 codes per row (per tensor when not 2-D), clipped at INT8_CLIP_QUANTILE.
+def quantize_int8(t: Tensor, limit: int = INT8_CLIP_RANGE) -> tuple[Tensor, Tensor]:
+    """int8 codes per row (per tensor when not 2-D), clipped at INT8_CLIP_QUANTILE (codes
+    in [-limit, limit]: 127 is the reference's int8).
 
     As the reference, codes are computed with the float32 scale and the scale is then
     stored as float16 (per row) or float32 (per tensor).
@@ -101,27 +165,45 @@ def quantize_int8(t: Tensor) -> tuple[Tensor, Tensor]:
     if w.ndim == 2:
         clip = row_quantiles(w.abs(), [INT8_CLIP_QUANTILE])[0]
         clipped = torch.maximum(torch.minimum(w, clip[:, None]), -clip[:, None])
-        scale = (clip / INT8_CLIP_RANGE).clamp_min(1.0 / INT8_CLIP_RANGE)
-        codes = round_to_grid(clipped, scale, INT8_CLIP_RANGE)
+        scale = (clip / limit).clamp_min(1.0 / limit)
+        codes = round_to_grid(clipped, scale, limit)
         return codes.to(torch.int8), scale.to(SCALE_DTYPE)
     clip_abs = float(torch.quantile(w.abs().flatten(), INT8_CLIP_QUANTILE).item())
-    scale = torch.tensor(clip_abs / INT8_CLIP_RANGE if clip_abs > 0 else 1.0, dtype=torch.float32)
-    codes = torch.clamp(torch.round(torch.clamp(w, -clip_abs, clip_abs) / scale), -INT8_CLIP_RANGE, INT8_CLIP_RANGE)
+    scale = torch.tensor(clip_abs / limit if clip_abs > 0 else 1.0, dtype=torch.float32)
+    codes = torch.clamp(torch.round(torch.clamp(w, -clip_abs, clip_abs) / scale), -limit, limit)
     return codes.to(torch.int8), scale
 
 
-def quantize_tensor(name: str, t: Tensor, clip_range: int = 31,
-                    passthrough_max_numel: int = PASSTHROUGH_MAX_NUMEL) -> QuantizedTensor:
+def quantize_rows(t: Tensor, limit: int, clip_sigmas: float) -> tuple[Tensor, Tensor]:
+    """Codes in [-limit, limit] with one scale per row: clipped at clip_sigmas standard
+    deviations, or with clip_sigmas 0 at the reference's int8 percentile."""
+    if clip_sigmas <= 0 or t.ndim != 2:
+        return quantize_int8(t, limit)
+    w = t.float()
+    scale = sigma_scales(w, limit, clip_sigmas)
+    return round_to_grid(w, scale.float(), limit).to(torch.int8), scale
+
+
+def method_of(base: str, clip_sigmas: float) -> str:
+    return f"{base}_sigma" if clip_sigmas > 0 and base else ("sigma" if clip_sigmas > 0 else base)
+
+
+def quantize_tensor(name: str, t: Tensor, plan: QuantPlan = REFERENCE_PLAN) -> QuantizedTensor:
     """One tensor without calibration data (int6 by rounding to nearest)."""
     t = t.detach().to("cpu").contiguous()
-    scheme = choose_scheme(name, t, passthrough_max_numel)
+    scheme = choose_scheme(name, t, plan)
     if scheme == PASSTHROUGH:
         kept = t.to(PASSTHROUGH_DTYPE) if t.is_floating_point() else t
         return QuantizedTensor(scheme, t.dtype, kept)
     if scheme == CONTROL:
         return QuantizedTensor(scheme, t.dtype, t.float())
-    if scheme == INT6:
-        codes, scale = quantize_int6_rtn(t, clip_range)
-        return QuantizedTensor(scheme, t.dtype, codes, scale, method="rtn")
-    codes, scale = quantize_int8(t)
-    return QuantizedTensor(scheme, t.dtype, codes, scale)
+    if is_control_tensor(name):  # a gate's row: its largest |w| sets the scale, no floor
+        scale = (t.float().abs().amax(dim=1) / INT8_CLIP_RANGE).clamp_min(1e-8).to(SCALE_DTYPE)
+        codes = round_to_grid(t.float(), scale.float(), INT8_CLIP_RANGE).to(torch.int8)
+        return QuantizedTensor(scheme, t.dtype, codes, scale, method="max")
+    sigmas = plan.clip_sigmas(name)
+    if scheme == INT6 and classify_param(name) in INT6_CATEGORIES:
+        codes, scale = quantize_int6_rtn(t, plan.clip_range, sigmas)
+        return QuantizedTensor(scheme, t.dtype, codes, scale, method=method_of("rtn", sigmas))
+    codes, scale = quantize_rows(t, plan.limit(scheme), sigmas)
+    return QuantizedTensor(scheme, t.dtype, codes, scale, method=method_of("", sigmas))

@@ -1,0 +1,121 @@
+"""Each quantization scheme and compressor on one model: its compressed bytes, its
+stride-64 sliding val_bpb, and what quantization costs against the unquantized weights.
+
+    python3 bench/quant_schemes.py EXPORT --data DATA --work WORK --out RESULT.json
+        [--schemes reference,sdclip,...] [--model NAME] [--stride 64]
+
+EXPORT is an export of a run trained with `--use-gptq --quant-gptq-embed` (its Hessians
+cover the output layer too, for the schemes that quantize the embedding by GPTQ). Every
+scheme quantizes with GPTQ on those Hessians and the `auto` compressor; `reference` is also
+written with each whole-payload compressor (the same weights and codes), so the file
+compares the compressors too, and every .ptz's decoding is timed. Writes RESULT.json
+{"gpu", "model", "unquantized_val_bpb", "schemes": {NAME: {"bytes", "val_bpb",
+"quant_loss", ...}}, "compressors": {NAME: {"bytes", "decode_s"}}} and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SDCLIP = ["--quant-mlp-clip-sigmas", "11.5", "--quant-attn-clip-sigmas", "13", "--quant-embed-clip-sigmas", "14"]
+LQER = ["--quant-lqer-rank", "4", "--quant-lqer-top-k", "3", "--quant-lqer-factor-bits", "4",
+        "--quant-lqer-group-size", "64"]
+# Every scheme sets every setting it departs in, so that the export's own values never leak in.
+OFF = ["--no-quant-gptq-embed", "--quant-embed-bits", "8", "--quant-mlp-clip-sigmas", "0",
+       "--quant-attn-clip-sigmas", "0", "--quant-embed-clip-sigmas", "0", "--no-quant-gates-int8",
+       "--quant-lqer-rank", "0"]
+SCHEMES = {
+    "reference": [],
+    "lqer": LQER,
+    # wider clips: coarser grids, fewer bytes (11.5 / 13 sigmas make a grid finer than the reference's)
+    "sdclip24": ["--quant-mlp-clip-sigmas", "24", "--quant-attn-clip-sigmas", "24"],
+    "sdclip32": ["--quant-mlp-clip-sigmas", "32", "--quant-attn-clip-sigmas", "32"],
+    "sdclip": SDCLIP,
+    "sdclip_int7embed": SDCLIP + ["--quant-embed-bits", "7"],
+    "sdclip_int7embed_gptqembed": SDCLIP + ["--quant-embed-bits", "7", "--quant-gptq-embed"],
+    "pr1855": SDCLIP + ["--quant-embed-bits", "7", "--quant-gptq-embed", "--quant-gates-int8"] + LQER,
+}
+WHOLE_PAYLOAD = ("lzma", "rans", "brotli", "zstd")
+
+
+def windowgpt(*args: str) -> dict:
+    """A windowgpt command's --json output (its stderr passed through)."""
+    done = subprocess.run([sys.executable, "-m", "windowgpt_cli", *args, "--json"], cwd=REPO, text=True,
+                          stdout=subprocess.PIPE)
+    if done.returncode != 0:
+        raise SystemExit(f"windowgpt {' '.join(args[:2])} exited {done.returncode}")
+    return json.loads(done.stdout)
+
+
+def decode_seconds(path: Path) -> float:
+    from windowgpt_cli.artifacts import ptz
+
+    started = time.perf_counter()
+    ptz.load(path)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("export", type=Path)
+    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--schemes", default=",".join(SCHEMES))
+    parser.add_argument("--model", default="record model, 240 s on one H200")
+    parser.add_argument("--stride", default="64")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    result: dict = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                    "model": args.model, "stride": int(args.stride), "schemes": {}, "compressors": {}}
+    base = windowgpt("eval", str(args.export), "--data", str(args.data), "--stride", args.stride)
+    result["unquantized_val_bpb"] = base["val_bpb"]
+    print(f"unquantized: val_bpb {base['val_bpb']:.5f}", flush=True)
+    for name in args.schemes.split(","):
+        out = args.work / f"{name}.ptz"
+        # a scheme over the budget is measured all the same (quantize writes it, then exits 1 without this)
+        report = windowgpt("quantize", str(args.export), "--out", str(out), "--gptq", "--budget", str(1 << 40), *OFF,
+                           *SCHEMES[name])
+        score = windowgpt("eval", str(out), "--data", str(args.data), "--stride", args.stride)
+        result["schemes"][name] = {
+            "bytes": report["model_bytes"], "val_bpb": score["val_bpb"],
+            "quant_loss": score["val_bpb"] - base["val_bpb"], "compressor": report["compressor"],
+            "decode_s": round(decode_seconds(out), 3), "compress_s": report["timings_s"]["compress"],
+            "groups": {g: {k: row.get(k) for k in ("bits", "lqer", "rel_error", "compressed_bytes")}
+                       for g, row in report["groups"].items() if row["tensors"]},
+            "sections": report["sections"]}
+        print(f"{name}: {report['model_bytes']:,} bytes, val_bpb {score['val_bpb']:.5f} "
+              f"(quantization +{score['val_bpb'] - base['val_bpb']:.5f})", flush=True)
+        if name == "reference":
+            for compressor in WHOLE_PAYLOAD:
+                path = args.work / f"reference_{compressor}.ptz"
+                again = windowgpt("quantize", str(args.export), "--out", str(path), "--gptq", *OFF,
+                                  "--compressor", compressor)
+                result["compressors"][compressor] = {"bytes": again["model_bytes"],
+                                                     "compress_s": again["timings_s"]["compress"],
+                                                     "decode_s": round(decode_seconds(path), 3)}
+            result["compressors"]["auto"] = {"bytes": report["model_bytes"], "compress_s":
+                                             report["timings_s"]["compress"],
+                                             "decode_s": result["schemes"]["reference"]["decode_s"]}
+            print("compressors: " + ", ".join(f"{k} {v['bytes']:,}" for k, v in result["compressors"].items()),
+                  flush=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")  # what is measured so far survives a stop
+    lzma_bytes = result["compressors"].get("lzma", {}).get("bytes")
+    for row in result["schemes"].values():
+        if lzma_bytes:
+            row["bytes_vs_reference_lzma"] = round(row["bytes"] / lzma_bytes, 4)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

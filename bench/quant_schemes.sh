@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The quantization schemes and compressors measured on the record model trained for
+# TRAIN_SECONDS (default 240) on the blog corpus: bench/quant_schemes.py's table and JSON.
+#   PHASE=train    prepare the data (sp1024), train (record windows, GPTQ's Hessians inside
+#                  the budget, the output layer's too), export: WORK/data, WORK/run, WORK/export
+#   PHASE=measure  bench/quant_schemes.py on WORK/export -> LOG_DIR/quant_h200.json
+#   (no PHASE: both). On one H200 the two phases take about 6 and 9 minutes.
+# usage: [PHASE=train|measure] [TRAIN_SECONDS=240] [SCHEMES=a,b] bench/quant_schemes.sh SHARED_DIR WORK_DIR LOG_DIR
+source "$(dirname "$0")/lib.sh"
+phase=${PHASE:-all}
+if [ "$phase" != measure ]; then
+  wg prepare "$shared"/data/blogs/train_*.jsonl.xz --val "$shared/data/blogs/val.jsonl.xz" --tokenizer "$tok" \
+    --out "$work/data" > "$logs/prepare.log" 2>&1 || { tail "$logs/prepare.log"; exit 1; }
+  wg train --data "$work/data" --out "$work/run" --window-attn-size 512 --num-sink-tokens 4 \
+    --window-attn-layers 2,4,6,8,10 --max-wallclock-seconds "${TRAIN_SECONDS:-240}" --use-gptq \
+    --quant-gptq-embed --val-loss-every 0 --train-log-every 100 > "$logs/train.log" 2>&1 \
+    || { tail -20 "$logs/train.log"; exit 1; }
+  tail -4 "$logs/train.log"
+  wg export "$work/run" --out "$work/export" > "$logs/export.log" 2>&1 || { tail "$logs/export.log"; exit 1; }
+fi
+if [ "$phase" != train ]; then
+  [ -d "$work/export" ] || { echo "no $work/export: run PHASE=train first (on the same machine)"; exit 1; }
+  python3 "$repo/bench/quant_schemes.py" "$work/export" --data "$work/data" --work "$work/schemes" \
+    --out "$logs/quant_h200.json" ${SCHEMES:+--schemes "$SCHEMES"}
+fi
