@@ -74,14 +74,20 @@ def _lzma_encode(data: bytes) -> bytes:
     return lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)
 
 
-def _lzma_decode(data: bytes, limit: int) -> bytes:
+def lzma_decode(data: bytes, limit: int) -> bytes:
+    """Decompress one xz stream of at most `limit` bytes, refusing truncated or trailing
+    data (also the reference's whole-payload lzma, `compressors`)."""
     decompressor = lzma.LZMADecompressor()
     try:
-        out = decompressor.decompress(data, limit + 1)
+        out = decompressor.decompress(data, limit)
     except lzma.LZMAError as exc:
-        raise CorruptPayload(f"corrupt lzma section ({_first_line(exc)})") from None
-    if not decompressor.eof or decompressor.unused_data:
-        raise CorruptPayload("an lzma section is truncated, too long, or followed by other bytes")
+        raise CorruptPayload(f"corrupt compressed payload ({_first_line(exc)})") from None
+    if not decompressor.eof:
+        if not decompressor.needs_input:
+            raise CorruptPayload(f"the payload inflates beyond the {limit:,} bytes its header declares")
+        raise CorruptPayload("truncated (the compressed payload ends early)")
+    if decompressor.unused_data:
+        raise CorruptPayload("unexpected bytes after the compressed payload")
     return out
 
 
@@ -169,4 +175,4 @@ def _rans_bytes_decode(data: bytes, limit: int) -> bytes:
 _ENCODERS: dict[str, Callable[[bytes], bytes]] = {
     "lzma": _lzma_encode, "rans": _rans_bytes_encode, "brotli": _brotli_encode, "zstd": _zstd_encode}
 _DECODERS: dict[str, Callable[[bytes, int], bytes]] = {
-    "lzma": _lzma_decode, "rans": _rans_bytes_decode, "brotli": _brotli_decode, "zstd": _zstd_decode}
+    "lzma": lzma_decode, "rans": _rans_bytes_decode, "brotli": _brotli_decode, "zstd": _zstd_decode}

@@ -24,6 +24,8 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..storage import tensorfile
+from . import codecs, grouped
+from .codecs import lzma_decode as _unlzma
 from .rans import RANS_MAX_LANES, RANS_MIN_LANES, RANS_SCALE_BITS, RANS_SYMBOLS_PER_LANE  # noqa: F401 - public
 from .rans import CorruptPayload, rans_lanes
 from .rans import first_line as _first_line
@@ -41,22 +43,6 @@ class Compressor:
 
 def _lzma(b: bytes) -> bytes:
     return lzma.compress(b, preset=6)
-
-
-def _unlzma(data: bytes, limit: int) -> bytes:
-    """Decompress one xz stream, refusing truncated or trailing data."""
-    decompressor = lzma.LZMADecompressor()
-    try:
-        out = decompressor.decompress(data, limit)
-    except lzma.LZMAError as exc:
-        raise CorruptPayload(f"corrupt compressed payload ({_first_line(exc)})") from None
-    if not decompressor.eof:
-        if not decompressor.needs_input:
-            raise CorruptPayload(f"the payload inflates beyond the {limit:,} bytes its header declares")
-        raise CorruptPayload("truncated (the compressed payload ends early)")
-    if decompressor.unused_data:
-        raise CorruptPayload("unexpected bytes after the compressed payload")
-    return out
 
 
 # --- rANS for int8 codes -------------------------------------------------------------------
@@ -202,36 +188,14 @@ def _interleave(rest: bytes, ranges: list[tuple[int, int]], coded: bytes) -> byt
 
 # --- Choosing a compressor -----------------------------------------------------------------
 #
-# "auto" codes with rans, and on payloads small enough for lzma to be cheap also with lzma
-# (in a thread, concurrently), keeping the smaller: rans loses there when the lane states
-# and frequency tables outweigh what it saves. Larger payloads are mostly int6/int8 codes,
-# on which rans is the smaller (`bench/compressors.py` measures both).
+# "auto" codes the payload group by group (`grouped`), each section with the smallest of
+# every available codec and layout; the whole-payload compressors stay for comparison and
+# for artifacts written by earlier versions.
 
 def _codec(name: str) -> Compressor:
     """A whole-payload compressor made of one of `codecs`' codecs."""
-    def encode(payload: bytes) -> bytes:
-        from . import codecs
-
-        return codecs.encode(name, payload)
-
-    def decode(data: bytes, limit: int) -> bytes:
-        from . import codecs
-
-        return codecs.decode(codecs.CODEC_IDS[name], data, limit)
-
-    return Compressor(WHOLE_PAYLOAD_IDS[name], encode, decode)
-
-
-def _groups_compress(payload: bytes) -> bytes:
-    from . import grouped
-
-    return grouped.compress(payload)[0]
-
-
-def _groups_decompress(data: bytes, limit: int) -> bytes:
-    from . import grouped
-
-    return grouped.decompress(data, limit)
+    return Compressor(WHOLE_PAYLOAD_IDS[name], lambda payload: codecs.encode(name, payload),
+                      lambda data, limit: codecs.decode(codecs.CODEC_IDS[name], data, limit))
 
 
 AUTO = "auto"
@@ -242,7 +206,7 @@ COMPRESSORS: dict[str, Compressor] = {
     "rans": Compressor(3, _rans_compress, _rans_decompress),
     "brotli": _codec("brotli"),
     "zstd": _codec("zstd"),
-    GROUPS: Compressor(4, _groups_compress, _groups_decompress),
+    GROUPS: Compressor(4, lambda payload: grouped.compress(payload)[0], grouped.decompress),
 }
 
 
@@ -259,7 +223,7 @@ _DECOMPRESSORS: dict[int, tuple[str, Callable[[bytes, int], bytes]]] = {
 
 
 def compress(payload: bytes, compressor: str = DEFAULT_COMPRESSOR) -> tuple[int, bytes]:
-    """(the id the header records, the compressed bytes); for "auto", lzma's or rans's."""
+    """(the id the header records, the compressed bytes); "auto" writes `groups`."""
     if compressor == AUTO:
         compressor = GROUPS
     if compressor not in COMPRESSORS:
@@ -316,8 +280,6 @@ def payload_prefix(compressor_id: int, data: bytes, n: int, limit: int = 1 << 30
     if compressor_id == COMPRESSORS["lzma"].id:
         return _LzmaPrefix(data).read(n)
     if compressor_id == COMPRESSORS[GROUPS].id:
-        from . import grouped
-
         return grouped.prefix(data, n, limit)
     if compressor_id not in (COMPRESSORS["rans"].id, 2):
         return None

@@ -30,7 +30,7 @@ from ..config import RunConfig
 from ..errors import ArtifactError, ConfigError
 from ..storage import tensorfile
 from ..storage.files import atomic_write_bytes, is_sha256
-from . import compressors
+from . import compressors, grouped
 from .quantized import (
     CONTROL,
     PASSTHROUGH,
@@ -130,7 +130,7 @@ def encode(artifact: PtzArtifact, compressor: str = compressors.DEFAULT_COMPRESS
 
 def compress_payload(payload: bytes, compressor: str = compressors.DEFAULT_COMPRESSOR) -> bytes:
     """The .ptz bytes; its header names the compressor used (`compressor_of`), which for
-    "auto" is lzma's or rans's."""
+    "auto" is `groups`."""
     compressor_id, body = compressors.compress(payload, compressor)
     digest = hashlib.sha256(payload).digest()
     return MAGIC + bytes([FORMAT_VERSION, compressor_id]) + _SIZE_AND_HASH.pack(len(payload), digest) + body
@@ -142,8 +142,6 @@ def sections_of(data: bytes) -> list[dict[str, Any]]:
     _check_header(data, ".ptz")
     if data[len(MAGIC) + 1] != compressors.COMPRESSORS[compressors.GROUPS].id:
         return []
-    from . import grouped
-
     size = _SIZE_AND_HASH.unpack_from(data, len(MAGIC) + 2)[0]
     try:
         return grouped.describe_sections(data[HEADER_BYTES:], size)

@@ -185,7 +185,10 @@ def quantize_rows(t: Tensor, limit: int, clip_sigmas: float) -> tuple[Tensor, Te
 
 
 def method_of(base: str, clip_sigmas: float) -> str:
-    return f"{base}_sigma" if clip_sigmas > 0 and base else ("sigma" if clip_sigmas > 0 else base)
+    """How codes were chosen, as a .ptz records it: "sigma" marks k-sigma scales."""
+    if clip_sigmas <= 0:
+        return base
+    return f"{base}_sigma" if base else "sigma"
 
 
 def quantize_tensor(name: str, t: Tensor, plan: QuantPlan = REFERENCE_PLAN) -> QuantizedTensor:
