@@ -5,7 +5,7 @@
 #                  the budget, the output layer's too), export: WORK/data, WORK/run, WORK/export
 #   PHASE=measure  bench/quant_schemes.py on WORK/export -> LOG_DIR/quant_h200.json
 #   (no PHASE: both). On one H200 the two phases take about 6 and 9 minutes.
-# usage: [PHASE=train|measure] [TRAIN_SECONDS=240] [SCHEMES=a,b] bench/quant_schemes.sh SHARED_DIR WORK_DIR LOG_DIR
+# usage: [PHASE=train|measure] [TRAIN_SECONDS=240] [SCHEMES=a,b] [COMPRESSOR=auto|rans|...] bench/quant_schemes.sh SHARED_DIR WORK_DIR LOG_DIR
 source "$(dirname "$0")/lib.sh"
 phase=${PHASE:-all}
 if [ "$phase" != measure ]; then
@@ -21,5 +21,5 @@ fi
 if [ "$phase" != train ]; then
   [ -d "$work/export" ] || { echo "no $work/export: run PHASE=train first (on the same machine)"; exit 1; }
   python3 "$repo/bench/quant_schemes.py" "$work/export" --data "$work/data" --work "$work/schemes" \
-    --out "$logs/quant_h200.json" ${SCHEMES:+--schemes "$SCHEMES"}
+    --out "$logs/quant_h200.json" ${SCHEMES:+--schemes "$SCHEMES"} --compressor "${COMPRESSOR:-auto}"
 fi
