@@ -126,6 +126,14 @@ def test_quantize_uses_the_runs_hessians_and_equals_calibrating_the_same_batches
     assert "calibration: inside training (4 batches" in result.output
     with pytest.raises(ConfigError, match="--calib-batches 2 needs --recalibrate"):
         quantize(out / "export", tmp_path / "x.ptz", gptq=True, calib_batches=2, device="cpu")
+    # Hessians collected without the output layer's cannot serve GPTQ on the embedding: one
+    # line, nothing written; calibrating afresh collects it
+    with pytest.raises(ConfigError, match="lack .* --recalibrate --data DATA"):
+        quantize(out / "export", tmp_path / "y.ptz", gptq=True, device="cpu", settings={"quant_gptq_embed": True})
+    assert not (tmp_path / "y.ptz").exists()
+    fresh = quantize(out / "export", tmp_path / "y.ptz", gptq=True, data_dir=tiny_data_dir, recalibrate=True,
+                     device="cpu", settings={"quant_gptq_embed": True})
+    assert fresh["schemes"].get("int8_gptq") == 1  # the embedding
 
 
 @pytest.mark.slow
