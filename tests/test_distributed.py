@@ -26,7 +26,7 @@ from windowgpt_cli.cli.app import app
 from windowgpt_cli.model.gpt import build_model
 from windowgpt_cli.train.optim import Muon
 from windowgpt_cli.data.shards import list_shards
-from windowgpt_cli.eval.evaluate import evaluate_artifact
+from windowgpt_cli.eval.evaluate import evaluate_artifact, ttt_evaluate_artifact
 
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 2
@@ -276,3 +276,20 @@ def test_eval_on_two_ranks_equals_one_process(dist_two_rank_run, tiny_data_dir, 
     assert two["mode"] == one["mode"] == ("standard" if stride == 0 else "sliding")
     assert two["tokens"] == one["tokens"] and two["bytes"] == one["bytes"]
     assert abs(two["val_loss"] - one["val_loss"]) < 1e-6 and abs(two["val_bpb"] - one["val_bpb"]) < 1e-6
+
+
+@pytest.mark.slow
+def test_lora_ttt_divides_documents_among_ranks_and_reduces_their_sums(dist_two_rank_run, tiny_data_dir):
+    """Each rank scores every other document with its own adapters: without global phases
+    (whose SGD averages the ranks' gradients) two ranks give one process's sums."""
+    run, _ = dist_two_rank_run
+    done = torchrun("eval-ttt", str(run), "--data", str(tiny_data_dir), "--device", "cpu", "--method", "lora",
+                    "--ttt-lora-phases", "0", "--json")
+    two = json.loads(done.stdout)
+    with one_thread():
+        one = ttt_evaluate_artifact(run, tiny_data_dir, device="cpu",
+                                    settings={"ttt": {"ttt_method": "lora", "ttt_lora_phases": 0}}).record
+    assert two["mode"] == one["mode"] == "ttt_lora"
+    assert two["tokens"] == one["tokens"] and two["bytes"] == one["bytes"]
+    assert abs(two["val_loss"] - one["val_loss"]) < 1e-6
+    assert two["eval_cap"]["hardware"] == "2 x cpu"

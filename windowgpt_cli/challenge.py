@@ -13,6 +13,20 @@ EVAL_SECONDS = 600.0  # every evaluation command together, on GPUS GPUs
 GPUS = 8
 GPU_MODEL = "H100"
 
+# GPUs whose speed on this model the challenge's is taken to equal, by a word of their names
+# (the H200 has the H100's compute, with more memory bandwidth).
+AS_FAST_AS_GPU_MODEL = ("H100", "H200")
+
+
+def scaled_eval_cap(device_name: str, world_size: int) -> float | None:
+    """The evaluation cap on world_size devices named device_name: EVAL_SECONDS x GPUS /
+    world_size on GPUs as fast as the challenge's (the same work spread over fewer of
+    them); None for other hardware, which the cap cannot be scaled to."""
+    if not any(word in device_name for word in AS_FAST_AS_GPU_MODEL):
+        return None
+    return EVAL_SECONDS * GPUS / world_size
+
+
 # Where GPTQ's Hessians came from, as quantize reports it: only Hessians collected inside
 # training's budget make a record artifact.
 INSIDE_TRAINING = "inside training"

@@ -224,6 +224,25 @@ class TTTConfig:
     ttt_grad_clip: float = setting(1.0, "Clip the gradient to this global norm.")
     ttt_cuda_graphs: bool = setting(True, "On CUDA in one process, replay each training step as a CUDA graph "
                                           "(the same numbers, fewer kernel launches); off: eager steps.")
+    ttt_method: str = setting("chunks", "chunks: the reference's (the stream in chunks, each scored, then trained on "
+                                        "with SGD); lora: per-document LoRA adapters, reset at each document, "
+                                        "trained on each scored chunk of it, with optional global phases.")
+    ttt_lora_rank: int = setting(80, "lora: rank of each adapter.")
+    ttt_lora_targets: str = setting("q,k,v,o,up,down,head", "lora: the matrices adapted (comma-separated: q, k, v, "
+                                                            "o, up, down of every block, head: the output layer).")
+    ttt_lora_lr: float = setting(3e-4, "lora: the adapters' AdamW learning rate.")
+    ttt_lora_beta1: float = setting(0.9, "lora: AdamW beta1.")
+    ttt_lora_beta2: float = setting(0.99, "lora: AdamW beta2.")
+    ttt_lora_weight_decay: float = setting(0.5, "lora: AdamW weight decay (decoupled).")
+    ttt_lora_context: str = setting("stream", "lora: what a chunk's window reads: document = the document's "
+                                                "own tokens only; stream = the tokens before it in the stream, "
+                                                "earlier documents too, as sliding evaluation reads them.")
+    ttt_lora_chunk_tokens: int = setting(48, "lora: tokens of a document scored before each adapter step.")
+    ttt_lora_batch_docs: int = setting(64, "lora: documents scored side by side, each with its own adapters.")
+    ttt_lora_phases: int = setting(3, "lora: global phases: after each equal share of the first "
+                                      "ttt_lora_prefix_docs documents is scored, the model trains on that share as "
+                                      "--method chunks trains (ttt_lr, ttt_epochs, ...); 0 = none.")
+    ttt_lora_prefix_docs: int = setting(2500, "lora: the documents the global phases cover, from the first.")
 
 
 @dataclass
@@ -519,7 +538,8 @@ def tiny_preset() -> RunConfig:
         ),
         eval=EvalConfig(eval_seq_len=128, eval_stride=32, eval_batch_seqs=16),
         quant=QuantConfig(gptq_calib_samples=4, quant_passthrough_max_numel=1024),  # quantize its small matrices
-        ttt=TTTConfig(ttt_chunk_tokens=2048, ttt_batch_seqs=8, ttt_freeze_blocks=1, ttt_epochs=1),
+        ttt=TTTConfig(ttt_chunk_tokens=2048, ttt_batch_seqs=8, ttt_freeze_blocks=1, ttt_epochs=1, ttt_lora_rank=8,
+                      ttt_lora_chunk_tokens=32, ttt_lora_batch_docs=16, ttt_lora_prefix_docs=32),
     )
 
 
@@ -570,6 +590,9 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "ttt_lr": (0, None), "ttt_epochs": (0, 1000), "ttt_chunk_tokens": (1, 1 << 30), "ttt_seq_len": (0, 1 << 22),
     "ttt_freeze_blocks": (0, 128),
     "ttt_momentum": (0, 1), "ttt_batch_seqs": (1, 1 << 20), "ttt_grad_clip": (0, None),
+    "ttt_lora_rank": (1, 4096), "ttt_lora_lr": (0, 10), "ttt_lora_beta1": (0, 0.999999),
+    "ttt_lora_beta2": (0, 0.999999), "ttt_lora_weight_decay": (0, 1000), "ttt_lora_chunk_tokens": (1, 1 << 22),
+    "ttt_lora_batch_docs": (1, 1 << 16), "ttt_lora_phases": (0, 1 << 10), "ttt_lora_prefix_docs": (0, 1 << 30),
 }
 # The numbers commands take besides the settings (each checked by check_setting as well).
 BOUNDS.update({
@@ -584,7 +607,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "attn_backend": ("auto", "fa3", "flex", "triton", "sdpa"),
     "logger": ("none", "tensorboard", "wandb"),
     "muon_ns_coefficients": ("reference", "polar_express"),
+    "ttt_method": ("chunks", "lora"),
+    "ttt_lora_context": ("document", "stream"),
 }
+LORA_TARGETS = ("q", "k", "v", "o", "up", "down", "head")  # ttt_lora_targets' names
 MAX_PARAMETERS = 4_000_000_000  # about 150 times the reference model
 
 
@@ -636,6 +662,24 @@ def parameter_estimate(m: ModelConfig) -> int:
         + m.vocab_size * m.ve_dim
 
 
+def lora_targets(text: str) -> tuple[str, ...]:
+    """ttt_lora_targets as names ("q,k , head" -> ("q", "k", "head"))."""
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def lora_targets_problem(text: str) -> str | None:
+    """What is wrong with a ttt_lora_targets value, or None."""
+    names = lora_targets(text)
+    unknown = [t for t in names if t not in LORA_TARGETS]
+    if unknown:
+        return f"{unknown[0]!r} is none of {', '.join(LORA_TARGETS)}"
+    if not names:
+        return "name at least one matrix"
+    if len(set(names)) < len(names):
+        return "names a matrix twice"
+    return None
+
+
 def validate(cfg: RunConfig) -> None:
     """Raise ConfigError naming the first invalid setting or combination."""
     _check_settings(cfg)
@@ -676,6 +720,8 @@ def validate(cfg: RunConfig) -> None:
          "quant_gptq_embed needs use_gptq (--gptq)"),
         (not cfg.quant.quant_gptq_embed or m.tie_embeddings, "quant_gptq_embed",
          "quant_gptq_embed needs tied embeddings (its Hessian is the output layer's input)"),
+        (lora_targets_problem(cfg.ttt.ttt_lora_targets) is None, "ttt_lora_targets",
+         f"ttt_lora_targets={cfg.ttt.ttt_lora_targets!r}: {lora_targets_problem(cfg.ttt.ttt_lora_targets)}"),
     ]
     for ok, name, message in checks:
         if not ok:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .results import EVAL_MODES
 from .info import ArtifactInfo, differing_settings, read_artifact
 
 
@@ -18,7 +19,7 @@ def column(info: ArtifactInfo) -> dict[str, Any]:
     return {
         "name": info.name, "artifact": str(info.path), "kind": info.kind,
         "val_bpb": summary.get("val_bpb"), "post_ema_val_bpb": summary.get("post_ema_val_bpb"),
-        **{f"{mode}_bpb": info.evals.get(mode, {}).get("val_bpb") for mode in ("standard", "sliding", "ttt")},
+        **{f"{mode}_bpb": info.evals.get(mode, {}).get("val_bpb") for mode in EVAL_MODES},
         "steps": steps,
         "ms_per_step": time_ms / steps if timed else None,
         "tokens_per_s": info.config.train.train_batch_tokens * steps / (time_ms / 1000) if timed else None,

@@ -10,7 +10,7 @@ from ..storage.outputs import claim_file
 from .checkpoint import FILENAME as CHECKPOINT_FILENAME
 from .export import EXPORT_WEIGHTS
 
-EVAL_MODES = ("standard", "sliding", "ttt")
+EVAL_MODES = ("standard", "sliding", "ttt", "ttt_lora")
 
 
 def eval_result_path(artifact: Path, mode: str) -> Path:

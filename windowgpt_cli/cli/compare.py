@@ -19,6 +19,7 @@ METRIC_ROWS = (
     ("val_bpb standard eval", "standard_bpb", "{:.4f}"),
     ("val_bpb sliding eval", "sliding_bpb", "{:.4f}"),
     ("val_bpb TTT eval", "ttt_bpb", "{:.4f}"),
+    ("val_bpb LoRA TTT eval", "ttt_lora_bpb", "{:.4f}"),
     ("steps", "steps", "{:,}"),
     ("ms / step", "ms_per_step", "{:.1f}"),
     ("tokens / s", "tokens_per_s", "{:,.0f}"),

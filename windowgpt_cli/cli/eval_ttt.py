@@ -47,7 +47,7 @@ class LogAndBar:
 
 @user_errors_exit_1
 @with_config_flags("eval", "ttt", from_artifact=True, leave_out=("eval_seq_len",),
-                   aliases={**EVAL_FLAG_ALIASES, "ttt_seq_len": ("--seq-len",)})
+                   aliases={**EVAL_FLAG_ALIASES, "ttt_seq_len": ("--seq-len",), "ttt_method": ("--method",)})
 @with_options("scoring", SCORING_OPTIONS)
 def command(
     artifact: ArtifactArg,

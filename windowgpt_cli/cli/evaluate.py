@@ -9,6 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ..challenge import EVAL_SECONDS, GPU_MODEL, GPUS
 from ..config import CHOICES
 from .support import (
     console,
@@ -43,9 +44,24 @@ def results_table(record: dict[str, Any], title: str) -> Table:
         ("tokens / second", f"{record['tokens_per_second']:,.0f}"),
         ("artifact", f"{record['artifact']} ({record['artifact_kind']}, sha256 {record['artifact_sha256'][:16]})"),
     ]
+    if record.get("mode") == "ttt_lora":
+        rows[3] = ("seq_len / documents per batch", f"{record['seq_len']} / {record['batch_seqs']}")
+        del rows[4]
+        rows += [(f"phase group {i + 1}", "-" if p["val_bpb"] is None else f"val_bpb {p['val_bpb']:.6f} "
+                  f"({p['tokens']:,} tokens)") for i, p in enumerate(record.get("per_phase", []))]
+    if record.get("eval_cap"):
+        rows.append(("time against the cap", cap_text(record["eval_cap"])))
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def cap_text(cap: dict[str, Any]) -> str:
+    """"41.2 s of 4,800 s (600 s on 8 H100, on 1 x NVIDIA H200)", or without a cap, why not."""
+    if cap["cap_seconds"] is None:
+        return f"{cap['seconds']:.1f} s (no cap for {cap['hardware']}: not comparable with the challenge's H100s)"
+    return (f"{cap['seconds']:.1f} s of {cap['cap_seconds']:,.0f} s (the challenge's {EVAL_SECONDS:.0f} s on {GPUS} "
+            f"{GPU_MODEL}, on {cap['hardware']})")
 
 
 def report(record: dict[str, Any], title: str, as_json: bool) -> None:

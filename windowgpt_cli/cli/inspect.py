@@ -82,7 +82,8 @@ def inspect_table(r: dict[str, Any]) -> Table:
         table.add_row("trained", f"val_bpb {_number(t['val_bpb'])}, post-EMA {_number(t['post_ema_val_bpb'])} "
                       f"at step {_number(t['step'])}")
     for mode, e in r["evals"].items():
-        table.add_row(f"eval {mode}", f"val_bpb {e['val_bpb']:.6f} (seq_len {e['seq_len']}, stride {e['stride']})")
+        how = f"stride {e['stride']}" if mode != "ttt_lora" else f"{e['batch_seqs']} documents per batch"
+        table.add_row(f"eval {mode}", f"val_bpb {e['val_bpb']:.6f} (seq_len {e['seq_len']}, {how})")
     table.add_section()
     if not r["config_changes"]:
         table.add_row("settings", "the reference's defaults")

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator
 
+import torch
+
 from ..artifacts import weights as model_io
 from ..artifacts.results import claim_eval_result, save_eval_result
-from ..challenge import TTT_ORDER
+from ..challenge import TTT_ORDER, scaled_eval_cap
 from ..config import RunConfig, apply_overrides, validate
 from ..data.loader import load_validation_tokens
 from ..data.manifest import DataManifest, check_same_tokenizer, verify_data
@@ -38,6 +40,7 @@ from .scoring import (
     should_compile,
     should_fuse,
 )
+from .lora_ttt import evaluate_lora_ttt
 from .ttt import ChunkProgress, evaluate_ttt
 
 Echo = Callable[[str], None]
@@ -180,36 +183,58 @@ def ttt_evaluate_artifact(artifact: Path, data_dir: Path, *, settings: Settings 
     try:
         inputs, cfg = _load_with_settings(artifact, data_dir, settings, tokenizer, ctx, attn_backend, phases)
         ttt = cfg.ttt
+        lora = ttt.ttt_method == "lora"
         seq_len, stride, batch_seqs = ttt.ttt_seq_len or cfg.train.train_seq_len, cfg.eval.eval_stride, \
             cfg.eval.eval_batch_seqs
-        if not 1 <= stride <= seq_len:
+        if not lora and not 1 <= stride <= seq_len:
             raise SettingError("eval_stride", f"eval_stride={stride} must be in 1..{seq_len}: test-time training "
                                               "scores sliding windows of its training sequences")
+        mode = "ttt_lora" if lora else "ttt"
         if ctx.is_main:
-            claim_eval_result(Path(artifact), "ttt")
+            claim_eval_result(Path(artifact), mode)
         # As the reference: the tokens are cut to whole sequences of the longer of the
         # training (here: TTT window) and evaluation lengths.
         with phases.timed("tokens"):
             val_tokens = load_validation_tokens(data_dir, max(seq_len, cfg.eval.eval_seq_len), cfg.model.vocab_size,
                                                 inputs.data.shards("val"))
         echo = echo if ctx.is_main else None
-        compiling = should_fuse(fused, ctx.device) or should_compile(compile_model, ctx.device)
-        display = progress if progress is not None and ctx.is_main else functools.partial(_chunk_lines, echo)
+        compiling = not lora and (should_fuse(fused, ctx.device) or should_compile(compile_model, ctx.device))
+        display = progress if progress is not None and ctx.is_main else \
+            functools.partial(_chunk_lines, echo, unit="ttt_lora_batch" if lora else "ttt_chunk")
         with display(compiling) as on_chunk:
-            result = evaluate_ttt(inputs.model, val_tokens, inputs.luts, ttt, seq_len=seq_len, stride=stride,
-                                  batch_seqs=batch_seqs, device=ctx.device, rank=ctx.rank,
-                                  world_size=ctx.world_size, score_once=score_once, compile_model=compile_model,
-                                  fused=fused, on_chunk=on_chunk, log=echo)
+            if lora:
+                result = evaluate_lora_ttt(inputs.model, val_tokens, inputs.luts, ttt, seq_len=seq_len,
+                                           device=ctx.device, rank=ctx.rank, world_size=ctx.world_size,
+                                           fused=should_fuse(fused, ctx.device), on_batch=on_chunk, log=echo)
+            else:
+                result = evaluate_ttt(inputs.model, val_tokens, inputs.luts, ttt, seq_len=seq_len, stride=stride,
+                                      batch_seqs=batch_seqs, device=ctx.device, rank=ctx.rank,
+                                      world_size=ctx.world_size, score_once=score_once, compile_model=compile_model,
+                                      fused=fused, on_chunk=on_chunk, log=echo)
         record = eval_record(result, inputs, Path(artifact))
-        record["score_once"] = score_once
         record["ttt"] = dataclasses.asdict(ttt)
         record["ttt_order"] = TTT_ORDER
         record["ttt_steps"] = result.ttt_steps
-        record["per_chunk"] = [{"loss_sum": c.loss_sum, "tokens": c.tokens, "bytes": c.bytes, "val_bpb": c.val_bpb}
-                               for c in result.per_chunk]
+        record["eval_cap"] = eval_cap(result.seconds, ctx)
+        scores = [{"loss_sum": c.loss_sum, "tokens": c.tokens, "bytes": c.bytes, "val_bpb": c.val_bpb}
+                  for c in result.per_chunk]
+        if lora:
+            record["per_phase"] = scores
+        else:
+            record["score_once"] = score_once
+            record["per_chunk"] = scores
         return _saved_report(Path(artifact), result, record, phases, ctx)
     finally:
         shutdown()
+
+
+def eval_cap(seconds: float, ctx: DistContext) -> dict[str, Any]:
+    """The scoring's wall time against the challenge's evaluation cap scaled to this
+    hardware (None where the hardware is not one the challenge's GPU can be compared with)."""
+    name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
+    cap = scaled_eval_cap(name, ctx.world_size)
+    return {"seconds": round(seconds, 3), "cap_seconds": cap, "hardware": f"{ctx.world_size} x {name}",
+            "within": None if cap is None else seconds <= cap}
 
 
 def _load_with_settings(artifact: Path, data_dir: Path, settings: Settings, tokenizer: Path | None,
@@ -238,8 +263,10 @@ def _no_display(*args: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _chunk_lines(echo: Echo | None, compiling: bool) -> Iterator[Callable[[ChunkProgress], None] | None]:
-    """Without a display: a line every few chunks, as the reference logs them."""
+def _chunk_lines(echo: Echo | None, compiling: bool, unit: str = "ttt_chunk"
+                 ) -> Iterator[Callable[[ChunkProgress], None] | None]:
+    """Without a display: a line every few chunks (or LoRA's batches of documents), as the
+    reference logs them."""
     if echo is None:
         yield None
         return
@@ -247,7 +274,7 @@ def _chunk_lines(echo: Echo | None, compiling: bool) -> Iterator[Callable[[Chunk
 
     def print_line(info: ChunkProgress) -> None:
         if info.chunk % LOG_EVERY_CHUNKS == 1 or info.chunk == info.num_chunks:
-            echo(f"  ttt_chunk [{info.chunk}/{info.num_chunks}] bpb={info.val_bpb:.6f} "
+            echo(f"  {unit} [{info.chunk}/{info.num_chunks}] bpb={info.val_bpb:.6f} "
                  f"time={time.perf_counter() - start:.1f}s")
 
     yield print_line

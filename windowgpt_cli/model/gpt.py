@@ -24,6 +24,16 @@ from .rotary import rotary_inv_freq, rotary_tables
 from .state_dict import BANK_NAMES, is_control_tensor
 
 LinearObserver = Callable[[tuple[str, ...], Tensor], None]
+# What an adapter (per-document LoRA in test-time training) adds to a matrix product: given
+# the weight's name and the product's input [B, T, in], a tensor of the output's shape, or
+# None where it adapts nothing.
+LinearAdapter = Callable[[str, Tensor], "Tensor | None"]
+
+
+def adapted(adapter: LinearAdapter | None, name: str, x: Tensor, out: Tensor) -> Tensor:
+    """out, plus what the adapter adds for the weight `name` given the product's input x."""
+    delta = adapter(name, x) if adapter is not None else None
+    return out if delta is None else out + delta.to(out.dtype)
 
 
 class CastedLinear(nn.Linear):
@@ -62,6 +72,7 @@ class CausalSelfAttention(nn.Module):
         self.use_xsa = layer >= cfg.num_layers - cfg.xsa_last_n
         self.backend = "sdpa"
         self.observer: LinearObserver | None = None
+        self.adapter: LinearAdapter | None = None
         self.kv_cache: Any = None  # set during incremental decoding (`generate.decoding.StaticCache`)
 
     def forward(self, x: Tensor, q_w: Tensor, k_w: Tensor | None, v_w: Tensor | None, out_w: Tensor,
@@ -76,10 +87,10 @@ class CausalSelfAttention(nn.Module):
         self._observe(("c_q", "c_k", "c_v"), x)
         x_q = x if queries is None else pick_positions(x, queries)
         if k_w is None:  # q_w stacks the q, k and v matrices (`GPT.layer_weights`): one product for the three
-            q, k, v = F.linear(x, q_w).split(self.projection_sizes, dim=-1)
+            q, k, v = self._adapted_qkv(x, x, *F.linear(x, q_w).split(self.projection_sizes, dim=-1))
             q = q if queries is None else pick_positions(q, queries)
         else:
-            q, k, v = F.linear(x_q, q_w), F.linear(x, k_w), F.linear(x, v_w)
+            q, k, v = self._adapted_qkv(x_q, x, F.linear(x_q, q_w), F.linear(x, k_w), F.linear(x, v_w))
         q = q.reshape(b, x_q.size(1), self.num_heads, self.head_dim)
         k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
         v, v_xsa = ops.values(v, v_embed)
@@ -104,11 +115,21 @@ class CausalSelfAttention(nn.Module):
             y = ops.exclude_self_value(y, v_q)
         y = y.reshape(b, y.size(1), dim)
         self._observe(("proj",), y)
-        return F.linear(y, out_w)
+        return adapted(self.adapter, self._name("proj"), y, F.linear(y, out_w))
+
+    def _name(self, weight: str) -> str:
+        return f"blocks.{self.layer}.attn.{weight}.weight"
+
+    def _adapted_qkv(self, x_q: Tensor, x: Tensor, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k and v, each plus what the adapter adds (q's input is x_q, k's and v's x)."""
+        if self.adapter is None:
+            return q, k, v
+        return (adapted(self.adapter, self._name("c_q"), x_q, q), adapted(self.adapter, self._name("c_k"), x, k),
+                adapted(self.adapter, self._name("c_v"), x, v))
 
     def _observe(self, weights: tuple[str, ...], x: Tensor) -> None:
         if self.observer is not None:
-            self.observer(tuple(f"blocks.{self.layer}.attn.{w}.weight" for w in weights), x.detach())
+            self.observer(tuple(self._name(w) for w in weights), x.detach())
 
 
 def matmul_dtype(x: Tensor) -> torch.dtype:
@@ -164,16 +185,24 @@ class MLP(nn.Module):
         self.layer = layer
         self.negative_slope = negative_slope
         self.observer: LinearObserver | None = None
+        self.adapter: LinearAdapter | None = None
 
     def forward(self, x: Tensor, up_w: Tensor, down_w: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
         self._observe("fc", x)
-        hidden = ops.mlp_hidden(x, up_w, self.negative_slope)
+        if self.adapter is None:
+            hidden = ops.mlp_hidden(x, up_w, self.negative_slope)
+        else:  # the adapter's term joins the product before the activation
+            hidden = ops.leaky_square(adapted(self.adapter, self._name("fc"), x, F.linear(x, up_w)),
+                                      self.negative_slope)
         self._observe("proj", hidden)
-        return F.linear(hidden, down_w)
+        return adapted(self.adapter, self._name("proj"), hidden, F.linear(hidden, down_w))
+
+    def _name(self, weight: str) -> str:
+        return f"blocks.{self.layer}.mlp.{weight}.weight"
 
     def _observe(self, weight: str, x: Tensor) -> None:
         if self.observer is not None:
-            self.observer((f"blocks.{self.layer}.mlp.{weight}.weight",), x.detach())
+            self.observer((self._name(weight),), x.detach())
 
 
 class Block(nn.Module):
@@ -322,6 +351,7 @@ class GPT(nn.Module):
             [nn.Parameter(torch.ones(1, dtype=torch.float32)) for _ in self.ve_layer_indices])
         self.lm_head = None if cfg.tie_embeddings else linear(dim, cfg.vocab_size, initialize)
         self.head_observer: LinearObserver | None = None  # GPTQ calibration of the output layer
+        self.head_adapter: LinearAdapter | None = None
         if initialize:
             self._init_weights()
 
@@ -385,6 +415,25 @@ class GPT(nn.Module):
             for m in modules:
                 m.observer = None
             self.head_observer = None
+
+    @property
+    def head_name(self) -> str:
+        """The output layer's weight: the tied embedding's or the head's own."""
+        return "tok_emb.weight" if self.lm_head is None else "lm_head.weight"
+
+    @contextlib.contextmanager
+    def adapt_linears(self, adapter: LinearAdapter) -> Iterator[None]:
+        """Every block matrix's product, and the output layer's, plus what adapter adds."""
+        modules = [m for block in self.blocks for m in (block.attn, block.mlp)]
+        for m in modules:
+            m.adapter = adapter
+        self.head_adapter = adapter
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.adapter = None
+            self.head_adapter = None
 
     # --- forward ---
 
@@ -486,8 +535,9 @@ class GPT(nn.Module):
         """Soft-capped logits for hidden states of any leading shape."""
         weight = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
         if self.head_observer is not None:
-            self.head_observer(("tok_emb.weight" if self.lm_head is None else "lm_head.weight",), hidden.detach())
-        return ops.softcap(F.linear(hidden, weight.to(hidden.dtype)), self.cfg.logit_softcap)
+            self.head_observer((self.head_name,), hidden.detach())
+        logits = adapted(self.head_adapter, self.head_name, hidden, F.linear(hidden, weight.to(hidden.dtype)))
+        return ops.softcap(logits, self.cfg.logit_softcap)
 
     def forward_logits(self, input_ids: Tensor) -> Tensor:
         return self.logits(self.hidden_states(input_ids))

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Sliding evaluation against score-first TTT by chunks (the reference's) and by per-document
+# LoRA adapters, on the record model trained for TRAIN_SECONDS (default 240) on the blog corpus.
+#   PHASE=train    prepare the data (sp1024), train (record windows, GPTQ's Hessians inside the
+#                  budget), export, quantize (GPTQ, rans): WORK/model.ptz, WORK/data
+#   PHASE=measure  eval --stride 64, eval-ttt, eval-ttt --method lora (and each of LORA_VARIANTS,
+#                  "name:flags;name:flags") -> LOG_DIR/*.json and LOG_DIR/ttt_h200.json
+#   (no PHASE: both). METHODS (default "sliding chunks lora") chooses the first three. MODEL names the model in the JSON (default record_240s). Without
+#   WORK/data, measure prepares the validation split (and one training file) first.
+# usage: [PHASE=train|measure] [TRAIN_SECONDS=240] [LORA_VARIANTS=...] bench/ttt_methods.sh SHARED_DIR WORK_DIR LOG_DIR
+source "$(dirname "$0")/lib.sh"
+phase=${PHASE:-all}
+model=${MODEL:-record_240s}
+if [ "$phase" != measure ]; then
+  wg prepare "$shared"/data/blogs/train_*.jsonl.xz --val "$shared/data/blogs/val.jsonl.xz" --tokenizer "$tok" \
+    --out "$work/data" > "$logs/prepare.log" 2>&1 || { tail "$logs/prepare.log"; exit 1; }
+  wg train --data "$work/data" --out "$work/run" --window-attn-size 512 --num-sink-tokens 4 \
+    --window-attn-layers 2,4,6,8,10 --max-wallclock-seconds "${TRAIN_SECONDS:-240}" --use-gptq \
+    --val-loss-every 0 --train-log-every 100 > "$logs/train.log" 2>&1 || { tail -20 "$logs/train.log"; exit 1; }
+  tail -3 "$logs/train.log"
+  wg export "$work/run" --out "$work/export" > "$logs/export.log" 2>&1 || { tail "$logs/export.log"; exit 1; }
+  wg quantize "$work/export" --out "$work/model.ptz" --gptq --compressor rans --budget 100000000 \
+    > "$logs/quantize.log" 2>&1 || { tail "$logs/quantize.log"; exit 1; }
+fi
+if [ "$phase" != train ]; then
+  [ -f "$work/model.ptz" ] || { echo "no $work/model.ptz: run PHASE=train first"; exit 1; }
+  if [ ! -d "$work/data" ]; then  # a .ptz brought from elsewhere: the validation split is what is scored
+    wg prepare "$shared/data/blogs/train_00.jsonl.xz" --val "$shared/data/blogs/val.jsonl.xz" --tokenizer "$tok" \
+      --out "$work/data" > "$logs/prepare.log" 2>&1 || { tail "$logs/prepare.log"; exit 1; }
+  fi
+  run() {  # NAME ARGS...: one scoring command's JSON report, its log beside it
+    local name=$1; shift
+    wg "$@" --json > "$logs/$name.json" 2> "$logs/$name.log" || { tail "$logs/$name.log"; return 1; }
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], r['val_bpb'], r['seconds'])" \
+      "$logs/$name.json" "$name"
+  }
+  methods=" ${METHODS:-sliding chunks lora} "
+  [[ $methods == *" sliding "* ]] && run sliding eval "$work/model.ptz" --data "$work/data" --stride 64
+  [[ $methods == *" chunks "* ]] && run chunks eval-ttt "$work/model.ptz" --data "$work/data"
+  [[ $methods == *" lora "* ]] && run lora eval-ttt "$work/model.ptz" --data "$work/data" --method lora
+  IFS=';' read -ra variants <<< "${LORA_VARIANTS:-}"
+  for variant in "${variants[@]}"; do
+    # shellcheck disable=SC2086  # the flags split into words
+    run "lora_${variant%%:*}" eval-ttt "$work/model.ptz" --data "$work/data" --method lora ${variant#*:}
+  done
+  python3 "$repo/bench/ttt_results.py" "$logs" --model "$model" --out "$logs/ttt_h200.json"
+fi
