@@ -16,8 +16,7 @@
 #   SHARED_DIR holds seed/ (the reference, its shim and run_seed.sh) and data/ (blogs, tokenizer)
 source "$(dirname "$0")/lib.sh"
 
-wg prepare "$shared"/data/blogs/train_*.jsonl.xz --val "$shared/data/blogs/val.jsonl.xz" \
-  --tokenizer "$tok" --out "$work/data" > "$logs/prepare.log" 2>&1 || tail -3 "$logs/prepare.log"
+prepare_blogs "$work/data"
 
 with_ttt=${WITH_TTT:-1}
 ours=1; [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && ours=0

@@ -9,13 +9,8 @@
 source "$(dirname "$0")/lib.sh"
 phase=${PHASE:-all}
 if [ "$phase" != measure ]; then
-  wg prepare "$shared"/data/blogs/train_*.jsonl.xz --val "$shared/data/blogs/val.jsonl.xz" --tokenizer "$tok" \
-    --out "$work/data" > "$logs/prepare.log" 2>&1 || { tail "$logs/prepare.log"; exit 1; }
-  wg train --data "$work/data" --out "$work/run" --window-attn-size 512 --num-sink-tokens 4 \
-    --window-attn-layers 2,4,6,8,10 --max-wallclock-seconds "${TRAIN_SECONDS:-240}" --use-gptq \
-    --quant-gptq-embed --val-loss-every 0 --train-log-every 100 > "$logs/train.log" 2>&1 \
-    || { tail -20 "$logs/train.log"; exit 1; }
-  tail -4 "$logs/train.log"
+  prepare_blogs "$work/data" || exit 1
+  train_record "$work/data" "$work/run" --quant-gptq-embed || exit 1
   wg export "$work/run" --out "$work/export" > "$logs/export.log" 2>&1 || { tail "$logs/export.log"; exit 1; }
 fi
 if [ "$phase" != train ]; then

@@ -14,8 +14,7 @@ source "$(dirname "$0")/lib.sh"
 deadline=${DEADLINE_S:-520}
 
 if [ ! -f "$work/data/manifest.json" ]; then
-  wg prepare "$shared"/data/blogs/train_*.jsonl.xz --val "$shared/data/blogs/val.jsonl.xz" \
-    --tokenizer "$tok" --out "$work/data" > "$logs/prepare.log" 2>&1 || { tail -3 "$logs/prepare.log"; exit 1; }
+  prepare_blogs "$work/data" || exit 1
 fi
 echo "prepare: done at ${SECONDS}s"
 # The reference reads the same shards: prepare writes make_shards.py's tokens, token for token.

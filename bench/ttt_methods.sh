@@ -12,12 +12,8 @@ source "$(dirname "$0")/lib.sh"
 phase=${PHASE:-all}
 model=${MODEL:-record_240s}
 if [ "$phase" != measure ]; then
-  wg prepare "$shared"/data/blogs/train_*.jsonl.xz --val "$shared/data/blogs/val.jsonl.xz" --tokenizer "$tok" \
-    --out "$work/data" > "$logs/prepare.log" 2>&1 || { tail "$logs/prepare.log"; exit 1; }
-  wg train --data "$work/data" --out "$work/run" --window-attn-size 512 --num-sink-tokens 4 \
-    --window-attn-layers 2,4,6,8,10 --max-wallclock-seconds "${TRAIN_SECONDS:-240}" --use-gptq \
-    --val-loss-every 0 --train-log-every 100 > "$logs/train.log" 2>&1 || { tail -20 "$logs/train.log"; exit 1; }
-  tail -3 "$logs/train.log"
+  prepare_blogs "$work/data" || exit 1
+  train_record "$work/data" "$work/run" || exit 1
   wg export "$work/run" --out "$work/export" > "$logs/export.log" 2>&1 || { tail "$logs/export.log"; exit 1; }
   wg quantize "$work/export" --out "$work/model.ptz" --gptq --compressor rans --budget 100000000 \
     > "$logs/quantize.log" 2>&1 || { tail "$logs/quantize.log"; exit 1; }
@@ -25,8 +21,7 @@ fi
 if [ "$phase" != train ]; then
   [ -f "$work/model.ptz" ] || { echo "no $work/model.ptz: run PHASE=train first"; exit 1; }
   if [ ! -d "$work/data" ]; then  # a .ptz brought from elsewhere: the validation split is what is scored
-    wg prepare "$shared/data/blogs/train_00.jsonl.xz" --val "$shared/data/blogs/val.jsonl.xz" --tokenizer "$tok" \
-      --out "$work/data" > "$logs/prepare.log" 2>&1 || { tail "$logs/prepare.log"; exit 1; }
+    prepare_blogs "$work/data" "$shared/data/blogs/train_00.jsonl.xz" || exit 1
   fi
   run() {  # NAME ARGS...: one scoring command's JSON report, its log beside it
     local name=$1; shift
