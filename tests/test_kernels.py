@@ -184,16 +184,22 @@ def test_a_product_the_kernel_cannot_take_runs_apart(products):
     assert products.launches == 0
 
 
-@pytest.mark.parametrize("query_runs", [False, True])
+# Model settings beyond the reference (tests/test_model_options.py): gated skips, the
+# attention output gate and the document boundary, whose x0 the fused steps take formed.
+GATES = dict(skip_gates=True, attn_out_gate_width=12, attn_out_gate_scale=0.5, doc_boundary_token=1)
+
+
+@pytest.mark.parametrize("query_runs,options", [(False, {}), (True, {}), (True, GATES)])
 @pytest.mark.slow
-def test_the_model_scores_the_same_with_fused_steps(products, query_runs):
+def test_the_model_scores_the_same_with_fused_steps(products, query_runs, options):
     """The whole tiny model (skips, value embeddings, XSA, windows with sinks, the pruned
     last block, the MLP's fused products; with query_runs the block before the last at the
     rows the last reads, x0 given there) under bf16 autocast: the same logits to bfloat16
     precision, and the same mean loss to 1e-3 nats."""
-    model = perturbed_tiny()
+    model = perturbed_tiny(**options)
     torch.manual_seed(3)
     x = torch.randint(0, model.cfg.vocab_size, (2, 64))
+    x[:, 30] = 1  # a document boundary where one is set
     positions = torch.stack([torch.arange(40, 64), torch.arange(0, 24)])
     assert model.last_block_reads(positions, 64) is not None  # the tiny model's last block: windowed
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):

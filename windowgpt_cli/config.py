@@ -62,6 +62,16 @@ class ModelConfig:
     num_sink_tokens: int = setting(0, "Windowed layers also always see the first N tokens; 0 = none.")
     rope_train_seq_len: int = setting(2048, "Rotary tables are exact up to this length and NTK-rescaled beyond "
                                             "it; training sets it to its longest sequence length.")
+    skip_gates: bool = setting(False, "Gate each U-Net skip: a decoder block's input becomes g x + (1 - g) w skip, "
+                                      "g = sigmoid of a learned vector (zero at first: an even blend); off: x + w "
+                                      "skip, as the reference.")
+    attn_out_gate_width: int = setting(0, "Sparse attention output gate: each head's output times sigmoid(scale "
+                                          "w . x), x the first N channels of the attention's normed input, w "
+                                          "learned per head (zero at first); 0 = no gate.")
+    attn_out_gate_scale: float = setting(1.0, "The sparse attention output gate's scale.")
+    doc_boundary_token: int = setting(-1, "A token that begins each document (1 = BOS): SmearGate and BigramHash "
+                                          "treat a position holding it as a sequence's first, so no document "
+                                          "reaches into the next; -1 = none, as the reference.")
 
     @property
     def head_dim(self) -> int:
@@ -565,7 +575,8 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "num_kv_heads": (1, 1024), "mlp_mult": (1e-6, 64), "tied_embed_init_std": (0, None), "logit_softcap": (1e-6, None),
     "rope_base": (1e-6, None), "rope_dims": (0, 1 << 14), "xsa_last_n": (0, 128), "bigram_vocab_size": (0, 1 << 22),
     "bigram_dim": (1, 16384), "ve_dim": (1, 16384), "window_attn_size": (0, 1 << 22), "num_sink_tokens": (0, 1 << 22),
-    "rope_train_seq_len": (1, 1 << 22),
+    "rope_train_seq_len": (1, 1 << 22), "attn_out_gate_width": (0, 16384), "attn_out_gate_scale": (0, 1000),
+    "doc_boundary_token": (-1, 65535),
     "embed_lr": (0, None), "head_lr": (0, None), "tied_embed_lr": (0, None), "matrix_lr": (0, None),
     "scalar_lr": (0, None), "muon_momentum": (0, 1), "muon_backend_steps": (1, 100),
     "muon_momentum_warmup_start": (0, 1), "muon_momentum_warmup_steps": (0, INT_MAX), "muon_wd": (0, None),
@@ -706,6 +717,10 @@ def validate(cfg: RunConfig) -> None:
         (m.mlp_dim > 0, "mlp_mult", f"mlp_mult={m.mlp_mult} gives an empty MLP"),
         (m.xsa_last_n <= m.num_layers, "xsa_last_n", f"xsa_last_n={m.xsa_last_n} must be in 0..num_layers="
                                                      f"{m.num_layers}"),
+        (m.attn_out_gate_width <= m.model_dim, "attn_out_gate_width",
+         f"attn_out_gate_width={m.attn_out_gate_width} must be at most model_dim={m.model_dim}"),
+        (m.doc_boundary_token < m.vocab_size, "doc_boundary_token",
+         f"doc_boundary_token={m.doc_boundary_token} is no token of a vocabulary of {m.vocab_size}"),
         (m.bigram_vocab_size != 1, "bigram_vocab_size", "bigram_vocab_size=1 must be 0 (off) or at least 2"),
         (m.num_sink_tokens == 0 or m.window_attn_size > 0, "num_sink_tokens",
          f"num_sink_tokens={m.num_sink_tokens} needs window_attn_size > 0"),

@@ -45,5 +45,13 @@ def _training_summary(info: ArtifactInfo) -> dict[str, Any] | None:
 
 
 def _eval_summary(record: dict[str, Any]) -> dict[str, Any]:
-    keys = ("val_bpb", "val_loss", "seq_len", "stride", "tokens", "seconds", "artifact_sha256")
+    keys = ("val_bpb", "val_loss", "seq_len", "stride", "batch_seqs", "tokens", "seconds", "artifact_sha256")
     return {k: record.get(k) for k in keys}
+
+
+def eval_windows_text(mode: str, summary: dict[str, Any]) -> str:
+    """How an evaluation read the tokens: "seq_len 2048, stride 64", or for LoRA TTT, its
+    documents per batch."""
+    if mode == "ttt_lora":
+        return f"seq_len {summary['seq_len']}, {summary.get('batch_seqs')} documents per batch"
+    return f"seq_len {summary['seq_len']}, stride {summary['stride']}"

@@ -17,7 +17,7 @@ from ..config import PRESETS, preset
 from ..storage.files import atomic_write_json, atomic_write_text, read_json, starts_with
 from ..storage.outputs import claim_file
 from .info import flat_settings
-from .inspect import inspect_artifact
+from .inspect import eval_windows_text, inspect_artifact
 
 CARD_KIND = "windowgpt.report_card"
 CARD_MARK = "<!-- windowgpt report card -->"
@@ -99,7 +99,7 @@ def render_card(card: dict[str, Any]) -> str:
         if training.get(bpb) is not None:
             lines.append(f"| {label} | {training[bpb]:.6f} | {_number(training.get(loss))} |")
     for mode, e in card["evaluations"].items():
-        lines.append(f"| eval {mode} (seq_len {e['seq_len']}, stride {e['stride']}) | {e['val_bpb']:.6f} | "
+        lines.append(f"| eval {mode} ({eval_windows_text(mode, e)}) | {e['val_bpb']:.6f} | "
                      f"{_number(e.get('val_loss'))} |")
     if not training and not card["evaluations"]:
         lines.append("| (none saved: run `windowgpt eval`) | | |")

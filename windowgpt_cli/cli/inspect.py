@@ -52,6 +52,8 @@ def sections_table(sections: list[dict[str, Any]]) -> Table:
 
 
 def inspect_table(r: dict[str, Any]) -> Table:
+    from ..artifacts.inspect import eval_windows_text
+
     table = Table(title=f"{r['artifact']} ({r['kind']}, format {r['format_version']})", show_header=False)
     table.add_column("field", style="bold")
     table.add_column("value")
@@ -82,8 +84,7 @@ def inspect_table(r: dict[str, Any]) -> Table:
         table.add_row("trained", f"val_bpb {_number(t['val_bpb'])}, post-EMA {_number(t['post_ema_val_bpb'])} "
                       f"at step {_number(t['step'])}")
     for mode, e in r["evals"].items():
-        how = f"stride {e['stride']}" if mode != "ttt_lora" else f"{e['batch_seqs']} documents per batch"
-        table.add_row(f"eval {mode}", f"val_bpb {e['val_bpb']:.6f} (seq_len {e['seq_len']}, {how})")
+        table.add_row(f"eval {mode}", f"val_bpb {e['val_bpb']:.6f} ({eval_windows_text(mode, e)})")
     table.add_section()
     if not r["config_changes"]:
         table.add_row("settings", "the reference's defaults")
@@ -105,9 +106,9 @@ def command(
 
     Example: windowgpt inspect demo-out/model.ptz
     """
-    from ..artifacts.inspect import inspect_artifact  # imports torch: only when the command runs
+    from ..artifacts import inspect as describe  # loaded only when the command runs
 
-    record = inspect_artifact(artifact, budget)
+    record = describe.inspect_artifact(artifact, budget)
     if as_json:
         typer.echo(json.dumps(record, indent=2))
     else:

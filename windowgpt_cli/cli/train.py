@@ -181,6 +181,8 @@ def command(
         cfg = apply_overrides(load_checkpoint(out).config, overrides)
     else:
         cfg = build_config(config_file, preset_name, overrides)
+        if "vocab_size" not in overrides.get("model", {}) and cfg.data.data_path:
+            cfg = _with_data_vocab(cfg)
     if print_config or dry_run:
         resolved = cfg.resolved()
         typer.echo(json.dumps(resolved.to_dict(), indent=2))
@@ -216,6 +218,19 @@ def command(
     if result.stop_signal is not None:
         _stopped_by(result.stop_signal, "the stop came after the last step: the run finished and its files are "
                                         "complete")
+
+
+def _with_data_vocab(cfg: Any) -> Any:
+    """cfg with the vocabulary of its data's tokenizer (--vocab-size not given), saying so
+    where that differs from the preset's or the configuration file's."""
+    from ..train.trainer import data_vocab_size
+
+    vocab = data_vocab_size(cfg)
+    if vocab is None or vocab == cfg.model.vocab_size:
+        return cfg
+    err_console.print(f"note: vocab_size={vocab}, the data's tokenizer's (not {cfg.model.vocab_size}); "
+                      "--vocab-size sets it", highlight=False, soft_wrap=True)
+    return apply_overrides(cfg, {"model": {"vocab_size": vocab}})
 
 
 def _warn_if_slow(cfg: Any) -> None:

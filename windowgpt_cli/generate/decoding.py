@@ -184,7 +184,7 @@ class StaticDecoder:
             self.prefilling = True
             try:
                 normed = self._normed(ids)
-                x0 = smear(normed, self.model.smear.gate)
+                x0 = smear(normed, self.model.smear.gate, ids, self.model.cfg.doc_boundary_token)
                 n = ids.shape[1]
                 hidden = self.model.trunk(ids, x0, (self.cos[:, :n], self.sin[:, :n]), weights=self.weights)
                 logits = self.model.logits(hidden[:, -1]).float()
@@ -227,7 +227,7 @@ class StaticDecoder:
         bigram = self.model.bigram
         pair = bigram.of_pairs(self.previous.view(self.batch, 1), ids) if bigram is not None else None
         normed = TORCH_OPS.embed_normed(ids, self.model.tok_emb.weight, pair, bigram.scale if bigram else None)
-        x0 = smear_with(normed, self.previous_normed, self.model.smear.gate)
+        x0 = smear_with(normed, self.previous_normed, self.model.smear.gate, ids, self.model.cfg.doc_boundary_token)
         rotary = (self.cos.index_select(1, self.position.view(1)), self.sin.index_select(1, self.position.view(1)))
         for layout in self.layouts.values():
             layout.at(self.position)

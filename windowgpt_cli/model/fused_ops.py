@@ -24,7 +24,7 @@ from ..kernels.elementwise import MatmulTiles, float32_values
 from ..runtime import run_in_threads
 from .attention import window_kernel_builds
 from .gpt import GPT
-from .ops import Residual, TorchOps, ValueInjection
+from .ops import Residual, TorchOps, ValueInjection, smear
 from .rotary import rotary_inv_freq, rotary_tables
 
 
@@ -103,8 +103,10 @@ class FusedOps(TorchOps):
         run_in_threads([*tasks, *other_builds], device)
 
     def embed(self, ids: Tensor, table: Tensor, bigram: Tensor | None, bigram_scale: Tensor | None,
-              gate: Tensor) -> SmearedEmbedding:
+              gate: Tensor, boundary: int = -1) -> SmearedEmbedding | Tensor:
         normed = kernels.embed_normed(ids, table, bigram, bigram_scale)
+        if boundary >= 0:  # the kernels blend every position: x0 formed here, in float32, as they would
+            return smear(normed.float(), gate.detach().float(), ids, boundary)
         return SmearedEmbedding(normed, gate.detach().float().contiguous())
 
     def block_input(self, stream: Residual, x0: SmearedEmbedding | Tensor, mix: Tensor, factor: Tensor,
@@ -126,6 +128,8 @@ class FusedOps(TorchOps):
         shared value embedding's projection at the rows."""
         if isinstance(value, ScaledProjection):
             return ScaledProjection(super().at_rows(value.projected, positions).contiguous(), value.scale)
+        if isinstance(value, Tensor):  # x0 formed already (`embed` with a boundary token)
+            return super().at_rows(value, positions).contiguous()
         return kernels.smeared_rows(value.normed, value.gate, positions)
 
     def shared_values(self, projected: Tensor, scale: Tensor) -> ScaledProjection:
@@ -174,6 +178,8 @@ def _stream_norm(stream: Residual, x0: SmearedEmbedding | Tensor | None, factor:
     its float32 values at the stream's rows (`FusedOps.at_rows`). Arguments the call does not
     use are filled with tensors of the used ones' dtypes, so that every call shares one
     compiled kernel (calls with float32 x0 values, a second one)."""
+    if stream.skip_gate is not None:  # a gated skip: the sum formed in torch first
+        stream = Residual(TorchOps().stream_sum(stream).contiguous())
     if len(stream.deltas) > 2:
         raise ValueError(f"the fused residual stream sums at most two scaled terms, not {len(stream.deltas)}")
     base_is_x0 = isinstance(stream.base, SmearedEmbedding)

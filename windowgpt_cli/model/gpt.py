@@ -70,6 +70,10 @@ class CausalSelfAttention(nn.Module):
         self.window = cfg.window_attn_size if windowed else 0
         self.sinks = cfg.num_sink_tokens if windowed else 0
         self.use_xsa = layer >= cfg.num_layers - cfg.xsa_last_n
+        # The sparse output gate: per head, from the first gate_width channels of the input.
+        self.gate_width, self.gate_scale = cfg.attn_out_gate_width, cfg.attn_out_gate_scale
+        self.attn_gate = (nn.Parameter(torch.zeros(cfg.num_heads, self.gate_width, dtype=torch.float32))
+                          if self.gate_width > 0 else None)
         self.backend = "sdpa"
         self.observer: LinearObserver | None = None
         self.adapter: LinearAdapter | None = None
@@ -113,12 +117,20 @@ class CausalSelfAttention(nn.Module):
             v_q = pick_positions(v_xsa, queries)
         if self.use_xsa:
             y = ops.exclude_self_value(y, v_q)
+        if self.attn_gate is not None:
+            y = self._gated(y, x_q if rows is None else pick_positions(x, rows))
         y = y.reshape(b, y.size(1), dim)
         self._observe(("proj",), y)
         return adapted(self.adapter, self._name("proj"), y, F.linear(y, out_w))
 
     def _name(self, weight: str) -> str:
         return f"blocks.{self.layer}.attn.{weight}.weight"
+
+    def _gated(self, y: Tensor, x: Tensor) -> Tensor:
+        """Each head's output y [B, T, H, D] times sigmoid(scale * its gate . x[..., :width]),
+        x [B, T, dim] the attention's input at the same positions."""
+        logits = F.linear(x[..., :self.gate_width], self.attn_gate.to(x.dtype)) * self.gate_scale
+        return y * torch.sigmoid(logits.float()).to(y.dtype)[..., None]
 
     def _adapted_qkv(self, x_q: Tensor, x: Tensor, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k and v, each plus what the adapter adds (q's input is x_q, k's and v's x)."""
@@ -292,9 +304,10 @@ def linear(in_features: int, out_features: int, initialize: bool) -> CastedLinea
 class BigramHashEmbedding(ProjectedEmbedding):
     """An embedding of (previous token, token) pairs hashed into a small table."""
 
-    def __init__(self, buckets: int, dim: int, model_dim: int, initialize: bool = True):
+    def __init__(self, buckets: int, dim: int, model_dim: int, initialize: bool = True, boundary: int = -1):
         super().__init__(buckets, dim, model_dim, scale=0.05, init_embed=nn.init.zeros_, initialize=initialize)
         self.buckets = buckets
+        self.boundary = boundary  # a token (>= 0) whose position has no predecessor, as the first has none
 
     def hash(self, tokens: Tensor) -> Tensor:
         t = tokens.to(torch.int32)
@@ -305,7 +318,10 @@ class BigramHashEmbedding(ProjectedEmbedding):
 
     def pair_hash(self, previous: Tensor, tokens: Tensor) -> Tensor:
         """The bucket of each (previous token, token) pair (int32 arithmetic, as the reference)."""
-        return torch.bitwise_xor(36313 * tokens.to(torch.int32), 27191 * previous.to(torch.int32)) % (self.buckets - 1)
+        pairs = torch.bitwise_xor(36313 * tokens.to(torch.int32), 27191 * previous.to(torch.int32)) % (self.buckets - 1)
+        if self.boundary >= 0:
+            pairs = torch.where(tokens == self.boundary, self.buckets - 1, pairs)
+        return pairs
 
     def forward(self, tokens: Tensor) -> Tensor:
         return super().forward(self.hash(tokens))
@@ -333,7 +349,8 @@ class GPT(nn.Module):
         n, dim = cfg.num_layers, cfg.model_dim
         # Creation order matters: it fixes which random numbers each tensor's init draws.
         self.tok_emb = embedding(cfg.vocab_size, dim, initialize)
-        self.bigram = (BigramHashEmbedding(cfg.bigram_vocab_size, cfg.bigram_dim, dim, initialize)
+        self.bigram = (BigramHashEmbedding(cfg.bigram_vocab_size, cfg.bigram_dim, dim, initialize,
+                                           cfg.doc_boundary_token)
                        if cfg.bigram_vocab_size > 0 else None)
         self.smear = SmearGate(dim)
         self.num_encoder_layers = n // 2
@@ -350,6 +367,7 @@ class GPT(nn.Module):
         self.ve_layer_scales = nn.ParameterList(
             [nn.Parameter(torch.ones(1, dtype=torch.float32)) for _ in self.ve_layer_indices])
         self.lm_head = None if cfg.tie_embeddings else linear(dim, cfg.vocab_size, initialize)
+        self.skip_gates = nn.Parameter(torch.zeros_like(self.skip_weights)) if cfg.skip_gates else None
         self.head_observer: LinearObserver | None = None  # GPTQ calibration of the output layer
         self.head_adapter: LinearAdapter | None = None
         if initialize:
@@ -454,7 +472,8 @@ class GPT(nn.Module):
         bigram, bigram_scale = None, None
         if self.bigram is not None:
             bigram, bigram_scale = self.bigram(input_ids), self.bigram.scale
-        return ops.embed(input_ids, self.tok_emb.weight, bigram, bigram_scale, self.smear.gate)
+        return ops.embed(input_ids, self.tok_emb.weight, bigram, bigram_scale, self.smear.gate,
+                         self.cfg.doc_boundary_token)
 
     def hidden_states(self, input_ids: Tensor, queries: Tensor | None = None, ops: TorchOps = TORCH_OPS,
                       query_runs: bool = False) -> Tensor:
@@ -494,12 +513,12 @@ class GPT(nn.Module):
         keys = self.last_block_reads(queries, input_ids.shape[1]) if query_runs and queries is not None else None
         for i, block in enumerate(self.blocks):
             if i == encoder and encoder > 0:  # the last encoder block's output: this block's input
-                stream = stream.plus_skip(None, self.skip_weights[0])
+                stream = stream.plus_skip(None, self.skip_weights[0], self._skip_gate(0))
             elif i > encoder and skips:
                 skip = skips.pop()
                 if keys is not None and i == last:
                     skip = pick_positions(skip, keys.positions)
-                stream = stream.plus_skip(skip, self.skip_weights[i - encoder])
+                stream = stream.plus_skip(skip, self.skip_weights[i - encoder], self._skip_gate(i - encoder))
             keep = 0 < i < encoder
             injection = self._value_injection(i, ve_shared)
             if keys is None:
@@ -517,6 +536,9 @@ class GPT(nn.Module):
             if keep:
                 skips.append(kept)
         return ops.final_norm(stream)
+
+    def _skip_gate(self, index: int) -> Tensor | None:
+        return self.skip_gates[index] if self.skip_gates is not None else None
 
     def last_block_reads(self, queries: Tensor, seq_len: int) -> KeyRows | None:
         """The rows the last block reads for runs of queries (`window_key_rows`), where it

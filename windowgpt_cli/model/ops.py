@@ -39,14 +39,15 @@ class Residual:
     deltas: tuple[tuple[Tensor, Tensor], ...] = ()
     skip: Tensor | None = None
     skip_weight: Tensor | None = None
+    skip_gate: Tensor | None = None  # with one: sigmoid(gate) * sum + (1 - sigmoid(gate)) * weight * skip
 
     # Built directly rather than with dataclasses.replace: decoding one token calls these
     # a dozen times, where replace's introspection would cost more than the arithmetic.
     def plus(self, delta: Tensor, scale: Tensor) -> "Residual":
-        return Residual(self.base, self.deltas + ((delta, scale),), self.skip, self.skip_weight)
+        return Residual(self.base, self.deltas + ((delta, scale),), self.skip, self.skip_weight, self.skip_gate)
 
-    def plus_skip(self, skip: Tensor | None, weight: Tensor) -> "Residual":
-        return Residual(self.base, self.deltas, skip, weight)
+    def plus_skip(self, skip: Tensor | None, weight: Tensor, gate: Tensor | None = None) -> "Residual":
+        return Residual(self.base, self.deltas, skip, weight, gate)
 
 
 @dataclass
@@ -58,13 +59,16 @@ class ValueInjection:
     layer_scale: Tensor
 
 
-def smear(x: Tensor, gate: Tensor) -> Tensor:
-    """Blend each position with the previous one through a per-channel gate (sigmoid)."""
-    return smear_with(x, torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1), gate)
+def smear(x: Tensor, gate: Tensor, ids: Tensor | None = None, boundary: int = -1) -> Tensor:
+    """Blend each position with the previous one through a per-channel gate (sigmoid). A
+    position whose id is `boundary` (>= 0) blends with zeros, as the first position does."""
+    return smear_with(x, torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1), gate, ids, boundary)
 
 
-def smear_with(x: Tensor, x_prev: Tensor, gate: Tensor) -> Tensor:
+def smear_with(x: Tensor, x_prev: Tensor, gate: Tensor, ids: Tensor | None = None, boundary: int = -1) -> Tensor:
     """`smear` given each position's predecessor (decoding keeps it from the step before)."""
+    if boundary >= 0 and ids is not None:
+        x_prev = x_prev * (ids != boundary).unsqueeze(-1).to(x_prev.dtype)
     g = torch.sigmoid(gate.to(dtype=x.dtype))[None, None, :]
     return (1 - g) * x + g * x_prev
 
@@ -77,9 +81,9 @@ class TorchOps:
     x0 (the embedding every block mixes in) is whatever `embed` returns: here a tensor."""
 
     def embed(self, ids: Tensor, table: Tensor, bigram: Tensor | None, bigram_scale: Tensor | None,
-              gate: Tensor) -> Tensor:
-        """x0: token embeddings plus bigram * bigram_scale, normed, then smeared."""
-        return smear(self.embed_normed(ids, table, bigram, bigram_scale), gate)
+              gate: Tensor, boundary: int = -1) -> Tensor:
+        """x0: token embeddings plus bigram * bigram_scale, normed, then smeared (`smear`)."""
+        return smear(self.embed_normed(ids, table, bigram, bigram_scale), gate, ids, boundary)
 
     def embed_normed(self, ids: Tensor, table: Tensor, bigram: Tensor | None, bigram_scale: Tensor | None) -> Tensor:
         """x0 before the smear: token embeddings plus bigram * bigram_scale, normed."""
@@ -94,7 +98,11 @@ class TorchOps:
             x = x + scale.to(dtype=x.dtype)[None, None, :] * delta
         if stream.skip_weight is not None:
             skip = x if stream.skip is None else stream.skip
-            x = x + stream.skip_weight.to(dtype=x.dtype)[None, None, :] * skip
+            scaled = stream.skip_weight.to(dtype=x.dtype)[None, None, :] * skip
+            if stream.skip_gate is None:
+                x = x + scaled
+            else:
+                x = torch.lerp(scaled, x, torch.sigmoid(stream.skip_gate.to(dtype=x.dtype))[None, None, :])
         return x
 
     def block_input(self, stream: Residual, x0: Tensor, mix: Tensor, factor: Tensor,

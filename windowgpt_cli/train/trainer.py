@@ -23,7 +23,7 @@ from ..artifacts.checkpoint import FILENAME as CHECKPOINT_FILENAME
 from ..artifacts.checkpoint import HESSIANS_FILENAME, Checkpoint, keep_checkpoint, save_checkpoint
 from ..config import ModelConfig, RunConfig, grad_accum_steps_for
 from ..data.loader import Prefetcher, TokenStream, load_validation_tokens
-from ..data.manifest import verify_data
+from ..data.manifest import read_manifest, verify_data
 from ..data.tokenizer import (
     ByteLuts,
     has_byte_fallback,
@@ -248,6 +248,18 @@ def find_inputs(cfg: RunConfig) -> RunInputs:
     if vocab != cfg.model.vocab_size:
         raise ConfigError(f"the tokenizer {tokenizer} has {vocab} tokens but vocab_size={cfg.model.vocab_size}")
     return RunInputs(train_files, val_files, tokenizer, vocab, tokenizer_sha256)
+
+
+def data_vocab_size(cfg: RunConfig) -> int | None:
+    """The vocabulary of the tokenizer cfg's data was encoded with (the one its manifest
+    names, or cfg's tokenizer_path); None where they cannot be read (`find_inputs` then
+    says why, before anything is built)."""
+    try:
+        manifest = read_manifest(Path(cfg.data.data_path))
+        tokenizer = Path(cfg.data.tokenizer_path) if cfg.data.tokenizer_path else manifest.tokenizer
+        return tokenizer_vocab_size(tokenizer) if tokenizer.is_file() else None
+    except (DataError, OSError, RuntimeError):
+        return None
 
 
 def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:

@@ -1,0 +1,175 @@
+"""Model settings beyond the reference, each off by default: gated U-Net skips, the sparse
+attention output gate, and SmearGate's document boundary. What each computes, and that
+every stage takes a model that has them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from windowgpt_cli.cli.app import app
+from windowgpt_cli.config import RunConfig, tiny_preset, validate
+from windowgpt_cli.errors import SettingError
+from windowgpt_cli.generate.decoding import generate
+from windowgpt_cli.model.ops import TORCH_OPS, Residual
+
+from test_model import perturbed_tiny
+
+OPTIONS = dict(skip_gates=True, attn_out_gate_width=12, attn_out_gate_scale=0.5, doc_boundary_token=1)
+OPTION_FLAGS = ["--skip-gates", "--attn-out-gate-width", "12", "--attn-out-gate-scale", "0.5",
+                "--doc-boundary-token", "1"]
+
+
+def tokens(n: int = 48, seed: int = 3) -> torch.Tensor:
+    return torch.randint(2, 1024, (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_defaults_add_no_parameter():
+    names = {name for name, _ in perturbed_tiny().named_parameters()}
+    assert not any("gate" in n and n != "smear.gate" for n in names)
+    added = {name for name, _ in perturbed_tiny(**OPTIONS).named_parameters()} - names
+    assert added == {"skip_gates"} | {f"blocks.{i}.attn.attn_gate" for i in range(tiny_preset().model.num_layers)}
+
+
+def test_a_gated_skip_blends_the_sum_with_the_weighted_skip():
+    torch.manual_seed(0)
+    base, delta, skip = torch.randn(3, 2, 5, 8).unbind(0)
+    scale, weight, gate = torch.randn(3, 8).unbind(0)
+    g = torch.sigmoid(gate)
+    summed = TORCH_OPS.stream_sum(Residual(base).plus(delta, scale).plus_skip(skip, weight, gate))
+    assert torch.allclose(summed, g * (base + scale * delta) + (1 - g) * weight * skip, atol=1e-6)
+    itself = TORCH_OPS.stream_sum(Residual(base).plus_skip(None, weight, gate))
+    assert torch.allclose(itself, g * base + (1 - g) * weight * base, atol=1e-6)
+    ungated = TORCH_OPS.stream_sum(Residual(base).plus_skip(skip, weight))
+    assert torch.equal(ungated, base + weight * skip)
+
+
+def test_open_skip_gates_are_a_model_whose_skips_add_nothing():
+    """sigmoid(30) = 1: each decoder block reads the stream alone, as a model whose skip
+    weights are zero does."""
+    gated = perturbed_tiny(skip_gates=True)
+    plain = perturbed_tiny()
+    plain.load_state_dict({k: v for k, v in gated.state_dict().items() if k != "skip_gates"})
+    with torch.no_grad():
+        gated.skip_gates.fill_(30.0)
+        plain.skip_weights.zero_()
+        x = tokens()
+        assert torch.allclose(gated.forward_logits(x), plain.forward_logits(x), atol=1e-5)
+        gated.skip_gates.fill_(0.0)  # an even blend differs
+        assert not torch.allclose(gated.forward_logits(x), plain.forward_logits(x), atol=1e-3)
+
+
+def test_a_zero_attention_gate_halves_each_heads_output():
+    gated = perturbed_tiny(attn_out_gate_width=12)
+    plain = perturbed_tiny()
+    state = {k: v for k, v in gated.state_dict().items() if "attn_gate" not in k}
+    n = gated.num_layers
+    state["qo_bank"] = state["qo_bank"].clone()
+    state["qo_bank"][n:] *= 0.5  # the output projections: sigmoid(0) = 0.5 on every head
+    plain.load_state_dict(state)
+    with torch.no_grad():
+        for block in gated.blocks:
+            block.attn.attn_gate.zero_()
+        x = tokens()
+        assert torch.allclose(gated.forward_logits(x), plain.forward_logits(x), atol=1e-5)
+
+
+def test_the_attention_gate_reads_the_first_channels_per_head_and_learns():
+    model = perturbed_tiny(attn_out_gate_width=12, attn_out_gate_scale=0.5)
+    attn = model.blocks[0].attn
+    y = torch.randn(2, 5, attn.num_heads, attn.head_dim)
+    x = torch.randn(2, 5, model.cfg.model_dim)
+    want = y * torch.sigmoid(0.5 * torch.einsum("btc,hc->bth", x[..., :12], attn.attn_gate))[..., None]
+    assert torch.allclose(attn._gated(y, x), want, atol=1e-6)
+    assert torch.equal(attn._gated(y, x + torch.cat([torch.zeros(12), torch.ones(52)])), attn._gated(y, x))
+    x = tokens()
+    model(x, x).backward()
+    assert all(block.attn.attn_gate.grad.abs().sum() > 0 for block in model.blocks)
+
+
+def test_the_document_boundary_keeps_each_document_out_of_the_next():
+    """With boundary 1 (BOS) a BOS position's x0 does not depend on the token before it:
+    SmearGate blends it with zeros and BigramHash gives it the first position's bucket, as at
+    a sequence's start."""
+    model = perturbed_tiny(doc_boundary_token=1)
+    x = tokens()
+    x[:, 20] = 1
+    other = x.clone()
+    other[:, 19] = 7
+    with torch.no_grad():
+        x0, x0_other = model.embed(x), model.embed(other)
+        assert torch.equal(x0[:, 20], x0_other[:, 20])
+        assert not torch.equal(x0[:, 19], x0_other[:, 19])
+        at_start = model.embed(x[:, 20:])[:, 0]
+        assert torch.allclose(x0[:, 20], at_start, atol=1e-6)
+        plain = perturbed_tiny()
+        assert not torch.equal(plain.embed(x)[:, 20], plain.embed(other)[:, 20])  # the reference's smear leaks
+
+
+def test_settings_are_checked():
+    cfg = RunConfig()
+    cfg.model.attn_out_gate_width = 600
+    with pytest.raises(SettingError, match="attn_out_gate_width=600 must be at most model_dim=512"):
+        validate(cfg)
+    cfg = RunConfig()
+    cfg.model.doc_boundary_token = 1024
+    with pytest.raises(SettingError, match="doc_boundary_token=1024 is no token"):
+        validate(cfg)
+
+
+@pytest.mark.slow
+def test_decoding_with_the_options_chooses_the_tokens_of_recomputation():
+    model = perturbed_tiny(**OPTIONS)
+    prompt = tokens(30)[0].tolist()
+    prompt[10] = prompt[25] = 1
+    runs = [generate(model, prompt, 150, temperature=0.0, use_cache=cache).samples for cache in (True, False)]
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.slow
+def test_every_stage_takes_a_model_with_the_options(tiny_data_dir, tmp_path):
+    runner = CliRunner()
+
+    def ok(*args: str) -> str:
+        result = runner.invoke(app, list(args))
+        assert result.exit_code == 0, result.output
+        return result.stdout
+
+    run, export, ptz = tmp_path / "run", tmp_path / "export", tmp_path / "model.ptz"
+    ok("train", "--preset", "tiny", "--data", str(tiny_data_dir), "--out", str(run), "--iterations", "6",
+       "--warmdown-iters", "2", *OPTION_FLAGS)
+    assert json.loads((run / "config.json").read_text())["model"]["attn_out_gate_width"] == 12
+    ok("export", str(run), "--out", str(export))
+    report = json.loads(ok("quantize", str(export), "--out", str(ptz), "--gptq", "--data", str(tiny_data_dir),
+                           "--json"))
+    assert report["within_budget"] and report["model_bytes"] > 0
+    from windowgpt_cli.artifacts.weights import load_weights
+
+    loaded, trained = load_weights(ptz).state_dict, load_weights(export).state_dict
+    for name in ("skip_gates", "blocks.0.attn.attn_gate"):  # small tensors pass in float16, as the reference's
+        assert torch.equal(loaded[name].float(), trained[name].to(torch.float16).float())
+    for command in (("eval", str(ptz), "--data", str(tiny_data_dir), "--stride", "32", "--json"),
+                    ("eval-ttt", str(ptz), "--data", str(tiny_data_dir), "--json"),
+                    ("eval-ttt", str(ptz), "--data", str(tiny_data_dir), "--method", "lora", "--json")):
+        assert json.loads(ok(*command))["val_bpb"] > 0
+    assert "It was" in ok("generate", str(ptz), "--prompt", "It was", "--max-new-tokens", "8")
+    assert "skip_gates" in ok("inspect", str(ptz))
+
+
+def test_train_takes_the_vocabulary_of_the_datas_tokenizer(data_bytefallback_tokenizer, data_demo_corpus, tmp_path):
+    """A data directory encoded with a 512-token tokenizer: without --vocab-size the model
+    takes 512 (and says so); a --vocab-size that differs is refused as before."""
+    from windowgpt_cli.data.prepare import prepare
+
+    data = tmp_path / "data512"
+    prepare([data_demo_corpus], data, tokenizer=data_bytefallback_tokenizer, val_fraction=0.05)
+    runner = CliRunner()
+    shown = runner.invoke(app, ["train", "--preset", "tiny", "--data", str(data), "--out", str(tmp_path / "r"),
+                                "--dry-run"])
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.stdout)["model"]["vocab_size"] == 512
+    assert "note: vocab_size=512, the data's tokenizer's (not 1024)" in shown.output
+    bad = runner.invoke(app, ["train", "--preset", "tiny", "--data", str(data), "--vocab-size", "1024", "--dry-run"])
+    assert bad.exit_code == 1 and "has 512 tokens but vocab_size=1024" in bad.output
