@@ -35,6 +35,7 @@ def makefile_flags(name: str) -> list[str]:
 
 @pytest.mark.parametrize("name, same_as", [
     ("tiny", ["--preset", "tiny"]),
+    ("frontier", ["--preset", "frontier"]),
     ("record", makefile_flags("RECORD_FLAGS")),
     ("smoke", makefile_flags("RECORD_FLAGS") + makefile_flags("SMOKE_FLAGS")),
 ])

@@ -17,9 +17,10 @@ from windowgpt_cli.model.ops import TORCH_OPS, Residual
 
 from test_model import perturbed_tiny
 
-OPTIONS = dict(skip_gates=True, attn_out_gate_width=12, attn_out_gate_scale=0.5, doc_boundary_token=1)
+OPTIONS = dict(skip_gates=True, attn_out_gate_width=12, attn_out_gate_scale=0.5, doc_boundary_token=1,
+               parallel_start_layer=2)
 OPTION_FLAGS = ["--skip-gates", "--attn-out-gate-width", "12", "--attn-out-gate-scale", "0.5",
-                "--doc-boundary-token", "1"]
+                "--doc-boundary-token", "1", "--parallel-start-layer", "2"]
 
 
 def tokens(n: int = 48, seed: int = 3) -> torch.Tensor:
@@ -30,7 +31,8 @@ def test_the_defaults_add_no_parameter():
     names = {name for name, _ in perturbed_tiny().named_parameters()}
     assert not any("gate" in n and n != "smear.gate" for n in names)
     added = {name for name, _ in perturbed_tiny(**OPTIONS).named_parameters()} - names
-    assert added == {"skip_gates"} | {f"blocks.{i}.attn.attn_gate" for i in range(tiny_preset().model.num_layers)}
+    layers = tiny_preset().model.num_layers
+    assert added == {"skip_gates", "lane_mix"} | {f"blocks.{i}.attn.attn_gate" for i in range(layers)}
 
 
 def test_a_gated_skip_blends_the_sum_with_the_weighted_skip():
@@ -108,10 +110,40 @@ def test_the_document_boundary_keeps_each_document_out_of_the_next():
         assert not torch.equal(plain.embed(x)[:, 20], plain.embed(other)[:, 20])  # the reference's smear leaks
 
 
+def test_a_parallel_block_runs_attention_and_mlp_side_by_side_on_two_lanes():
+    model = perturbed_tiny(parallel_start_layer=2)
+    block, i = model.blocks[3], 3
+    torch.manual_seed(1)
+    lane0, lane1, x0 = torch.randn(3, 2, 16, model.cfg.model_dim).unbind(0)
+    mix = torch.randn(3, 2)
+    rotary = model.rotary(16, torch.device("cpu"))
+    weights = model.layer_weights(torch.float32)[i]
+    with torch.no_grad():
+        got = block.parallel((Residual(lane0), Residual(lane1)), x0, weights, rotary, None, mix)
+
+        def normed(lane):  # a block's input: mixed with x0, normed, scaled by the layer's factor
+            mixed = block.resid_mix[0] * lane + block.resid_mix[1] * x0
+            return torch.nn.functional.rms_norm(mixed, (mixed.size(-1),)) * block.ln_scale_factor
+
+        attn = block.attn_scale * block.attn(normed(lane0), *weights[:4], rotary, None)
+        mlp = block.mlp_scale * block.mlp(normed(lane1), *weights[4:])
+    for k, lane in enumerate((lane0, lane1)):
+        want = mix[2, k] * lane + mix[0, k] * attn + mix[1, k] * mlp
+        assert torch.allclose(got[k].base, want, atol=1e-5)
+    x = tokens()
+    model.train()
+    model(x, x).backward()
+    assert model.lane_mix.grad.abs().sum() > 0 and model.lane_mix.shape == (2, 3, 2)
+
+
 def test_settings_are_checked():
     cfg = RunConfig()
     cfg.model.attn_out_gate_width = 600
     with pytest.raises(SettingError, match="attn_out_gate_width=600 must be at most model_dim=512"):
+        validate(cfg)
+    cfg = RunConfig()
+    cfg.model.parallel_start_layer = 3
+    with pytest.raises(SettingError, match="parallel_start_layer=3 must be 0 or a decoder layer, 5..10"):
         validate(cfg)
     cfg = RunConfig()
     cfg.model.doc_boundary_token = 1024

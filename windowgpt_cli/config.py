@@ -69,6 +69,9 @@ class ModelConfig:
                                           "w . x), x the first N channels of the attention's normed input, w "
                                           "learned per head (zero at first); 0 = no gate.")
     attn_out_gate_scale: float = setting(1.0, "The sparse attention output gate's scale.")
+    parallel_start_layer: int = setting(0, "Blocks from this layer on (a decoder layer) run on two lanes: the "
+                                           "attention reads one, the MLP the other, side by side, and a learned "
+                                           "mix adds both to each; the output is the lanes' mean. 0 = none.")
     doc_boundary_token: int = setting(-1, "A token that begins each document (1 = BOS): SmearGate and BigramHash "
                                           "treat a position holding it as a sequence's first, so no document "
                                           "reaches into the next; -1 = none, as the reference.")
@@ -553,7 +556,29 @@ def tiny_preset() -> RunConfig:
     )
 
 
-PRESETS = {"default": RunConfig, "tiny": tiny_preset}
+def frontier_preset() -> RunConfig:
+    """The final leaderboard record's recipe (openai/parameter-golf PR #1855, 1.0611 bpb) as
+    far as windowgpt's settings go; docs/usage.md lists it against the record's README, with
+    what is left out. Its data: `prepare --vocab-size 8192`."""
+    return RunConfig(
+        model=ModelConfig(
+            vocab_size=8192, mlp_mult=4.0, xsa_last_n=11, qk_gain_init=5.0, bigram_vocab_size=0, ve_enabled=False,
+            skip_gates=True, parallel_start_layer=8, attn_out_gate_width=12, attn_out_gate_scale=0.5,
+            doc_boundary_token=1,
+        ),
+        optim=OptimConfig(matrix_lr=0.026, tied_embed_lr=0.03, scalar_lr=0.02, beta2=0.99, grad_clip_norm=0.3,
+                          muon_ns_coefficients="polar_express"),
+        train=TrainConfig(warmup_steps=20, ema_decay=0.9965, warmdown_fraction=0.85, min_lr_fraction=0.1),
+        quant=QuantConfig(use_gptq=True, gptq_calib_samples=16, gptq_reserve_seconds=0.5, quant_embed_bits=7,
+                          quant_mlp_clip_sigmas=11.5, quant_attn_clip_sigmas=13.0, quant_embed_clip_sigmas=14.0,
+                          quant_gates_int8=True, quant_lqer_rank=4, quant_lqer_top_k=3, quant_lqer_factor_bits=4,
+                          quant_lqer_group_size=64),
+        ttt=TTTConfig(ttt_method="lora", ttt_lora_rank=80, ttt_lora_chunk_tokens=48, ttt_lora_beta2=0.99,
+                      ttt_lora_weight_decay=0.5, ttt_lora_phases=3, ttt_lora_prefix_docs=2500),
+    )
+
+
+PRESETS = {"default": RunConfig, "tiny": tiny_preset, "frontier": frontier_preset}
 
 
 def preset(name: str) -> RunConfig:
@@ -576,7 +601,7 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "rope_base": (1e-6, None), "rope_dims": (0, 1 << 14), "xsa_last_n": (0, 128), "bigram_vocab_size": (0, 1 << 22),
     "bigram_dim": (1, 16384), "ve_dim": (1, 16384), "window_attn_size": (0, 1 << 22), "num_sink_tokens": (0, 1 << 22),
     "rope_train_seq_len": (1, 1 << 22), "attn_out_gate_width": (0, 16384), "attn_out_gate_scale": (0, 1000),
-    "doc_boundary_token": (-1, 65535),
+    "doc_boundary_token": (-1, 65535), "parallel_start_layer": (0, 127),
     "embed_lr": (0, None), "head_lr": (0, None), "tied_embed_lr": (0, None), "matrix_lr": (0, None),
     "scalar_lr": (0, None), "muon_momentum": (0, 1), "muon_backend_steps": (1, 100),
     "muon_momentum_warmup_start": (0, 1), "muon_momentum_warmup_steps": (0, INT_MAX), "muon_wd": (0, None),
@@ -717,6 +742,9 @@ def validate(cfg: RunConfig) -> None:
         (m.mlp_dim > 0, "mlp_mult", f"mlp_mult={m.mlp_mult} gives an empty MLP"),
         (m.xsa_last_n <= m.num_layers, "xsa_last_n", f"xsa_last_n={m.xsa_last_n} must be in 0..num_layers="
                                                      f"{m.num_layers}"),
+        (m.parallel_start_layer == 0 or m.num_layers // 2 <= m.parallel_start_layer < m.num_layers,
+         "parallel_start_layer", f"parallel_start_layer={m.parallel_start_layer} must be 0 or a decoder layer, "
+         f"{m.num_layers // 2}..{m.num_layers - 1}"),
         (m.attn_out_gate_width <= m.model_dim, "attn_out_gate_width",
          f"attn_out_gate_width={m.attn_out_gate_width} must be at most model_dim={m.model_dim}"),
         (m.doc_boundary_token < m.vocab_size, "doc_boundary_token",

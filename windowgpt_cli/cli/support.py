@@ -337,5 +337,7 @@ ConfigFileOption = Annotated[Optional[Path], typer.Option(
     "or configs/*.json; it may hold only some), applied over the preset; flags apply over both.",
     show_default=False)]
 PresetOption = Annotated[Optional[Literal[tuple(PRESETS)]], typer.Option(  # type: ignore[misc]
-    "--preset", help=escape("Start from a named preset: default (the reference's settings) or tiny (a small model "
-                            "for a CPU). [default: default]"), show_default=False)]
+    "--preset", help=escape("Start from a named preset: default (the reference's settings), tiny (a small model "
+                            "for a CPU) or frontier (the final leaderboard record's recipe, as far as windowgpt's "
+                            "settings go; data with an 8,192-token tokenizer). [default: default]"),
+    show_default=False)]

@@ -255,6 +255,26 @@ class Block(nn.Module):
         mlp_out = self.mlp(normed, up_w, down_w, ops)
         return kept, stream.plus(mlp_out, self.mlp_scale)
 
+    def parallel(self, lanes: tuple[Residual, Residual], x0: Any, weights: tuple[Tensor | None, ...],
+                 rotary: tuple[Tensor, Tensor], v_embed: ValueInjection | None, mix: Tensor,
+                 queries: Tensor | None = None, ops: TorchOps = TORCH_OPS) -> tuple[Residual, Residual]:
+        """The block on two lanes side by side: the attention reads the first lane, the MLP
+        the second (each mixed with x0 and normed as a block's input), and lane k becomes
+        mix[2, k] * lane_k + mix[0, k] * attention + mix[1, k] * MLP (mix [3, 2]: the block's
+        learned lane mix, `GPT.lane_mix`). With queries, only there."""
+        q_w, k_w, v_w, out_w, up_w, down_w = weights
+        lane0, _, normed_attn = ops.block_input(lanes[0], x0, self.resid_mix, self.ln_scale_factor, True)
+        lane1, _, normed_mlp = ops.block_input(lanes[1], x0, self.resid_mix, self.ln_scale_factor, True)
+        attn_out = self.attn(normed_attn, q_w, k_w, v_w, out_w, rotary, v_embed, queries, ops)
+        if queries is not None:
+            lane0, lane1, normed_mlp = (pick_positions(t, queries) for t in (lane0, lane1, normed_mlp))
+        mlp_out = self.mlp(normed_mlp, up_w, down_w, ops)
+        dtype = lane0.dtype
+        outputs = (self.attn_scale.to(dtype) * attn_out, self.mlp_scale.to(dtype) * mlp_out)
+        mix = mix.to(dtype)
+        return tuple(Residual(mix[2, k] * lane + mix[0, k] * outputs[0] + mix[1, k] * outputs[1])
+                     for k, lane in enumerate((lane0, lane1)))
+
 
 # --- Embeddings --------------------------------------------------------------------------
 
@@ -368,6 +388,12 @@ class GPT(nn.Module):
             [nn.Parameter(torch.ones(1, dtype=torch.float32)) for _ in self.ve_layer_indices])
         self.lm_head = None if cfg.tie_embeddings else linear(dim, cfg.vocab_size, initialize)
         self.skip_gates = nn.Parameter(torch.zeros_like(self.skip_weights)) if cfg.skip_gates else None
+        # Each parallel block's lane mix: rows 0 and 1 how its attention and its MLP add to each
+        # lane (ones at first), row 2 how much of each lane it keeps (1.1 at first).
+        parallel = n - cfg.parallel_start_layer if cfg.parallel_start_layer > 0 else 0
+        mix = torch.ones(parallel, 3, 2, dtype=torch.float32)
+        mix[:, 2] = 1.1
+        self.lane_mix = nn.Parameter(mix) if parallel else None
         self.head_observer: LinearObserver | None = None  # GPTQ calibration of the output layer
         self.head_adapter: LinearAdapter | None = None
         if initialize:
@@ -511,16 +537,19 @@ class GPT(nn.Module):
         stream, skips = Residual(x0), []
         encoder, last = self.num_encoder_layers, self.num_layers - 1
         keys = self.last_block_reads(queries, input_ids.shape[1]) if query_runs and queries is not None else None
+        lanes: tuple[Residual, Residual] | None = None  # from parallel_start_layer on
         for i, block in enumerate(self.blocks):
-            if i == encoder and encoder > 0:  # the last encoder block's output: this block's input
-                stream = stream.plus_skip(None, self.skip_weights[0], self._skip_gate(0))
-            elif i > encoder and skips:
-                skip = skips.pop()
-                if keys is not None and i == last:
-                    skip = pick_positions(skip, keys.positions)
-                stream = stream.plus_skip(skip, self.skip_weights[i - encoder], self._skip_gate(i - encoder))
-            keep = 0 < i < encoder
+            skip = self._skip_into(i, skips, keys if i == last else None)
             injection = self._value_injection(i, ve_shared)
+            if lanes is not None or self._is_parallel(i):
+                lanes = lanes or (stream, stream)  # the skip goes into the attention's lane
+                lanes = block.parallel((lanes[0].plus_skip(*skip) if skip else lanes[0], lanes[1]), x0, weights[i],
+                                       rotary, injection, self.lane_mix[i - self.cfg.parallel_start_layer],
+                                       queries if i == last else None, ops)
+                continue
+            if skip:
+                stream = stream.plus_skip(*skip)
+            keep = 0 < i < encoder
             if keys is None:
                 kept, stream = block(stream, x0, weights[i], rotary, injection, queries if i == last else None, ops,
                                      keep_input=keep)
@@ -535,16 +564,34 @@ class GPT(nn.Module):
                                      ops, keep_input=keep, keys=keys if i == last else None)
             if keep:
                 skips.append(kept)
+        if lanes is not None:  # the two lanes' mean
+            stream = Residual(0.5 * (ops.stream_sum(lanes[0]) + ops.stream_sum(lanes[1])))
         return ops.final_norm(stream)
+
+    def _skip_into(self, i: int, skips: list[Tensor], keys: KeyRows | None) -> tuple[Any, ...] | None:
+        """What block i's input adds from the encoder: (the skip, or None for the stream itself,
+        its weight, its gate) for `Residual.plus_skip`; None for none. Pops the skip it uses."""
+        encoder = self.num_encoder_layers
+        if i == encoder and encoder > 0:  # the last encoder block's output: this block's input
+            return None, self.skip_weights[0], self._skip_gate(0)
+        if i > encoder and skips:
+            skip = skips.pop()
+            if keys is not None:
+                skip = pick_positions(skip, keys.positions)
+            return skip, self.skip_weights[i - encoder], self._skip_gate(i - encoder)
+        return None
 
     def _skip_gate(self, index: int) -> Tensor | None:
         return self.skip_gates[index] if self.skip_gates is not None else None
+
+    def _is_parallel(self, i: int) -> bool:
+        return 0 < self.cfg.parallel_start_layer <= i
 
     def last_block_reads(self, queries: Tensor, seq_len: int) -> KeyRows | None:
         """The rows the last block reads for runs of queries (`window_key_rows`), where it
         attends in windows and they are fewer than the sequence; else None."""
         attn = self.blocks[-1].attn
-        if self.num_layers < 2 or attn.window <= 0 or attn.sinks + attn.window + queries.size(1) >= seq_len:
+        if self.num_layers < 2 or attn.window <= 0 or self.lane_mix is not None or attn.sinks + attn.window + queries.size(1) >= seq_len:
             return None
         return window_key_rows(queries, seq_len, attn.window, attn.sinks)
 

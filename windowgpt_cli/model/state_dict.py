@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # the names alone need no torch (commands that only describe 
 CONTROL_TENSOR_NAME_PATTERNS = (
     "attn_scale", "attn_scales", "mlp_scale", "mlp_scales", "resid_mix", "resid_mixes", "q_gain",
     "skip_weight", "skip_weights", "smear", "dtg_gate", "ve_layer_scales", "ve_shared.scale",
-    "attn_gate", "vr_lambda", "skip_gates",
+    "attn_gate", "vr_lambda", "skip_gates", "lane_mix",
 )
 BANK_NAMES = ("qo_bank", "kv_bank", "mlp_up_bank", "mlp_down_bank")
 
