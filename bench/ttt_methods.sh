@@ -31,7 +31,7 @@ if [ "$phase" != train ]; then
   }
   methods=" ${METHODS:-sliding chunks lora} "
   [[ $methods == *" sliding "* ]] && run sliding eval "$work/model.ptz" --data "$work/data" --stride 64
-  [[ $methods == *" chunks "* ]] && run chunks eval-ttt "$work/model.ptz" --data "$work/data"
+  [[ $methods == *" chunks "* ]] && run chunks eval-ttt "$work/model.ptz" --data "$work/data" --method chunks
   [[ $methods == *" lora "* ]] && run lora eval-ttt "$work/model.ptz" --data "$work/data" --method lora
   IFS=';' read -ra variants <<< "${LORA_VARIANTS:-}"
   for variant in "${variants[@]}"; do

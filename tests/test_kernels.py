@@ -185,10 +185,11 @@ def test_a_product_the_kernel_cannot_take_runs_apart(products):
 
 
 # Model settings beyond the reference (tests/test_model_options.py): gated skips, the
-# attention output gate, the document boundary (whose x0 the fused steps take formed) and
-# parallel lanes in the last two blocks (which score without the pruned last block).
+# attention output gate, the document boundary (whose x0 the fused steps take formed),
+# parallel lanes in the last two blocks (which score without the pruned last block) and
+# layer 1 run twice.
 GATES = dict(skip_gates=True, attn_out_gate_width=12, attn_out_gate_scale=0.5, doc_boundary_token=1,
-             parallel_start_layer=2)
+             parallel_start_layer=2, recur_layers=(1,), recur_count=2)
 
 
 @pytest.mark.parametrize("query_runs,options", [(False, {}), (True, {}), (True, GATES)])
@@ -208,7 +209,7 @@ def test_the_model_scores_the_same_with_fused_steps(products, query_runs, option
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
         fused = model.logits_at(x, positions, ops=FusedOps(tiles=TINY_MODEL_TILES), query_runs=query_runs)
         reference = model.logits_at(x, positions)
-    assert fused.shape == reference.shape and products.launches == model.cfg.num_layers
+    assert fused.shape == reference.shape and products.launches == len(model.cfg.block_order())  # one per block run
     assert close(fused, reference, steps=2 ** -4)
     targets = torch.randint(0, model.cfg.vocab_size, positions.shape)
     loss = [torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

@@ -18,9 +18,10 @@ from windowgpt_cli.model.ops import TORCH_OPS, Residual
 from test_model import perturbed_tiny
 
 OPTIONS = dict(skip_gates=True, attn_out_gate_width=12, attn_out_gate_scale=0.5, doc_boundary_token=1,
-               parallel_start_layer=2)
+               parallel_start_layer=2, recur_layers=(1,), recur_count=2)
 OPTION_FLAGS = ["--skip-gates", "--attn-out-gate-width", "12", "--attn-out-gate-scale", "0.5",
-                "--doc-boundary-token", "1", "--parallel-start-layer", "2"]
+                "--doc-boundary-token", "1", "--parallel-start-layer", "2", "--recur-layers", "1", "--recur-count", "2",
+                "--recur-start-fraction", "0.5"]
 
 
 def tokens(n: int = 48, seed: int = 3) -> torch.Tensor:
@@ -136,6 +137,55 @@ def test_a_parallel_block_runs_attention_and_mlp_side_by_side_on_two_lanes():
     assert model.lane_mix.grad.abs().sum() > 0 and model.lane_mix.shape == (2, 3, 2)
 
 
+def test_a_looped_model_is_the_model_with_its_loop_written_out():
+    """Layers 1 and 2 of four, run twice: the same logits as six layers whose 3rd and 4th are
+    copies of the 1st and 2nd (skip weights, scales and constants alike)."""
+    plain = dict(xsa_last_n=0, ve_enabled=False, window_attn_size=0, num_sink_tokens=0, bigram_vocab_size=0)
+    looped = perturbed_tiny(recur_layers=(1, 2), recur_count=2, **plain)
+    assert looped.cfg.block_order() == [0, 1, 2, 1, 2, 3] and looped.cfg.block_order(False) == [0, 1, 2, 3]
+    unrolled = perturbed_tiny(num_layers=6, **plain)
+    copies = [0, 1, 2, 1, 2, 3]
+    state = looped.state_dict()
+    for bank in ("qo_bank", "kv_bank"):  # [2n, ...]: first halves, then second halves
+        half = state[bank].size(0) // 2
+        state[bank] = torch.cat([state[bank][copies], state[bank][[half + c for c in copies]]])
+    for bank in ("mlp_up_bank", "mlp_down_bank"):
+        state[bank] = state[bank][copies]
+    for name in list(state):
+        if name.startswith("blocks."):
+            layer, rest = name.split(".", 2)[1:]
+            for i, c in enumerate(copies):
+                if c == int(layer):
+                    state[f"blocks.{i}.{rest}"] = looped.state_dict()[name]
+    unrolled.load_state_dict(state)
+    for block, c in zip(unrolled.blocks, copies):
+        block.ln_scale_factor.fill_(looped.blocks[c].ln_factor)
+    x = tokens()
+    with torch.no_grad():
+        assert torch.allclose(looped.forward_logits(x), unrolled.forward_logits(x), atol=1e-5)
+        looped.recurring = False  # training before the switch: each layer once
+        assert not torch.allclose(looped.forward_logits(x), unrolled.forward_logits(x), atol=1e-3)
+
+
+def test_yarn_keeps_high_frequencies_interpolates_low_ones_and_only_beyond_the_training_length():
+    import math
+
+    from windowgpt_cli.model.rotary import rotary_inv_freq, rotary_magnitude
+
+    within = [rotary_inv_freq(16, 10000.0, 2048, 2048, scaling=s) for s in ("ntk", "yarn")]
+    assert torch.equal(within[0], within[1]) and rotary_magnitude(2048, 2048, "yarn") == 1.0
+    base, stretched = within[0], rotary_inv_freq(16, 10000.0, 8192, 2048, scaling="yarn")
+    turns = 2048 * base / (2 * math.pi)
+    assert torch.equal(stretched[turns >= 32], base[turns >= 32])  # fast dimensions: kept
+    assert torch.allclose(stretched[turns <= 1], base[turns <= 1] / 4)  # slow ones: interpolated 4-fold
+    assert ((turns > 1) & (turns < 32)).any()  # and some blended between
+    assert rotary_magnitude(8192, 2048, "yarn") == pytest.approx(0.1 * math.log(4) + 1)
+    model = perturbed_tiny(rope_scaling="yarn")  # trained length 128: a window of 256 stretches
+    cos, _ = model.rotary(256, torch.device("cpu"))
+    assert cos[0, 0, 0].max() == pytest.approx(0.1 * math.log(2) + 1)
+    assert torch.isfinite(model.forward_logits(tokens(256))).all()
+
+
 def test_settings_are_checked():
     cfg = RunConfig()
     cfg.model.attn_out_gate_width = 600
@@ -144,6 +194,15 @@ def test_settings_are_checked():
     cfg = RunConfig()
     cfg.model.parallel_start_layer = 3
     with pytest.raises(SettingError, match="parallel_start_layer=3 must be 0 or a decoder layer, 5..10"):
+        validate(cfg)
+    for layers, count, message in [((3, 5), 3, "consecutive"), ((9, 10), 3, "lie in 0..9"), ((), 3, "give the layers")]:
+        cfg = RunConfig()
+        cfg.model.recur_layers, cfg.model.recur_count = layers, count
+        with pytest.raises(SettingError, match=message):
+            validate(cfg)
+    cfg = RunConfig()
+    cfg.model.recur_layers, cfg.model.parallel_start_layer = (6, 7, 8), 8
+    with pytest.raises(SettingError, match="before parallel_start_layer=8"):
         validate(cfg)
     cfg = RunConfig()
     cfg.model.doc_boundary_token = 1024
@@ -173,6 +232,7 @@ def test_every_stage_takes_a_model_with_the_options(tiny_data_dir, tmp_path):
     ok("train", "--preset", "tiny", "--data", str(tiny_data_dir), "--out", str(run), "--iterations", "6",
        "--warmdown-iters", "2", *OPTION_FLAGS)
     assert json.loads((run / "config.json").read_text())["model"]["attn_out_gate_width"] == 12
+    assert "recurrence:on step:3 layers:1 count:2" in (run / "train.log").read_text()
     ok("export", str(run), "--out", str(export))
     report = json.loads(ok("quantize", str(export), "--out", str(ptz), "--gptq", "--data", str(tiny_data_dir),
                            "--json"))

@@ -62,6 +62,9 @@ class ModelConfig:
     num_sink_tokens: int = setting(0, "Windowed layers also always see the first N tokens; 0 = none.")
     rope_train_seq_len: int = setting(2048, "Rotary tables are exact up to this length and NTK-rescaled beyond "
                                             "it; training sets it to its longest sequence length.")
+    rope_scaling: str = setting("ntk", "How rotary tables stretch beyond rope_train_seq_len: ntk (the base "
+                                       "rescaled, as the reference) or yarn (YaRN: low frequencies interpolated, "
+                                       "high ones kept, the rotated channels scaled by 0.1 ln(s) + 1).")
     skip_gates: bool = setting(False, "Gate each U-Net skip: a decoder block's input becomes g x + (1 - g) w skip, "
                                       "g = sigmoid of a learned vector (zero at first: an even blend); off: x + w "
                                       "skip, as the reference.")
@@ -72,9 +75,22 @@ class ModelConfig:
     parallel_start_layer: int = setting(0, "Blocks from this layer on (a decoder layer) run on two lanes: the "
                                            "attention reads one, the MLP the other, side by side, and a learned "
                                            "mix adds both to each; the output is the lanes' mean. 0 = none.")
+    recur_layers: tuple[int, ...] = setting((), "Depth recurrence: consecutive layers (comma-separated) that run "
+                                                "recur_count times in a row once looping is on (in training after "
+                                                "recur_start_fraction, in scoring always); empty = none.")
+    recur_count: int = setting(1, "Times the recur_layers run in all once looping is on; 1 = once.")
     doc_boundary_token: int = setting(-1, "A token that begins each document (1 = BOS): SmearGate and BigramHash "
                                           "treat a position holding it as a sequence's first, so no document "
                                           "reaches into the next; -1 = none, as the reference.")
+
+    def block_order(self, looping: bool = True) -> list[int]:
+        """The blocks in the order they run: each once, or with looping, recur_layers
+        recur_count times in a row."""
+        order = list(range(self.num_layers))
+        if not looping or not self.recur_layers or self.recur_count <= 1:
+            return order
+        first, last = self.recur_layers[0], self.recur_layers[-1]
+        return order[:first] + list(self.recur_layers) * self.recur_count + order[last + 1:]
 
     @property
     def head_dim(self) -> int:
@@ -152,6 +168,9 @@ class TrainConfig:
                                      "follows its weights; off reproduces the reference.")
     warmdown_fraction: float = setting(0.0, "Warm-down as a fraction of the run: of iterations, or of the "
                                             "budget under a wallclock cap; 0 = warmdown_iters steps.")
+    recur_start_fraction: float = setting(0.0, "Depth recurrence (model.recur_layers): training runs those layers "
+                                                "once until this fraction of its iterations, or of its wallclock "
+                                                "budget under a cap, has passed, then recur_count times.")
     min_lr_fraction: float = setting(0.0, "The warm-down's floor: the learning rate falls linearly to this "
                                           "fraction of its peak; 0 = to zero, the reference's.")
     warmdown_max_fraction: float = setting(0.5, "Under a wallclock cap, the warm-down lasts warmdown_iters steps "
@@ -564,11 +583,12 @@ def frontier_preset() -> RunConfig:
         model=ModelConfig(
             vocab_size=8192, mlp_mult=4.0, xsa_last_n=11, qk_gain_init=5.0, bigram_vocab_size=0, ve_enabled=False,
             skip_gates=True, parallel_start_layer=8, attn_out_gate_width=12, attn_out_gate_scale=0.5,
-            doc_boundary_token=1,
+            doc_boundary_token=1, recur_layers=(3, 4, 5), recur_count=3, rope_scaling="yarn",
         ),
         optim=OptimConfig(matrix_lr=0.026, tied_embed_lr=0.03, scalar_lr=0.02, beta2=0.99, grad_clip_norm=0.3,
                           muon_ns_coefficients="polar_express"),
-        train=TrainConfig(warmup_steps=20, ema_decay=0.9965, warmdown_fraction=0.85, min_lr_fraction=0.1),
+        train=TrainConfig(warmup_steps=20, ema_decay=0.9965, warmdown_fraction=0.85, min_lr_fraction=0.1,
+                          recur_start_fraction=0.35),
         quant=QuantConfig(use_gptq=True, gptq_calib_samples=16, gptq_reserve_seconds=0.5, quant_embed_bits=7,
                           quant_mlp_clip_sigmas=11.5, quant_attn_clip_sigmas=13.0, quant_embed_clip_sigmas=14.0,
                           quant_gates_int8=True, quant_lqer_rank=4, quant_lqer_top_k=3, quant_lqer_factor_bits=4,
@@ -601,7 +621,8 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "rope_base": (1e-6, None), "rope_dims": (0, 1 << 14), "xsa_last_n": (0, 128), "bigram_vocab_size": (0, 1 << 22),
     "bigram_dim": (1, 16384), "ve_dim": (1, 16384), "window_attn_size": (0, 1 << 22), "num_sink_tokens": (0, 1 << 22),
     "rope_train_seq_len": (1, 1 << 22), "attn_out_gate_width": (0, 16384), "attn_out_gate_scale": (0, 1000),
-    "doc_boundary_token": (-1, 65535), "parallel_start_layer": (0, 127),
+    "doc_boundary_token": (-1, 65535), "parallel_start_layer": (0, 127), "recur_count": (1, 16),
+    "recur_start_fraction": (0, 1),
     "embed_lr": (0, None), "head_lr": (0, None), "tied_embed_lr": (0, None), "matrix_lr": (0, None),
     "scalar_lr": (0, None), "muon_momentum": (0, 1), "muon_backend_steps": (1, 100),
     "muon_momentum_warmup_start": (0, 1), "muon_momentum_warmup_steps": (0, INT_MAX), "muon_wd": (0, None),
@@ -644,6 +665,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "logger": ("none", "tensorboard", "wandb"),
     "muon_ns_coefficients": ("reference", "polar_express"),
     "ttt_method": ("chunks", "lora"),
+    "rope_scaling": ("ntk", "yarn"),
     "ttt_lora_context": ("document", "stream"),
 }
 LORA_TARGETS = ("q", "k", "v", "o", "up", "down", "head")  # ttt_lora_targets' names
@@ -716,6 +738,20 @@ def lora_targets_problem(text: str) -> str | None:
     return None
 
 
+def recur_problem(m: ModelConfig) -> str | None:
+    """What is wrong with the depth recurrence's layers, or None."""
+    layers = list(m.recur_layers)
+    if not layers:
+        return "give the layers to loop" if m.recur_count > 1 else None
+    if layers != list(range(layers[0], layers[0] + len(layers))):
+        return "the layers must be consecutive and ascending"
+    if layers[0] < 0 or layers[-1] > m.num_layers - 2:
+        return f"the layers must lie in 0..{m.num_layers - 2} (the last layer runs once)"
+    if m.parallel_start_layer and layers[-1] >= m.parallel_start_layer:
+        return f"the layers must lie before parallel_start_layer={m.parallel_start_layer}"
+    return None
+
+
 def validate(cfg: RunConfig) -> None:
     """Raise ConfigError naming the first invalid setting or combination."""
     _check_settings(cfg)
@@ -745,6 +781,8 @@ def validate(cfg: RunConfig) -> None:
         (m.parallel_start_layer == 0 or m.num_layers // 2 <= m.parallel_start_layer < m.num_layers,
          "parallel_start_layer", f"parallel_start_layer={m.parallel_start_layer} must be 0 or a decoder layer, "
          f"{m.num_layers // 2}..{m.num_layers - 1}"),
+        (recur_problem(m) is None, "recur_layers", f"recur_layers={','.join(map(str, m.recur_layers))}: "
+                                                  f"{recur_problem(m)}"),
         (m.attn_out_gate_width <= m.model_dim, "attn_out_gate_width",
          f"attn_out_gate_width={m.attn_out_gate_width} must be at most model_dim={m.model_dim}"),
         (m.doc_boundary_token < m.vocab_size, "doc_boundary_token",

@@ -133,6 +133,19 @@ class StaticCache:
         self.v.index_copy_(2, slots, v[:, keep].transpose(1, 2).to(self.v.dtype))
 
 
+class CycledCache:
+    """The caches of a layer that runs several times a forward (depth recurrence), one per
+    run, each call the next: a forward's runs of the layer, in order, cycle once through them."""
+
+    def __init__(self, caches: list[StaticCache]):
+        self.caches, self.turn = caches, 0
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int) -> Tensor:
+        cache = self.caches[self.turn]
+        self.turn = (self.turn + 1) % len(self.caches)
+        return cache.attend(q, k, v, window, sinks)
+
+
 class StaticDecoder:
     """Next-token choices for a batch of samples of one growing text: the context prefilled
     once, then one fixed-shape step per token, compiled (compile_step) and on CUDA, from its
@@ -153,7 +166,12 @@ class StaticDecoder:
             geometry = (block.attn.window, block.attn.sinks)
             if geometry not in self.layouts:
                 self.layouts[geometry] = CacheLayout(*geometry, self.limit, self.dtype, self.device)
-        self.caches = [StaticCache(self, self.layouts[block.attn.window, block.attn.sinks]) for block in model.blocks]
+        runs = model.cfg.block_order(model.recurring)  # a looped layer keeps a cache for each of its runs
+        self.caches: list[StaticCache | CycledCache] = []
+        for i, block in enumerate(model.blocks):
+            caches = [StaticCache(self, self.layouts[block.attn.window, block.attn.sinks])
+                      for _ in range(max(runs.count(i), 1))]
+            self.caches.append(caches[0] if len(caches) == 1 else CycledCache(caches))
         self.position = torch.zeros((), dtype=torch.long, device=self.device)  # in the context
         self.offset = torch.zeros((), dtype=torch.long, device=self.device)  # the context's start in the text
         self.token = torch.zeros(batch, dtype=torch.long, device=self.device)  # the step's input, then its output

@@ -20,7 +20,7 @@ from ..errors import ConfigError
 from ..runtime import memory_bytes
 from .attention import attention, attention_at, resolve_backend
 from .ops import TORCH_OPS, Residual, TorchOps, ValueInjection, pick_positions, smear
-from .rotary import rotary_inv_freq, rotary_tables
+from .rotary import rotary_inv_freq, rotary_magnitude, rotary_tables
 from .state_dict import BANK_NAMES, is_control_tensor
 
 LinearObserver = Callable[[tuple[str, ...], Tensor], None]
@@ -373,9 +373,11 @@ class GPT(nn.Module):
                                            cfg.doc_boundary_token)
                        if cfg.bigram_vocab_size > 0 else None)
         self.smear = SmearGate(dim)
-        self.num_encoder_layers = n // 2
-        self.num_decoder_layers = n - self.num_encoder_layers
-        self.skip_weights = nn.Parameter(torch.ones(min(self.num_encoder_layers, self.num_decoder_layers), dim))
+        # U-Net skips pair the first half of the blocks run with the second (depth recurrence
+        # runs more of them: enough skip weights for its longer order).
+        steps = len(cfg.block_order())
+        self.skip_weights = nn.Parameter(torch.ones(min(steps // 2, steps - steps // 2), dim))
+        self.recurring = True  # depth recurrence on (training turns it on part way; see block_order)
         self.qo_bank = nn.Parameter(torch.empty(2 * n, dim, dim))
         self.kv_bank = nn.Parameter(torch.empty(2 * n, cfg.kv_dim, dim))
         self.mlp_up_bank = nn.Parameter(torch.empty(n, cfg.mlp_dim, dim))
@@ -519,9 +521,13 @@ class GPT(nn.Module):
 
     def rotary(self, seq_len: int, device: torch.device, start: int = 0) -> tuple[Tensor, Tensor]:
         """cos and sin at positions start..seq_len - 1 of a sequence of seq_len tokens."""
-        inv_freq = rotary_inv_freq(self.rotary_dims, self.cfg.rope_base, seq_len, self.cfg.rope_train_seq_len,
-                                   device=device)
+        cfg = self.cfg
+        inv_freq = rotary_inv_freq(self.rotary_dims, cfg.rope_base, seq_len, cfg.rope_train_seq_len, device=device,
+                                   scaling=cfg.rope_scaling)
         cos, sin = rotary_tables(seq_len, inv_freq)
+        magnitude = rotary_magnitude(seq_len, cfg.rope_train_seq_len, cfg.rope_scaling)
+        if magnitude != 1.0:
+            cos, sin = cos * magnitude, sin * magnitude
         return cos[:, start:], sin[:, start:]
 
     def trunk(self, input_ids: Tensor, x0: Any, rotary: tuple[Tensor, Tensor], queries: Tensor | None = None,
@@ -535,43 +541,47 @@ class GPT(nn.Module):
             ve_shared = ops.shared_values(self.ve_shared(input_ids), self.ve_shared.scale)
         weights = weights or self.layer_weights(matmul_dtype(self.tok_emb.weight))
         stream, skips = Residual(x0), []
-        encoder, last = self.num_encoder_layers, self.num_layers - 1
+        order = self.cfg.block_order(self.recurring)
+        encoder, last = len(order) // 2, len(order) - 1  # steps of the order, not layers
         keys = self.last_block_reads(queries, input_ids.shape[1]) if query_runs and queries is not None else None
         lanes: tuple[Residual, Residual] | None = None  # from parallel_start_layer on
-        for i, block in enumerate(self.blocks):
-            skip = self._skip_into(i, skips, keys if i == last else None)
-            injection = self._value_injection(i, ve_shared)
-            if lanes is not None or self._is_parallel(i):
+        for i, layer in enumerate(order):
+            block = self.blocks[layer]
+            skip = self._skip_into(i, encoder, skips, keys if i == last else None)
+            injection = self._value_injection(layer, ve_shared)
+            if lanes is not None or self._is_parallel(layer):
                 lanes = lanes or (stream, stream)  # the skip goes into the attention's lane
-                lanes = block.parallel((lanes[0].plus_skip(*skip) if skip else lanes[0], lanes[1]), x0, weights[i],
-                                       rotary, injection, self.lane_mix[i - self.cfg.parallel_start_layer],
+                lanes = block.parallel((lanes[0].plus_skip(*skip) if skip else lanes[0], lanes[1]), x0,
+                                       weights[layer], rotary, injection,
+                                       self.lane_mix[layer - self.cfg.parallel_start_layer],
                                        queries if i == last else None, ops)
                 continue
             if skip:
                 stream = stream.plus_skip(*skip)
             keep = 0 < i < encoder
             if keys is None:
-                kept, stream = block(stream, x0, weights[i], rotary, injection, queries if i == last else None, ops,
-                                     keep_input=keep)
+                kept, stream = block(stream, x0, weights[layer], rotary, injection, queries if i == last else None,
+                                     ops, keep_input=keep)
             elif i == last - 1:  # past its attention, this block runs only where the last one reads
-                kept, stream = block(stream, x0, weights[i], rotary, injection, ops=ops, keep_input=keep,
+                kept, stream = block(stream, x0, weights[layer], rotary, injection, ops=ops, keep_input=keep,
                                      rows=keys.positions)
                 x0 = ops.at_rows(x0, keys.positions)
                 ve_shared = ops.at_rows(ve_shared, keys.positions) if ve_shared is not None else None
                 rotary = (table_rows(rotary[0], keys.positions), table_rows(rotary[1], keys.positions))
             else:
-                kept, stream = block(stream, x0, weights[i], rotary, injection, keys.queries if i == last else None,
-                                     ops, keep_input=keep, keys=keys if i == last else None)
+                kept, stream = block(stream, x0, weights[layer], rotary, injection,
+                                     keys.queries if i == last else None, ops, keep_input=keep,
+                                     keys=keys if i == last else None)
             if keep:
                 skips.append(kept)
         if lanes is not None:  # the two lanes' mean
             stream = Residual(0.5 * (ops.stream_sum(lanes[0]) + ops.stream_sum(lanes[1])))
         return ops.final_norm(stream)
 
-    def _skip_into(self, i: int, skips: list[Tensor], keys: KeyRows | None) -> tuple[Any, ...] | None:
-        """What block i's input adds from the encoder: (the skip, or None for the stream itself,
-        its weight, its gate) for `Residual.plus_skip`; None for none. Pops the skip it uses."""
-        encoder = self.num_encoder_layers
+    def _skip_into(self, i: int, encoder: int, skips: list[Tensor], keys: KeyRows | None) -> tuple[Any, ...] | None:
+        """What step i's input adds from the first `encoder` steps: (the skip, or None for the
+        stream itself, its weight, its gate) for `Residual.plus_skip`; None for none. Pops
+        the skip it uses."""
         if i == encoder and encoder > 0:  # the last encoder block's output: this block's input
             return None, self.skip_weights[0], self._skip_gate(0)
         if i > encoder and skips:

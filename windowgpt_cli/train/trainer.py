@@ -382,13 +382,36 @@ class Trainer:
         model_state = {k: v.detach().clone() for k, v in s.model.state_dict().items()}
         optimizer_state = copy.deepcopy(s.optimizers.state_dict())
         stream_state = self.stream.state_dict()
+        switches = self._switches_looping()
         for i in range(steps):
+            # With depth recurrence switched on part way, the first half of the warm-up runs
+            # without it and the second with it: both graphs compile here, none in training.
+            s.model.recurring = not switches or i >= steps // 2
             self._optimizer_step(self._direct_batch, 1.0, passes=1)
             if steps <= 20 or (i + 1) % 10 == 0 or i + 1 == steps:
                 self.log.line(f"warmup_step:{i + 1}/{steps}")
         s.model.load_state_dict(model_state, strict=True)
         s.optimizers.load_state_dict(optimizer_state)
         self.stream.load_state_dict(stream_state)
+
+    def _switches_looping(self) -> bool:
+        m, t = self.s.cfg.model, self.s.cfg.train
+        return bool(m.recur_layers) and m.recur_count > 1 and t.recur_start_fraction > 0
+
+    def _loops_by(self, elapsed_ms: float) -> bool:
+        """Whether depth recurrence is on at this point of training: once recur_start_fraction
+        of the wallclock budget (under a cap) or of the iterations has passed."""
+        fraction = self.s.cfg.train.recur_start_fraction
+        if self.wallclock_ms:
+            return elapsed_ms >= fraction * self.wallclock_ms
+        return self.step >= fraction * self.s.cfg.train.iterations
+
+    def _set_looping(self, on: bool) -> None:
+        if not self._switches_looping() or self.s.model.recurring == on:
+            return
+        self.s.model.recurring = on
+        self.log.line(f"recurrence:{'on' if on else 'off'} step:{self.step} layers:"
+                      f"{','.join(map(str, self.s.cfg.model.recur_layers))} count:{self.s.cfg.model.recur_count}")
 
     def _direct_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.s
@@ -492,12 +515,16 @@ class Trainer:
         if self.gptq_reserve_ms > 0:
             self.log.line(f"gptq:reserving {self.gptq_reserve_ms:.0f}ms from training budget, "
                           f"effective={self.wallclock_ms:.0f}ms")
+        if self._switches_looping():  # where training stands (a resumed run may be past the switch)
+            s.model.recurring = self._loops_by(self.training_time_ms)
         try:
             synchronize(device)
             t0 = time.perf_counter()
             while True:
                 last_step = self.step == t.iterations or (
                     self.stop_after_step is not None and self.step >= self.stop_after_step)
+                self._set_looping(last_step or self._loops_by(self.training_time_ms + 1000.0 * (
+                    time.perf_counter() - t0)))
                 if last_step or (t.val_loss_every > 0 and self.step % t.val_loss_every == 0):
                     synchronize(device)
                     self.training_time_ms += 1000.0 * (time.perf_counter() - t0)
