@@ -230,3 +230,27 @@ def test_an_empty_validation_split_is_refused(tmp_path, data_bytefallback_tokeni
         prepare([small], tmp_path / "out", tokenizer=data_bytefallback_tokenizer, workers=1)
     with pytest.raises(ConfigError, match="shard_tokens=0"):
         prepare([small], tmp_path / "out", tokenizer=data_bytefallback_tokenizer, shard_tokens=0)
+
+
+@pytest.mark.parametrize("vocab", [4096, 8192])
+@pytest.mark.slow
+def test_the_larger_vocabularies_train_with_byte_fallback_and_a_model_takes_them(data_demo_corpus, tmp_path, vocab):
+    """The final records' tokenizer sizes, trained by prepare on the user's corpus: byte
+    fallback on, byte tables of that size, and a model that trains and scores on them
+    (train takes vocab_size from the data's tokenizer)."""
+    from windowgpt_cli.data.tokenizer import has_byte_fallback, load_byte_luts
+
+    data = tmp_path / f"sp{vocab}"
+    prepare([data_demo_corpus], data, vocab_size=vocab, val_fraction=0.05)
+    sp = load_sentencepiece(data / "tokenizer.model")
+    assert sp.vocab_size() == vocab and has_byte_fallback(sp)
+    assert load_byte_luts(data / "tokenizer.model", None, vocab).table_size == vocab
+    if vocab != 8192:  # the frontier preset's size trains below; one is enough
+        return
+    run = tmp_path / "run"
+    trained = run_cli("train", "--preset", "tiny", "--data", str(data), "--out", str(run), "--iterations", "2",
+                      "--warmdown-iters", "1")
+    assert trained.exit_code == 0, trained.output
+    assert json.loads((run / "config.json").read_text())["model"]["vocab_size"] == vocab
+    scored = run_cli("eval", str(run), "--data", str(data), "--json")
+    assert scored.exit_code == 0 and json.loads(scored.stdout)["val_bpb"] > 0
