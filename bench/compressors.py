@@ -13,7 +13,9 @@ the round trip and is timed on the CPU:
 - lzma-6-chunks: the payload cut into one chunk per CPU, each compressed (and decompressed)
   by xz preset 6 in its own thread; 8 bytes a chunk for the chunk table are counted;
 - zlib-9, bz2-9;
-- rans, auto: the .ptz compressors (whole .ptz files: header, payload hash and all).
+- rans, auto: the .ptz compressors (whole .ptz files: header, payload hash and all);
+- auto-exhaustive: auto's per-group stream with every codec tried on every layout, where
+  auto codes only the layout its stand-in (zlib) prefers and the bytes as stored.
 
 Candidates that use one core run side by side in --jobs processes (default: one per
 candidate, at most the CPU count); lzma-6-chunks, which uses every core, runs alone after
@@ -42,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from windowgpt_cli.artifacts import ptz  # noqa: E402
 
-from windowgpt_cli.artifacts import compressors
+from windowgpt_cli.artifacts import compressors, grouped
 
 console = Console(width=140)
 REFERENCE = "lzma-6"
@@ -83,6 +85,9 @@ CANDIDATES: dict[str, tuple[Callable[[bytes], bytes], Callable[[bytes], bytes]]]
     "bz2-9": (lambda b: bz2.compress(b, 9), bz2.decompress),
     "rans": _ptz_codec("rans"),
     "auto": _ptz_codec(compressors.AUTO),
+    # auto's search without its stand-in: every codec on every layout of every section (the
+    # bare stream, without the .ptz's few bytes of header)
+    "auto-exhaustive": (lambda b: grouped.compress(b, exhaustive=True)[0], lambda d: grouped.decompress(d, 1 << 40)),
 }
 
 

@@ -283,15 +283,19 @@ def test_rans_lanes_grow_with_the_symbols_within_bounds():
 
 def test_auto_codes_each_group_with_its_smallest_codec_and_layout():
     """Independent codes go to rans; codes repeating along columns to a transposed layout;
-    auto's sections are each the smallest of every codec and layout tried."""
+    the exhaustive search's sections are each the smallest of every codec and layout, and
+    auto's (two layouts a section: its stand-in's choice and the bytes as stored) within 1%."""
     noisy = _codes(300, 400, 6, 3)
     rows = (torch.arange(200)[:, None] % 7 - 3).expand(200, 300).to(torch.int8).contiguous()  # constant rows
     payload = tensorfile.dumps({"blocks.0.attn.c_q.weight.q": noisy, "blocks.0.mlp.fc.weight.q": rows})
     auto = ptz.compress_payload(payload, compressors.AUTO)
     assert ptz.compressor_of(auto) == "groups" and ptz.decompress_payload(auto, "x") == payload
-    _, sections = grouped.compress(payload)
+    _, sections = grouped.compress(payload, exhaustive=True)
     cost = {s.name: len(s.body) + grouped._order_bytes(s, s.transform) for s in sections}
     assert {s.name: s.transform for s in sections}["mlp/codes"] in ("transpose", "sort_transpose")
+    _, chosen = grouped.compress(payload)
+    assert {s.name: s.transform for s in chosen}["mlp/codes"] in ("transpose", "sort_transpose")
+    assert sum(len(s.body) for s in chosen) <= 1.01 * sum(len(s.body) for s in sections)
     for codec in codecs.available():
         for transform in grouped.TRANSFORMS:
             _, alone = grouped.compress(payload, [codec], [transform])

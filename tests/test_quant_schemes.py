@@ -256,7 +256,7 @@ def test_a_sorted_layout_pays_for_its_permutation_only_where_it_is_smaller():
     payload = _payload()
     _, sorted_only = grouped.compress(payload, ["lzma"], ["sort"])
     _, plain = grouped.compress(payload, ["lzma"], ["none"])
-    _, either = grouped.compress(payload, ["lzma"], ["none", "sort"])
+    _, either = grouped.compress(payload, ["lzma"], ["none", "sort"], exhaustive=True)
     mlp = {s.name: s for s in sorted_only}["mlp/codes"]
     cost = {"sort": len(mlp.body) + 2 * 64, "none": len({s.name: s for s in plain}["mlp/codes"].body)}
     assert {s.name: s for s in either}["mlp/codes"].transform == min(cost, key=cost.get)

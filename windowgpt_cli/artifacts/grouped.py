@@ -11,10 +11,11 @@ tensor group (attention, MLP, embeddings, other, control), laid out by one trans
 - sort_transpose: both, sorted first;
 - shuffle: the bytes of multi-byte values as planes (every first byte, then every second).
 
-Each section is then coded by a codec of `codecs`. `compress(payload)` tries every
-available codec with every transform that applies to the section and keeps the smallest
-(the work runs in threads: the codecs release the GIL); `compress(payload, codecs=...,
-transforms=...)` restricts the search. Everything else (the safetensors header, the tensors
+Each section is then coded by a codec of `codecs`. `compress(payload)` lays each section
+out every way that applies, keeps the layout a fast stand-in codec (zlib) codes smallest,
+codes it and the bytes as stored with every available codec and keeps the smallest (the work runs in threads:
+the codecs release the GIL); `exhaustive=True` codes every layout with every codec;
+`compress(payload, codecs=..., transforms=...)` restricts the search. Everything else (the safetensors header, the tensors
 too small to be worth a section) goes, with the map of the sections, into the first
 section, coded by lzma.
 
@@ -182,21 +183,32 @@ def _order_bytes(section: Section, transform: str) -> int:
 
 # --- Compressing --------------------------------------------------------------------------------
 
+# The layout search's stand-in codec: fast, and like the real ones it finds repeats and
+# skewed byte statistics, so the layout it codes smallest is nearly always theirs too.
+PROXY_LEVEL = 6
+
+
 def compress(payload: bytes, codecs_tried: Iterable[str] | None = None,
-             transforms: Iterable[str] | None = None, workers: int = 8) -> tuple[bytes, list[Section]]:
-    """The stream and its sections (with the codec and transform each one chose)."""
+             transforms: Iterable[str] | None = None, workers: int = 8,
+             exhaustive: bool = False) -> tuple[bytes, list[Section]]:
+    """The stream and its sections (with the codec and transform each one chose). Each codec
+    codes two layouts of a section, the one zlib (level PROXY_LEVEL) codes smallest and the
+    bytes as stored, and the smallest is kept; exhaustive: every codec codes every layout
+    (about three times the time where four layouts apply)."""
     tried = tuple(codecs_tried) if codecs_tried is not None else codecs.available()
     for codec in tried:
         codecs.require(codec)
     allowed = tuple(transforms) if transforms is not None else TRANSFORMS
     sections = plan_sections(payload)
-    jobs = []
     with ThreadPoolExecutor(workers) as pool:
-        for section in sections:
-            for transform in section.transforms:
-                if transform in allowed or transform == "none" and not set(allowed) & set(section.transforms):
-                    laid = _laid_out(payload, section, transform)
-                    jobs += [(section, transform, codec, pool.submit(codecs.encode, codec, laid)) for codec in tried]
+        layouts = {id(section): [(t, _laid_out(payload, section, t)) for t in section.transforms
+                                 if t in allowed or t == "none" and not set(allowed) & set(section.transforms)]
+                   for section in sections}
+        if not exhaustive:
+            layouts = {key: _proxy_choice(pool, options, section)
+                       for section in sections for key, options in [(id(section), layouts[id(section)])]}
+        jobs = [(section, transform, codec, pool.submit(codecs.encode, codec, laid))
+                for section in sections for transform, laid in layouts[id(section)] for codec in tried]
         best: dict[int, tuple[int, str, str, bytes]] = {}
         for section, transform, codec, future in jobs:
             body = future.result()
@@ -206,6 +218,19 @@ def compress(payload: bytes, codecs_tried: Iterable[str] | None = None,
     for section in sections:
         _, section.transform, section.codec, section.body = best[id(section)]
     return _stream(payload, sections), sections
+
+
+def _proxy_choice(pool: ThreadPoolExecutor, options: list[tuple[str, bytes]],
+                  section: Section) -> list[tuple[str, bytes]]:
+    """Of a section's layouts, the one the stand-in codec codes smallest (its permutations'
+    bytes counted), and the bytes as stored, which need no permutation (a codec blind to
+    the order of bytes, as rANS of bytes is, codes every layout alike)."""
+    if len(options) <= 1:
+        return options
+    sizes = [pool.submit(lambda laid: len(zlib.compress(laid, PROXY_LEVEL)), laid) for _, laid in options]
+    costs = [size.result() + _order_bytes(section, t) for size, (t, _) in zip(sizes, options)]
+    chosen = options[costs.index(min(costs))]
+    return [chosen] + [option for option in options if option[0] == "none" and option is not chosen]
 
 
 def _stream(payload: bytes, sections: list[Section]) -> bytes:
