@@ -186,27 +186,20 @@ def test_yarn_keeps_high_frequencies_interpolates_low_ones_and_only_beyond_the_t
     assert torch.isfinite(model.forward_logits(tokens(256))).all()
 
 
-def test_settings_are_checked():
+@pytest.mark.parametrize("changes, message", [
+    (dict(attn_out_gate_width=600), "attn_out_gate_width=600 must be at most model_dim=512"),
+    (dict(parallel_start_layer=3), "parallel_start_layer=3 must be 0 or a decoder layer, 5..10"),
+    (dict(recur_layers=(3, 5), recur_count=3), "consecutive"),
+    (dict(recur_layers=(9, 10), recur_count=3), "lie in 0..9"),
+    (dict(recur_layers=(), recur_count=3), "give the layers"),
+    (dict(recur_layers=(6, 7, 8), parallel_start_layer=8), "before parallel_start_layer=8"),
+    (dict(doc_boundary_token=1024), "doc_boundary_token=1024 is no token"),
+])
+def test_settings_are_checked(changes, message):
     cfg = RunConfig()
-    cfg.model.attn_out_gate_width = 600
-    with pytest.raises(SettingError, match="attn_out_gate_width=600 must be at most model_dim=512"):
-        validate(cfg)
-    cfg = RunConfig()
-    cfg.model.parallel_start_layer = 3
-    with pytest.raises(SettingError, match="parallel_start_layer=3 must be 0 or a decoder layer, 5..10"):
-        validate(cfg)
-    for layers, count, message in [((3, 5), 3, "consecutive"), ((9, 10), 3, "lie in 0..9"), ((), 3, "give the layers")]:
-        cfg = RunConfig()
-        cfg.model.recur_layers, cfg.model.recur_count = layers, count
-        with pytest.raises(SettingError, match=message):
-            validate(cfg)
-    cfg = RunConfig()
-    cfg.model.recur_layers, cfg.model.parallel_start_layer = (6, 7, 8), 8
-    with pytest.raises(SettingError, match="before parallel_start_layer=8"):
-        validate(cfg)
-    cfg = RunConfig()
-    cfg.model.doc_boundary_token = 1024
-    with pytest.raises(SettingError, match="doc_boundary_token=1024 is no token"):
+    for name, value in changes.items():
+        setattr(cfg.model, name, value)
+    with pytest.raises(SettingError, match=message):
         validate(cfg)
 
 
