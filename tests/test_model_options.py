@@ -258,3 +258,35 @@ def test_train_takes_the_vocabulary_of_the_datas_tokenizer(data_bytefallback_tok
     assert "note: vocab_size=512, the data's tokenizer's (not 1024)" in shown.output
     bad = runner.invoke(app, ["train", "--preset", "tiny", "--data", str(data), "--vocab-size", "1024", "--dry-run"])
     assert bad.exit_code == 1 and "has 512 tokens but vocab_size=1024" in bad.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_fused_scoring_and_graphed_decoding_take_the_options():
+    """bf16 on CUDA: the fused scoring steps give torch's logits to bf16 rounding, and the
+    compiled, graph-replayed decoder (a cache for each run of the looped layer) chooses
+    greedy tokens of recomputing the context."""
+    from windowgpt_cli.generate.decoding import RecomputingDecoder
+    from windowgpt_cli.model.fused_ops import FusedOps
+    from windowgpt_cli.model.gpt import use_cuda_dtypes
+
+    model = perturbed_tiny(**OPTIONS)
+    use_cuda_dtypes(model)
+    model = model.cuda()
+    model.set_attention_backend("auto", torch.device("cuda"))
+    x = tokens(64).cuda()
+    x[:, 30] = 1
+    positions = torch.arange(32, 64, device="cuda").expand(2, -1)
+    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+        fused = model.logits_at(x, positions, ops=FusedOps()).float()
+        reference = model.logits_at(x, positions).float()
+    assert (fused - reference).abs().max() < 0.05 * reference.abs().max()
+    prompt = tokens(30)[0].tolist()
+    out = generate(model, prompt, 100, temperature=0.0, compile_step=True)
+    recomputed = RecomputingDecoder(model)
+    text = list(prompt)
+    with torch.inference_mode():
+        for i, token in enumerate(out.new_tokens):
+            logits = recomputed.next_logits(torch.tensor([text], device="cuda"))[0]
+            assert logits[token] >= logits.max() - 0.15, (i, token, int(logits.argmax()))
+            text.append(token)
