@@ -213,7 +213,8 @@ def test_decoding_with_the_options_chooses_the_tokens_of_recomputation():
 
 
 @pytest.mark.slow
-def test_every_stage_takes_a_model_with_the_options(tiny_data_dir, tmp_path):
+def test_every_stage_takes_a_model_with_the_options(tiny_data_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # transformers copies the model's code there
     runner = CliRunner()
 
     def ok(*args: str) -> str:
@@ -241,6 +242,16 @@ def test_every_stage_takes_a_model_with_the_options(tiny_data_dir, tmp_path):
         assert json.loads(ok(*command))["val_bpb"] > 0
     assert "It was" in ok("generate", str(ptz), "--prompt", "It was", "--max-new-tokens", "8")
     assert "skip_gates" in ok("inspect", str(ptz))
+    transformers = pytest.importorskip("transformers")  # the Hugging Face folder computes the same logits
+    ok("export", str(run), "--out", str(tmp_path / "hf"), "--format", "hf")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True)
+    from windowgpt_cli.model.gpt import build_model
+
+    ours = build_model(load_weights(export).config.model, torch.device("cpu"), initialize=False)
+    ours.load_state_dict(trained)
+    x = tokens(40)
+    with torch.no_grad():
+        assert torch.equal(hf_model.eval()(x).logits, ours.eval().forward_logits(x))
 
 
 def test_train_takes_the_vocabulary_of_the_datas_tokenizer(data_bytefallback_tokenizer, data_demo_corpus, tmp_path):
