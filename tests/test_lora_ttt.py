@@ -178,6 +178,8 @@ def test_eval_ttt_method_lora_reports_and_saves_its_score(eval_run_dir, tmp_path
     assert record["mode"] == "ttt_lora" and record["tokens"] == 4 * 128
     assert len(record["per_phase"]) == 2 and record["ttt"]["ttt_lora_rank"] == 2
     assert record["eval_cap"]["cap_seconds"] is None and record["eval_cap"]["hardware"] == "1 x cpu"
+    assert record["eval_cap"]["seconds"] == pytest.approx(record["timings_s"]["total"], abs=1e-3)  # the whole command
+    assert record["eval_cap"]["seconds"] > record["seconds"]
     saved = json.loads((eval_run_dir / "eval-ttt_lora.json").read_text())
     assert saved["val_bpb"] == record["val_bpb"]
     table = runner.invoke(app, args[:-1])

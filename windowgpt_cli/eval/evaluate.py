@@ -215,7 +215,6 @@ def ttt_evaluate_artifact(artifact: Path, data_dir: Path, *, settings: Settings 
         record["ttt"] = dataclasses.asdict(ttt)
         record["ttt_order"] = TTT_ORDER
         record["ttt_steps"] = result.ttt_steps
-        record["eval_cap"] = eval_cap(result.seconds, ctx)
         scores = [{"loss_sum": c.loss_sum, "tokens": c.tokens, "bytes": c.bytes, "val_bpb": c.val_bpb}
                   for c in result.per_chunk]
         if lora:
@@ -229,8 +228,9 @@ def ttt_evaluate_artifact(artifact: Path, data_dir: Path, *, settings: Settings 
 
 
 def eval_cap(seconds: float, ctx: DistContext) -> dict[str, Any]:
-    """The scoring's wall time against the challenge's evaluation cap scaled to this
-    hardware (None where the hardware is not one the challenge's GPU can be compared with)."""
+    """The command's wall time so far (from its process's start) against the challenge's
+    evaluation cap scaled to this hardware (None where the hardware is not one the
+    challenge's GPU can be compared with)."""
     name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
     cap = scaled_eval_cap(name, ctx.world_size)
     return {"seconds": round(seconds, 3), "cap_seconds": cap, "hardware": f"{ctx.world_size} x {name}",
@@ -252,6 +252,7 @@ def _saved_report(artifact: Path, result: Any, record: dict[str, Any], phases: P
                   ctx: DistContext) -> EvalReport:
     """The report, its timings added, and saved beside the artifact (for `compare` and `inspect`) by rank 0."""
     add_timings(record, phases, result)
+    record["eval_cap"] = eval_cap(record["timings_s"]["total"], ctx)
     if ctx.is_main:
         save_eval_result(artifact, record)
     return EvalReport(result, record, ctx.is_main)
