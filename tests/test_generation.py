@@ -191,6 +191,20 @@ def test_generate_refuses_another_tokenizer_in_one_line(eval_run_dir, eval_data_
     assert "differs from the tokenizer" in result.output and "Traceback" not in result.output
 
 
+def assert_greedy_choices_of_recomputation(model, prompt: list[int], new_tokens: list[int]) -> None:
+    """Each new token is a greedy choice of recomputing its whole context on CUDA, to bf16
+    rounding (two near-equal logits of a random model may swap)."""
+    from windowgpt_cli.generate.decoding import RecomputingDecoder
+
+    recomputed = RecomputingDecoder(model)
+    text = list(prompt)
+    with torch.inference_mode():
+        for i, token in enumerate(new_tokens):
+            logits = recomputed.next_logits(torch.tensor([text], device="cuda"))[0]
+            assert logits[token] >= logits.max() - 0.15, (i, token, int(logits.argmax()))
+            text.append(token)
+
+
 @pytest.mark.gpu
 def test_graphed_decoding_chooses_the_tokens_of_recomputation_on_cuda(eval_model):
     """bf16 on CUDA, the step compiled and replayed as a CUDA graph: every greedy token is a
@@ -198,7 +212,6 @@ def test_graphed_decoding_chooses_the_tokens_of_recomputation_on_cuda(eval_model
     random model may swap), and sampling stays reproducible per sample."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from windowgpt_cli.generate.decoding import RecomputingDecoder
     from windowgpt_cli.model.gpt import use_cuda_dtypes
 
     use_cuda_dtypes(eval_model)
@@ -206,12 +219,6 @@ def test_graphed_decoding_chooses_the_tokens_of_recomputation_on_cuda(eval_model
     prompt = random_tokens(40, seed=4)
     out = generate(model, prompt, NEW_TOKENS, temperature=0.0, compile_step=True)
     assert out.context_restarts == restarts(range(40, 40 + NEW_TOKENS)) and out.first_call_seconds > 0
-    recomputed = RecomputingDecoder(model)
-    text = list(prompt)
-    with torch.inference_mode():
-        for i, token in enumerate(out.new_tokens):
-            logits = recomputed.next_logits(torch.tensor([text], device="cuda"))[0]
-            assert logits[token] >= logits.max() - 0.15, (i, token, int(logits.argmax()))
-            text.append(token)
+    assert_greedy_choices_of_recomputation(model, prompt, out.new_tokens)
     sampled = [generate(model, prompt, 64, num_samples=n, temperature=0.9, top_k=20, seed=3).samples for n in (4, 2)]
     assert sampled[0][:2] == sampled[1]

@@ -68,7 +68,7 @@ def test_documents_partition_the_targets_and_phases_split_the_prefix(doc_tokens)
 def test_chunk_windows_end_with_their_chunk_within_the_document_or_the_stream(doc_tokens, stream):
     docs = find_documents(doc_tokens)
     for index in range(15):
-        rows = chunk_rows(docs, 16, index, 16, SEQ, stream_context=stream)
+        rows = chunk_rows(docs, index, 16, SEQ, stream_context=stream)
         assert rows.width % 64 == 0 or rows.width == SEQ
         for b, d in enumerate(docs):
             targets = (rows.window_start[b] + rows.queries[b][rows.valid[b]]).tolist()
@@ -185,7 +185,8 @@ def test_eval_ttt_method_lora_reports_and_saves_its_score(eval_run_dir, tmp_path
     table = runner.invoke(app, args[:-1])
     assert table.exit_code == 0 and "phase group 2" in table.output and "no cap for 1 x cpu" in table.output
     bad = runner.invoke(app, args[:-1] + ["--ttt-lora-targets", "q,mlp"])
-    assert bad.exit_code == 1 and "error: --ttt-lora-targets 'q,mlp': 'mlp' is none of q, k, v, o, up, down, head\n" == bad.output
+    assert bad.exit_code == 1
+    assert bad.output == "error: --ttt-lora-targets 'q,mlp': 'mlp' is none of q, k, v, o, up, down, head\n"
     assert runner.invoke(app, args[:-1] + ["--method", "sgd"]).exit_code == 2
 
 

@@ -15,6 +15,7 @@ from windowgpt_cli.errors import SettingError
 from windowgpt_cli.generate.decoding import generate
 from windowgpt_cli.model.ops import TORCH_OPS, Residual
 
+from test_generation import assert_greedy_choices_of_recomputation
 from test_model import perturbed_tiny
 
 OPTIONS = dict(skip_gates=True, attn_out_gate_width=12, attn_out_gate_scale=0.5, doc_boundary_token=1,
@@ -277,7 +278,6 @@ def test_on_cuda_fused_scoring_and_graphed_decoding_take_the_options():
     """bf16 on CUDA: the fused scoring steps give torch's logits to bf16 rounding, and the
     compiled, graph-replayed decoder (a cache for each run of the looped layer) chooses
     greedy tokens of recomputing the context."""
-    from windowgpt_cli.generate.decoding import RecomputingDecoder
     from windowgpt_cli.model.fused_ops import FusedOps
     from windowgpt_cli.model.gpt import use_cuda_dtypes
 
@@ -294,10 +294,4 @@ def test_on_cuda_fused_scoring_and_graphed_decoding_take_the_options():
     assert (fused - reference).abs().max() < 0.05 * reference.abs().max()
     prompt = tokens(30)[0].tolist()
     out = generate(model, prompt, 100, temperature=0.0, compile_step=True)
-    recomputed = RecomputingDecoder(model)
-    text = list(prompt)
-    with torch.inference_mode():
-        for i, token in enumerate(out.new_tokens):
-            logits = recomputed.next_logits(torch.tensor([text], device="cuda"))[0]
-            assert logits[token] >= logits.max() - 0.15, (i, token, int(logits.argmax()))
-            text.append(token)
+    assert_greedy_choices_of_recomputation(model, prompt, out.new_tokens)

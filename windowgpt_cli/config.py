@@ -756,6 +756,7 @@ def validate(cfg: RunConfig) -> None:
     """Raise ConfigError naming the first invalid setting or combination."""
     _check_settings(cfg)
     m, t = cfg.model, cfg.train
+    loop_problem, targets_problem = recur_problem(m), lora_targets_problem(cfg.ttt.ttt_lora_targets)
     checks: list[tuple[bool, str | None, str]] = [  # (holds, the setting it is about, message)
         (parameter_estimate(m) <= MAX_PARAMETERS, None, f"the model's shape gives about {parameter_estimate(m):,} "
                                                         f"parameters, more than {MAX_PARAMETERS:,}"),
@@ -781,8 +782,7 @@ def validate(cfg: RunConfig) -> None:
         (m.parallel_start_layer == 0 or m.num_layers // 2 <= m.parallel_start_layer < m.num_layers,
          "parallel_start_layer", f"parallel_start_layer={m.parallel_start_layer} must be 0 or a decoder layer, "
          f"{m.num_layers // 2}..{m.num_layers - 1}"),
-        (recur_problem(m) is None, "recur_layers", f"recur_layers={','.join(map(str, m.recur_layers))}: "
-                                                  f"{recur_problem(m)}"),
+        (loop_problem is None, "recur_layers", f"recur_layers={','.join(map(str, m.recur_layers))}: {loop_problem}"),
         (m.attn_out_gate_width <= m.model_dim, "attn_out_gate_width",
          f"attn_out_gate_width={m.attn_out_gate_width} must be at most model_dim={m.model_dim}"),
         (m.doc_boundary_token < m.vocab_size, "doc_boundary_token",
@@ -801,8 +801,8 @@ def validate(cfg: RunConfig) -> None:
          "quant_gptq_embed needs use_gptq (--gptq)"),
         (not cfg.quant.quant_gptq_embed or m.tie_embeddings, "quant_gptq_embed",
          "quant_gptq_embed needs tied embeddings (its Hessian is the output layer's input)"),
-        (lora_targets_problem(cfg.ttt.ttt_lora_targets) is None, "ttt_lora_targets",
-         f"ttt_lora_targets={cfg.ttt.ttt_lora_targets!r}: {lora_targets_problem(cfg.ttt.ttt_lora_targets)}"),
+        (targets_problem is None, "ttt_lora_targets",
+         f"ttt_lora_targets={cfg.ttt.ttt_lora_targets!r}: {targets_problem}"),
     ]
     for ok, name, message in checks:
         if not ok:

@@ -32,23 +32,23 @@ def results_table(record: dict[str, Any], title: str) -> Table:
     table = Table(title=title, show_header=False)
     table.add_column("metric", style="bold")
     table.add_column("value", justify="right")
+    lora = record.get("mode") == "ttt_lora"
+    windows = ([("seq_len / documents per batch", f"{record['seq_len']} / {record['batch_seqs']}")] if lora else
+               [("seq_len / stride", f"{record['seq_len']} / {record['stride']}"),
+                ("windows per batch", str(record["batch_seqs"]))])
     rows = [
         ("val_bpb", f"{record['val_bpb']:.8f}"),
         ("val_loss", f"{record['val_loss']:.8f}"),
         ("mode", record["mode"]),
-        ("seq_len / stride", f"{record['seq_len']} / {record['stride']}"),
-        ("windows per batch", str(record["batch_seqs"])),
+        *windows,
         ("tokens scored", f"{record['tokens']:,}"),
         ("bytes", f"{record['bytes']:,}"),
         ("seconds", f"{record['seconds']:.2f}"),
         ("tokens / second", f"{record['tokens_per_second']:,.0f}"),
         ("artifact", f"{record['artifact']} ({record['artifact_kind']}, sha256 {record['artifact_sha256'][:16]})"),
     ]
-    if record.get("mode") == "ttt_lora":
-        rows[3] = ("seq_len / documents per batch", f"{record['seq_len']} / {record['batch_seqs']}")
-        del rows[4]
-        rows += [(f"phase group {i + 1}", "-" if p["val_bpb"] is None else f"val_bpb {p['val_bpb']:.6f} "
-                  f"({p['tokens']:,} tokens)") for i, p in enumerate(record.get("per_phase", []))]
+    rows += [(f"phase group {i + 1}", "-" if p["val_bpb"] is None else f"val_bpb {p['val_bpb']:.6f} "
+              f"({p['tokens']:,} tokens)") for i, p in enumerate(record.get("per_phase", []))]
     if record.get("eval_cap"):
         rows.append(("time against the cap", cap_text(record["eval_cap"])))
     for name, value in rows:

@@ -8,9 +8,10 @@ LoRA adapters over a window of the document that ends with the chunk, and then, 
 document has a later chunk, the adapters take one AdamW step on that chunk's mean loss. The
 adapters start afresh with every document. With ttt_lora_context=stream a window reaches
 back across document boundaries to earlier tokens, as sliding evaluation's do (for a model
-trained on packed documents, whose predictions lean on the documents before). Documents are scored side by side, each row of
-a batch with its own adapters (batched products), longest first, so that a batch's rows end
-together; a window is padded on its right, which a causal model never reads.
+trained on packed documents, whose predictions lean on the documents before). Documents are
+scored side by side, each row of a batch with its own adapters (batched products), longest
+first, so that a batch's rows end together; a window is padded on its right, which a causal
+model never reads.
 
 Global phases: the first ttt_lora_prefix_docs documents, in stream order, fall into
 ttt_lora_phases equal groups. Once a group is scored entirely, the model itself trains on
@@ -27,7 +28,6 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -96,7 +96,7 @@ class ChunkRows:
     width: int  # T, the rows' padded length
 
 
-def chunk_rows(docs: list[Document], chunk: int, index: int, chunk_tokens: int, seq_len: int,
+def chunk_rows(docs: list[Document], index: int, chunk_tokens: int, seq_len: int,
                rounding: int = WINDOW_ROUNDING, stream_context: bool = False) -> ChunkRows:
     """The rows of chunk `index` of each document (a document past its last chunk scores
     nothing). Chunk j of a document scores its targets start + j C .. (end or start + (j+1) C)
@@ -112,7 +112,7 @@ def chunk_rows(docs: list[Document], chunk: int, index: int, chunk_tokens: int, 
     window_len = (chunk_end - window_start).clamp(min=1)
     longest = int(window_len.max())
     width = min(max(seq_len, longest), math.ceil(longest / rounding) * rounding)
-    offsets = torch.arange(chunk, dtype=torch.int64)
+    offsets = torch.arange(chunk_tokens, dtype=torch.int64)
     valid = offsets[None, :] < count[:, None]
     queries = (chunk_start - window_start)[:, None] + offsets[None, :]
     queries = torch.where(valid, queries, window_len[:, None] - 1).clamp(0, width - 1)
@@ -215,7 +215,7 @@ class BatchScorer:
                 # Documents that have ended drop out of the batch (their adapters stay unused).
                 active = [b for b, d in enumerate(docs) if index * chunk_tokens < d.targets]
                 lora.rows = None if len(active) == len(docs) else torch.tensor(active, device=self.device)
-                rows = chunk_rows([docs[b] for b in active], chunk_tokens, index, chunk_tokens, self.seq_len,
+                rows = chunk_rows([docs[b] for b in active], index, chunk_tokens, self.seq_len,
                                   stream_context=ttt.ttt_lora_context == "stream")
                 trains = bool(rows.trains.any())
                 with torch.set_grad_enabled(trains):

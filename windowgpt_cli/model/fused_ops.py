@@ -24,7 +24,7 @@ from ..kernels.elementwise import MatmulTiles, float32_values
 from ..runtime import run_in_threads
 from .attention import window_kernel_builds
 from .gpt import GPT
-from .ops import Residual, TorchOps, ValueInjection, smear
+from .ops import TORCH_OPS, Residual, TorchOps, ValueInjection, smear
 from .rotary import rotary_inv_freq, rotary_tables
 
 
@@ -179,7 +179,7 @@ def _stream_norm(stream: Residual, x0: SmearedEmbedding | Tensor | None, factor:
     use are filled with tensors of the used ones' dtypes, so that every call shares one
     compiled kernel (calls with float32 x0 values, a second one)."""
     if stream.skip_gate is not None:  # a gated skip: the sum formed in torch first
-        stream = Residual(TorchOps().stream_sum(stream).contiguous())
+        stream = Residual(TORCH_OPS.stream_sum(stream).contiguous())
     if len(stream.deltas) > 2:
         raise ValueError(f"the fused residual stream sums at most two scaled terms, not {len(stream.deltas)}")
     base_is_x0 = isinstance(stream.base, SmearedEmbedding)

@@ -601,7 +601,8 @@ class GPT(nn.Module):
         """The rows the last block reads for runs of queries (`window_key_rows`), where it
         attends in windows and they are fewer than the sequence; else None."""
         attn = self.blocks[-1].attn
-        if self.num_layers < 2 or attn.window <= 0 or self.lane_mix is not None or attn.sinks + attn.window + queries.size(1) >= seq_len:
+        if self.num_layers < 2 or attn.window <= 0 or self.lane_mix is not None \
+                or attn.sinks + attn.window + queries.size(1) >= seq_len:
             return None
         return window_key_rows(queries, seq_len, attn.window, attn.sinks)
 
