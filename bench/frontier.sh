@@ -1,25 +1,76 @@
 #!/usr/bin/env bash
-# The frontier preset (docs/usage.md) on the blog corpus: its own 8,192-token tokenizer, then
-# TRAIN_SECONDS (default 240) of training, quantize (the preset's GPTQ, int7 embedding, LQER;
-# rans unless COMPRESSOR), stride-64 sliding evaluation and the preset's LoRA TTT through
-# bench/ttt_methods.sh's measure phase (MODEL=frontier_240s in LOG_DIR/ttt_h200.json).
-#   PHASE=train    WORK/data (sp8192), WORK/run, WORK/export, WORK/model.ptz, LOG_DIR/quantize.json
-#   PHASE=measure  bench/ttt_methods.sh PHASE=measure on WORK (sliding, chunks, lora)
-# usage: [PHASE=train|measure] [TRAIN_SECONDS=240] bench/frontier.sh SHARED_DIR WORK_DIR LOG_DIR
+# The default preset (the record's windows) against --preset frontier and the frontier preset
+# without each of its three largest ideas, at an equal budget on the blog corpus: TRAIN_SECONDS
+# (default 240) of training and GPTQ calibration, quantize --gptq (rans unless COMPRESSOR),
+# eval --stride 64. Each preset reads its own tokenizer's data: the shared sp1024 for default
+# and frontier_sp1024, one trained by `prepare --vocab-size 8192` on the training split for
+# the others (bits per byte compare across tokenizers).
+#   RUNS (default: all, in this order)  default frontier frontier_sp1024 frontier_no_recur
+#                                       frontier_no_parallel
+#   TRAIN_FLAGS                         more train flags for every run (a smaller model to
+#                                       check the script on a CPU)
+#   DEADLINE_S (default 570)            a run starts only while the estimate of its time
+#                                       (RUN_ESTIMATE_S, default 400) fits before it
+# Each run leaves LOG_DIR/NAME/{train.log,summary.json,quantize.json,eval.json} and WORK/NAME/
+# model.ptz; LOG_DIR/frontier_h200.json collects them (bench/frontier_results.py merges
+# several calls' logs into bench/results/frontier_h200.json).
+# usage: [RUNS="..."] [TRAIN_SECONDS=240] bench/frontier.sh SHARED_DIR WORK_DIR LOG_DIR
 source "$(dirname "$0")/lib.sh"
-phase=${PHASE:-all}
-if [ "$phase" != measure ]; then
-  wg prepare "$shared"/data/blogs/train_*.jsonl.xz --val "$shared/data/blogs/val.jsonl.xz" --vocab-size 8192 \
-    --out "$work/data" > "$logs/prepare.log" 2>&1 || { tail "$logs/prepare.log"; exit 1; }
-  wg train --preset frontier --data "$work/data" --out "$work/run" --max-wallclock-seconds "${TRAIN_SECONDS:-240}" \
-    --val-loss-every 0 --train-log-every 100 > "$logs/train.log" 2>&1 || { tail -20 "$logs/train.log"; exit 1; }
-  tail -4 "$logs/train.log"
-  wg export "$work/run" --out "$work/export" > "$logs/export.log" 2>&1 || { tail "$logs/export.log"; exit 1; }
-  wg quantize "$work/export" --out "$work/model.ptz" --gptq --compressor "${COMPRESSOR:-rans}" --json \
-    > "$logs/quantize.json" 2> "$logs/quantize.log" || { tail "$logs/quantize.log"; exit 1; }
-  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('bytes', r['total_bytes'], 'within', r['within_budget'])" \
-    "$logs/quantize.json"
-fi
-if [ "$phase" != train ]; then
-  PHASE=measure MODEL=${MODEL:-frontier_240s} bash "$repo/bench/ttt_methods.sh" "$shared" "$work" "$logs"
-fi
+started=$SECONDS
+runs=${RUNS:-default frontier frontier_sp1024 frontier_no_recur frontier_no_parallel}
+record_windows=(--window-attn-size 512 --num-sink-tokens 4 --window-attn-layers 2,4,6,8,10 --use-gptq)
+
+data_for() {  # NAME -> the folder of that run's data, prepared once per call
+  case $1 in
+    default|frontier_sp1024)
+      [ -d "$work/data_sp1024" ] || prepare_blogs "$work/data_sp1024" || return 1
+      echo "$work/data_sp1024" ;;
+    *)
+      if [ ! -d "$work/data_sp8192" ]; then
+        wg prepare "$shared"/data/blogs/train_*.jsonl.xz --val "$shared/data/blogs/val.jsonl.xz" --vocab-size 8192 \
+          --out "$work/data_sp8192" > "$logs/prepare_sp8192.log" 2>&1 || { tail "$logs/prepare_sp8192.log" >&2; return 1; }
+      fi
+      echo "$work/data_sp8192" ;;
+  esac
+}
+
+flags_for() {  # NAME -> its train flags, one a line
+  case $1 in
+    default) printf '%s\n' "${record_windows[@]}" ;;
+    frontier) printf '%s\n' --preset frontier ;;
+    frontier_sp1024) printf '%s\n' --preset frontier --vocab-size 1024 ;;
+    frontier_no_recur) printf '%s\n' --preset frontier --recur-layers "" --recur-count 1 ;;
+    frontier_no_parallel) printf '%s\n' --preset frontier --parallel-start-layer 0 ;;
+    *) echo "unknown run $1" >&2; return 1 ;;
+  esac
+}
+
+step() {  # LOG NAME ARGS...: one command, its output in LOG; the log's end on failure
+  local log=$1; shift
+  wg "$@" > "$log" 2> "${log%.*}.err" || { tail -20 "$log" "${log%.*}.err"; return 1; }
+}
+
+measure() {  # NAME: train, export, quantize and evaluate one run
+  local name=$1 data dir=$work/$1 out=$logs/$1 flags
+  data=$(data_for "$name") || return 1
+  mapfile -t flags < <(flags_for "$name") || return 1
+  mkdir -p "$out"; rm -rf "$dir"
+  step "$out/train.log" train --data "$data" --out "$dir/run" --max-wallclock-seconds "${TRAIN_SECONDS:-240}" \
+    --val-loss-every 0 --train-log-every 100 "${flags[@]}" ${TRAIN_FLAGS:-} || return 1
+  grep -hE "graphs_after_warmup|recurrence:|stopping_early|post_ema" "$out/train.log"
+  cp "$dir/run/summary.json" "$dir/run/config.json" "$out/"
+  step "$out/export.log" export "$dir/run" --out "$dir/export" || return 1
+  step "$out/quantize.json" quantize "$dir/export" --out "$dir/model.ptz" --gptq --compressor "${COMPRESSOR:-rans}" \
+    --budget 100000000 --json || return 1
+  step "$out/eval.json" eval "$dir/model.ptz" --data "$data" --stride 64 --json || return 1
+  python3 "$repo/bench/frontier_results.py" "$logs" --out "$logs/frontier_h200.json" --only "$name"
+}
+
+for name in $runs; do
+  left=$(( ${DEADLINE_S:-570} - (SECONDS - started) ))
+  if [ "$left" -lt "${RUN_ESTIMATE_S:-400}" ]; then
+    echo "skipped $name: ${left}s left before the deadline"; continue
+  fi
+  # TORCH_LOGS=recompiles: any step that recompiles after the warm-up says so in train.err
+  TORCH_LOGS=recompiles measure "$name" || echo "run $name failed"
+done

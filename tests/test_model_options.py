@@ -295,3 +295,18 @@ def test_on_cuda_fused_scoring_and_graphed_decoding_take_the_options():
     prompt = tokens(30)[0].tolist()
     out = generate(model, prompt, 100, temperature=0.0, compile_step=True)
     assert_greedy_choices_of_recomputation(model, prompt, out.new_tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_warm_up_compiles_both_depths_and_training_compiles_nothing(tiny_data_dir, tmp_path):
+    """Depth recurrence switched on half way: the warm-up compiles the graphs with and without
+    the loop, so no training step nor the validations compile another."""
+    run = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", "--preset", "tiny", "--data", str(tiny_data_dir), "--out", str(run),
+                                      "--device", "cuda", "--compile", "--iterations", "12", "--warmdown-iters", "4",
+                                      "--val-loss-every", "6", *OPTION_FLAGS])
+    assert result.exit_code == 0, result.output
+    log = (run / "train.log").read_text()
+    assert "recurrence:on step:6 layers:1 count:2" in log
+    assert json.loads((run / "summary.json").read_text())["graphs_compiled_in_training"] == 0, log

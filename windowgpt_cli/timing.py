@@ -52,6 +52,15 @@ def compile_seconds() -> float:
     return compile_phases().get("total_wall_time", 0.0)
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (0 when it never ran): a
+    difference of two readings counts the recompilations in between."""
+    import sys
+
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
+
+
 def compile_line() -> str:
     """`compile: 41.2s (inductor_compile 30.1s, ...)`: the phases of a second or more."""
     phases = compile_phases()

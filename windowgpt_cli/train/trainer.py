@@ -49,7 +49,7 @@ from ..runtime import (
     threads_meanwhile,
 )
 from ..storage.files import json_text, sha256_file, tensors_sha256
-from ..timing import Phases
+from ..timing import Phases, compiled_graphs
 from .optim import Optimizers, WeightAverages, build_optimizers, lr_scale, muon_momentum_at
 
 TRAINING_BYTES_PER_PARAMETER = 24
@@ -87,6 +87,9 @@ class TrainResult:
     checkpoint: Path | None = None
     calibration: dict[str, Any] | None = None  # GPTQ calibration inside training (summary.json's record)
     devices: list[str] | None = None  # each rank's GPU name, or "cpu"
+    # Graphs torch.compile built during the training loop, after the warm-up: 0 when every
+    # variant (depth recurrence on and off, validation) was compiled ahead.
+    graphs_compiled_in_training: int = 0
 
 
 class RunLog:
@@ -306,6 +309,7 @@ class Trainer:
                  phases: Phases | None = None):
         self.s, self.out_dir, self.log, self.progress = setup, out_dir, log, progress
         self.phases = phases or Phases()  # where the time outside the training steps goes
+        self.graphs_before_loop = 0
         t = setup.cfg.train
         self.wallclock_ms = 1000.0 * t.max_wallclock_seconds if t.max_wallclock_seconds > 0 else None
         # GPTQ calibration counts as training: under a cap, training leaves it this much time.
@@ -517,6 +521,7 @@ class Trainer:
                           f"effective={self.wallclock_ms:.0f}ms")
         if self._switches_looping():  # where training stands (a resumed run may be past the switch)
             s.model.recurring = self._loops_by(self.training_time_ms)
+        self.graphs_before_loop = compiled_graphs()
         try:
             synchronize(device)
             t0 = time.perf_counter()
@@ -606,6 +611,9 @@ class Trainer:
 
     def _finish(self, prefetcher: Prefetcher, last_val: tuple[float, float] | None) -> TrainResult:
         s = self.s
+        recompiled = compiled_graphs() - self.graphs_before_loop
+        if s.compiled:
+            self.log.line(f"compile:graphs_after_warmup:{recompiled}")
         if s.ctx.device.type == "cuda":
             self.log.line(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 1024 // 1024} MiB "
                           f"reserved: {torch.cuda.max_memory_reserved() // 1024 // 1024} MiB")
@@ -627,7 +635,8 @@ class Trainer:
         val_loss, val_bpb = last_val if last_val is not None else (None, None)
         return TrainResult(self.step, self.training_time_ms, finished=True, val_loss=val_loss, val_bpb=val_bpb,
                            post_ema_val_loss=ema_loss, post_ema_val_bpb=ema_bpb, checkpoint=path,
-                           calibration=calibration, devices=gather_from_ranks(device_name(s.ctx.device)))
+                           calibration=calibration, devices=gather_from_ranks(device_name(s.ctx.device)),
+                           graphs_compiled_in_training=recompiled)
 
     def calibrate_gptq(self, ema: dict[str, torch.Tensor]) -> dict[str, Any]:
         """GPTQ's Hessians from training batches under the EMA weights (loaded in the model),

@@ -1,0 +1,78 @@
+"""Collect bench/frontier.sh's runs into one JSON and print its table:
+{"gpu": NAME, "budget_s": 240, "runs": {NAME: {"steps", "ms_per_step", "val_bpb", "ptz_bytes", ...}}}.
+Runs already in --out stay unless measured again (a preset's runs may span several calls);
+each run records the commit and day it was measured on."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+BUDGET_BYTES = 16_000_000
+
+
+def run_entry(folder: Path) -> dict:
+    """One run's figures from its logs: summary.json and config.json (train), quantize.json
+    and eval.json."""
+    train = json.loads((folder / "summary.json").read_text())
+    config = json.loads((folder / "config.json").read_text())
+    quantize = json.loads((folder / "quantize.json").read_text())
+    scored = json.loads((folder / "eval.json").read_text())
+    calibration = train.get("calibration") or {}
+    return {
+        "steps": train["step"], "ms_per_step": train["ms_per_step"],
+        "training_plus_calibration_s": round(train["training_plus_calibration_ms"] / 1000.0, 1),
+        "calibration_s": calibration.get("seconds"),
+        "graphs_compiled_in_training": train.get("graphs_compiled_in_training"),
+        "pre_quant_val_bpb": train["post_ema_val_bpb"], "val_bpb": scored["val_bpb"],
+        "ptz_bytes": quantize["model_bytes"], "total_bytes": quantize["total_bytes"],
+        "within_16mb": quantize["total_bytes"] <= BUDGET_BYTES, "compressor": quantize.get("compressor"),
+        "vocab_size": config["model"]["vocab_size"],
+        "commit": _commit(), "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def _commit() -> str | None:
+    if os.environ.get("COMMIT"):  # a copy of the tree without its repository names it so
+        return os.environ["COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("logs", type=Path, nargs="+", help="bench/frontier.sh's LOG_DIRs")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--only", help="collect only this run")
+    parser.add_argument("--budget-s", type=float, default=240)
+    args = parser.parse_args()
+    import torch
+
+    result = json.loads(args.out.read_text()) if args.out.exists() else {}
+    runs = result.get("runs", {})
+    for logs in args.logs:
+        for folder in sorted(p for p in logs.iterdir() if (p / "eval.json").exists()):
+            if args.only in (None, folder.name):
+                runs[folder.name] = run_entry(folder)
+    if torch.cuda.is_available():
+        result["gpu"] = torch.cuda.get_device_name()
+    result["budget_s"] = args.budget_s
+    result["runs"] = runs
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    base = runs.get("default", {}).get("val_bpb")
+    print("| run | steps | ms/step | pre-quant bpb | val_bpb | vs default | bytes (with code) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, r in runs.items():
+        delta = f"{r['val_bpb'] - base:+.4f}" if base is not None else "n/a"
+        print(f"| {name} | {r['steps']} | {r['ms_per_step']:.1f} | {r['pre_quant_val_bpb']:.4f} | "
+              f"{r['val_bpb']:.5f} | {delta} | {r['total_bytes']:,} |")
+
+
+if __name__ == "__main__":
+    main()
