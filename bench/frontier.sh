@@ -9,10 +9,13 @@
 #                                       frontier_no_parallel
 #   TRAIN_FLAGS                         more train flags for every run (a smaller model to
 #                                       check the script on a CPU)
+#   SLIDING_UNQUANTIZED=1               also score the unquantized export (the quantization's
+#                                       cost, both sliding)
 #   DEADLINE_S (default 570)            a run starts only while the estimate of its time
 #                                       (RUN_ESTIMATE_S, default 400) fits before it
 # Each run leaves LOG_DIR/NAME/{train.log,summary.json,quantize.json,eval.json} and WORK/NAME/
-# model.ptz; LOG_DIR/frontier_h200.json collects them (bench/frontier_results.py merges
+# model.ptz; the bytes count the code as `pack` writes it (LOG_DIR/packed_code_bytes);
+# LOG_DIR/frontier_h200.json collects them (bench/frontier_results.py merges
 # several calls' logs into bench/results/frontier_h200.json).
 # usage: [RUNS="..."] [TRAIN_SECONDS=240] bench/frontier.sh SHARED_DIR WORK_DIR LOG_DIR
 source "$(dirname "$0")/lib.sh"
@@ -63,9 +66,15 @@ measure() {  # NAME: train, export, quantize and evaluate one run
   step "$out/quantize.json" quantize "$dir/export" --out "$dir/model.ptz" --gptq --compressor "${COMPRESSOR:-rans}" \
     --budget 100000000 --json || return 1
   step "$out/eval.json" eval "$dir/model.ptz" --data "$data" --stride 64 --json || return 1
+  if [ -n "${SLIDING_UNQUANTIZED:-}" ]; then  # what quantization costs, both sliding
+    step "$out/eval_unquantized.json" eval "$dir/export" --data "$data" --stride 64 --json || return 1
+  fi
   python3 "$repo/bench/frontier_results.py" "$logs" --out "$logs/frontier_h200.json" --only "$name"
 }
 
+# The record counts the code as `pack` writes it (a zipapp), not as source on disk.
+wg pack --out "$work/code.pyz" > "$logs/pack.log" 2>&1 || { tail "$logs/pack.log"; exit 1; }
+stat -c %s "$work/code.pyz" > "$logs/packed_code_bytes"
 for name in $runs; do
   left=$(( ${DEADLINE_S:-570} - (SECONDS - started) ))
   if [ "$left" -lt "${RUN_ESTIMATE_S:-400}" ]; then

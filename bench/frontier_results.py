@@ -14,22 +14,28 @@ from pathlib import Path
 BUDGET_BYTES = 16_000_000
 
 
-def run_entry(folder: Path) -> dict:
+def run_entry(folder: Path, code_bytes: int) -> dict:
     """One run's figures from its logs: summary.json and config.json (train), quantize.json
-    and eval.json."""
+    and eval.json; code_bytes: the packed code's, counted with the model's."""
     train = json.loads((folder / "summary.json").read_text())
     config = json.loads((folder / "config.json").read_text())
     quantize = json.loads((folder / "quantize.json").read_text())
     scored = json.loads((folder / "eval.json").read_text())
     calibration = train.get("calibration") or {}
-    return {
+    unquantized = folder / "eval_unquantized.json"
+    extra = {}
+    if unquantized.exists():
+        extra["unquantized_val_bpb"] = json.loads(unquantized.read_text())["val_bpb"]
+        extra["quantization_loss"] = round(scored["val_bpb"] - extra["unquantized_val_bpb"], 6)
+    return extra | {
         "steps": train["step"], "ms_per_step": train["ms_per_step"],
         "training_plus_calibration_s": round(train["training_plus_calibration_ms"] / 1000.0, 1),
         "calibration_s": calibration.get("seconds"),
         "graphs_compiled_in_training": train.get("graphs_compiled_in_training"),
         "pre_quant_val_bpb": train["post_ema_val_bpb"], "val_bpb": scored["val_bpb"],
-        "ptz_bytes": quantize["model_bytes"], "total_bytes": quantize["total_bytes"],
-        "within_16mb": quantize["total_bytes"] <= BUDGET_BYTES, "compressor": quantize.get("compressor"),
+        "ptz_bytes": quantize["model_bytes"], "code_bytes": code_bytes,
+        "total_bytes": quantize["model_bytes"] + code_bytes,
+        "within_16mb": quantize["model_bytes"] + code_bytes <= BUDGET_BYTES, "compressor": quantize["compressor"],
         "vocab_size": config["model"]["vocab_size"],
         "commit": _commit(), "date": time.strftime("%Y-%m-%d"),
     }
@@ -57,9 +63,10 @@ def main() -> None:
     result = json.loads(args.out.read_text()) if args.out.exists() else {}
     runs = result.get("runs", {})
     for logs in args.logs:
+        code_bytes = int((logs / "packed_code_bytes").read_text())
         for folder in sorted(p for p in logs.iterdir() if (p / "eval.json").exists()):
             if args.only in (None, folder.name):
-                runs[folder.name] = run_entry(folder)
+                runs[folder.name] = run_entry(folder, code_bytes)
     if torch.cuda.is_available():
         result["gpu"] = torch.cuda.get_device_name()
     result["budget_s"] = args.budget_s

@@ -223,8 +223,9 @@ class QuantConfig:
     quant_embed_bits: int = setting(8, "Bits of the token embedding's codes (one scale per row); 8 = the "
                                        "reference's int8.")
     quant_mlp_clip_sigmas: float = setting(0.0, "Clip each MLP matrix row at this many standard deviations of "
-                                                "its weights (the row's scale: that / the clip range); 0 = the "
-                                                "reference's search over five percentiles.")
+                                                "its weights (the row's scale: that / the clip range, also where "
+                                                "no weight reaches it: a wider clip, a coarser grid and fewer "
+                                                "bytes); 0 = the reference's search over five percentiles.")
     quant_attn_clip_sigmas: float = setting(0.0, "The same for the attention matrices; 0 = the reference's "
                                                  "percentile search.")
     quant_embed_clip_sigmas: float = setting(0.0, "The same for the token embedding; 0 = the reference's "

@@ -116,12 +116,11 @@ def int6_candidate_scales(w: Tensor, clip_range: int, clip_sigmas: float = 0.0) 
 
 
 def sigma_scales(w: Tensor, limit: int, clip_sigmas: float) -> Tensor:
-    """Float16 row scales clipping each row of w at clip_sigmas standard deviations, or at
-    its largest |w| where that is smaller (clipping no weight costs nothing there)."""
-    w = w.float()
-    amax = w.abs().amax(dim=1)
-    clip = torch.minimum(clip_sigmas * w.std(dim=1, correction=0), amax)
-    clip = torch.where(clip > 0, clip, amax)
+    """Float16 row scales clipping each row of w at clip_sigmas standard deviations, as
+    #1855 does: also where no weight reaches the clip, so the clip sets the grid's step and
+    with it the codes' entropy (bytes), not the row's largest weight. A row of zeros keeps
+    the smallest scale."""
+    clip = clip_sigmas * w.float().std(dim=1, correction=0)
     return (clip / limit).clamp_min(1e-8).to(SCALE_DTYPE)
 
 
