@@ -1,7 +1,8 @@
 """Collect bench/frontier.sh's runs into one JSON and print its table:
 {"gpu": NAME, "budget_s": 240, "runs": {NAME: {"steps", "ms_per_step", "val_bpb", "ptz_bytes", ...}}}.
-Runs already in --out stay unless measured again (a preset's runs may span several calls);
-each run records the commit and day it was measured on."""
+Runs already in --out stay unless measured again (a preset's runs may span several calls:
+the JSON files of earlier calls merge as they were written); each run records the commit and
+day it was measured on."""
 from __future__ import annotations
 
 import argparse
@@ -53,7 +54,9 @@ def _commit() -> str | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("logs", type=Path, nargs="+", help="bench/frontier.sh's LOG_DIRs")
+    parser.add_argument("logs", type=Path, nargs="+",
+                        help="bench/frontier.sh's LOG_DIRs, or the frontier_h200.json files its calls wrote "
+                             "(their runs taken as they are)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--only", help="collect only this run")
     parser.add_argument("--budget-s", type=float, default=240)
@@ -63,6 +66,11 @@ def main() -> None:
     result = json.loads(args.out.read_text()) if args.out.exists() else {}
     runs = result.get("runs", {})
     for logs in args.logs:
+        if logs.is_file():
+            written = json.loads(logs.read_text())
+            runs |= {name: r for name, r in written["runs"].items() if args.only in (None, name)}
+            result.setdefault("gpu", written.get("gpu"))
+            continue
         code_bytes = int((logs / "packed_code_bytes").read_text())
         for folder in sorted(p for p in logs.iterdir() if (p / "eval.json").exists()):
             if args.only in (None, folder.name):

@@ -31,15 +31,15 @@ LQER = ["--quant-lqer-rank", "4", "--quant-lqer-top-k", "3", "--quant-lqer-facto
 # Every scheme sets every setting it departs in, so that the export's own values never leak in.
 OFF = ["--clip-range", "31", "--no-quant-gptq-embed", "--quant-embed-bits", "8", "--quant-mlp-clip-sigmas", "0",
        "--quant-attn-clip-sigmas", "0", "--quant-embed-clip-sigmas", "0", "--no-quant-gates-int8",
-       "--quant-lqer-rank", "0"]
+       "--quant-lqer-rank", "0", "--quant-scale-floor"]
 SCHEMES = {
     "reference": [],
     "lqer": LQER,
-    # wider clips: coarser grids, fewer bytes (11.5 / 13 sigmas make a grid finer than the reference's)
-    **{f"sdclip{k}": ["--quant-mlp-clip-sigmas", str(k), "--quant-attn-clip-sigmas", str(k)] for k in (24, 32, 40, 56)},
-    # narrower grids without the reference's scale floor: int5 and int4 matrices
-    "int5_sigma": ["--clip-range", "15", "--quant-mlp-clip-sigmas", "12", "--quant-attn-clip-sigmas", "12"],
-    "int4_sigma": ["--clip-range", "7", "--quant-mlp-clip-sigmas", "12", "--quant-attn-clip-sigmas", "12"],
+    # each row's own grid, without the reference's scale floor of 1 / the codes' limit
+    "nofloor": ["--no-quant-scale-floor"],
+    "int5_nofloor": ["--clip-range", "15", "--no-quant-scale-floor"],
+    "int4_nofloor": ["--clip-range", "7", "--no-quant-scale-floor"],
+    # PR #1855's clips at k standard deviations: the clip sets each row's grid
     "sdclip": SDCLIP,
     "sdclip_int7embed": SDCLIP + ["--quant-embed-bits", "7"],
     "sdclip_int7embed_gptqembed": SDCLIP + ["--quant-embed-bits", "7", "--quant-gptq-embed"],

@@ -90,6 +90,24 @@ def test_a_wide_sigma_clip_codes_gaussian_rows_in_fewer_values_and_bytes():
     assert (wide.dequantize() - w).pow(2).mean() > (reference.dequantize() - w).pow(2).mean()
 
 
+def test_without_the_scale_floor_small_rows_get_a_grid_of_their_own():
+    """Rows whose largest weight is under 1: the reference's floor puts every one on the grid
+    1 / 31; without it each row's scale follows its weights, by rounding and by GPTQ alike."""
+    sd = {"blocks.0.mlp.fc.weight": torch.randn(64, 128, generator=torch.Generator().manual_seed(2)) * 0.02}
+    name, w = "blocks.0.mlp.fc.weight", sd["blocks.0.mlp.fc.weight"]
+    floored, free = plan(), plan(scale_floor=False)
+    assert torch.all(quantize_tensor(name, w, floored).scale == torch.tensor(1 / 31).half())
+    rounded = quantize_tensor(name, w, free)
+    assert torch.all(rounded.scale.float() < 1 / 31)
+    assert (rounded.dequantize() - w).pow(2).mean() < 0.01 * (quantize_tensor(name, w, floored).dequantize() - w
+                                                               ).pow(2).mean()
+    x = torch.randn(256, 128, generator=torch.Generator().manual_seed(3))
+    hessians = {(name,): x.T @ x}
+    by_gptq = quantize_state_dict(sd, hessians=hessians, plan=free)[name]
+    assert by_gptq.method == "gptq" and torch.all(by_gptq.scale.float() < 1 / 31)
+    assert torch.all(quantize_state_dict(sd, hessians=hessians, plan=floored)[name].scale.float() >= 1 / 31 - 1e-4)
+
+
 def test_narrower_embedding_codes_and_int8_gates():
     sd = _weights()
     plan = QuantPlan(embed_bits=5, gates_int8=True, passthrough_max_numel=1000)

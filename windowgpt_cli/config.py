@@ -232,6 +232,10 @@ class QuantConfig:
                                                   "99.99984th percentile.")
     quant_gptq_embed: bool = setting(False, "With GPTQ, quantize the token embedding by GPTQ too, on the "
                                             "Hessian of the output layer's input (tied embeddings).")
+    quant_scale_floor: bool = setting(True, "Row scales found by the percentile searches are at least 1 / the "
+                                            "codes' limit, as the reference's; off: a row whose largest weight "
+                                            "is under 1 gets a grid as fine as its weights (less error, more "
+                                            "bytes). k-sigma scales have no floor.")
     quant_gates_int8: bool = setting(False, "Store the small 2-D control tensors (gates, skip weights) as int8 "
                                             "codes with one scale per row instead of floats.")
     quant_lqer_rank: int = setting(0, "Rank of LQER's correction of the quantization error (W ~ codes x scales "
@@ -590,7 +594,7 @@ def frontier_preset() -> RunConfig:
                           muon_ns_coefficients="polar_express"),
         train=TrainConfig(warmup_steps=20, ema_decay=0.9965, warmdown_fraction=0.85, min_lr_fraction=0.1,
                           recur_start_fraction=0.35),
-        quant=QuantConfig(use_gptq=True, gptq_calib_samples=16, gptq_reserve_seconds=0.5, quant_embed_bits=7,
+        quant=QuantConfig(use_gptq=True, gptq_calib_samples=16, gptq_reserve_seconds=4.0, quant_embed_bits=7,
                           quant_mlp_clip_sigmas=11.5, quant_attn_clip_sigmas=13.0, quant_embed_clip_sigmas=14.0,
                           quant_gates_int8=True, quant_lqer_rank=4, quant_lqer_top_k=3, quant_lqer_factor_bits=4,
                           quant_lqer_group_size=64),

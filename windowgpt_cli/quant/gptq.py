@@ -89,7 +89,7 @@ def gptq_codes(w: Tensor, h_inv_upper: Tensor, scale: Tensor, clip_range: int, b
 
 def gptq_quantize_batch(weights: Tensor, hessians: Tensor, row_splits: Sequence[int], clip_range: int = 31,
                         block_size: int = 128, percdamp: float = 0.01,
-                        clip_sigmas: float = 0.0) -> list[list[tuple[Tensor, Tensor, str]]]:
+                        clip_sigmas: float = 0.0, scale_floor: bool = True) -> list[list[tuple[Tensor, Tensor, str]]]:
     """GPTQ int6 for B problems of one shape: weights [B, R, C], hessians [B, C, C].
 
     The R rows of a problem may be several matrices sharing one Hessian (row_splits gives
@@ -97,12 +97,13 @@ def gptq_quantize_batch(weights: Tensor, hessians: Tensor, row_splits: Sequence[
     the matrix as the reference. Returns, per problem and matrix, (codes int8 [rows, C] in
     the original column order, float16 scales [rows], method); a problem whose Hessian
     cannot be factored falls back to rounding to nearest, as the reference. With
-    clip_sigmas > 0 each row has one candidate scale, clip_sigmas standard deviations.
+    clip_sigmas > 0 each row has one candidate scale, clip_sigmas standard deviations;
+    without scale_floor the percentiles' scales may go under the reference's 1 / clip_range.
     """
     w = weights.float()
     b, r, c = w.shape
     dead, order, upper = prepare_gptq_hessians(hessians.to(w.device), percdamp)
-    candidates = int6_candidate_scales(w.reshape(b * r, c), clip_range, clip_sigmas)
+    candidates = int6_candidate_scales(w.reshape(b * r, c), clip_range, clip_sigmas, scale_floor)
     k = candidates.shape[0]
     scales = candidates.view(k, b, r).transpose(0, 1)  # [B, K, R]
     w_ordered = torch.gather(w, 2, order.unsqueeze(1).expand_as(w))
@@ -117,7 +118,7 @@ def gptq_quantize_batch(weights: Tensor, hessians: Tensor, row_splits: Sequence[
         per_matrix = []
         for lo, hi in _row_ranges(row_splits):
             if not factored[i]:
-                q, s = quantize_int6_rtn(w[i, lo:hi].cpu(), clip_range, clip_sigmas)
+                q, s = quantize_int6_rtn(w[i, lo:hi].cpu(), clip_range, clip_sigmas, scale_floor)
                 per_matrix.append((q, s, method_of("rtn", clip_sigmas)))
                 continue
             errs = [reconstruction_mse(w_ordered[i, lo:hi], codes[i, j, lo:hi], scales[i, j, lo:hi]) for j in range(k)]
@@ -142,10 +143,11 @@ class GPTQProblem:
     scheme: str
     limit: int  # the codes' largest magnitude
     clip_sigmas: float
+    scale_floor: bool = True
 
     def key(self, sd: Mapping[str, Tensor]) -> tuple:
         return (tuple(sd[n].shape[0] for n in self.names), self.hessian.shape[0], self.scheme, self.limit,
-                self.clip_sigmas)
+                self.clip_sigmas, self.scale_floor)
 
 
 def gptq_member(name: str, t: Tensor, h: Tensor, plan: QuantPlan) -> bool:
@@ -166,7 +168,8 @@ def plan_gptq(sd: Mapping[str, Tensor], hessians: Hessians, plan: QuantPlan = RE
         members = tuple(n for n in names if n in sd and gptq_member(n, sd[n], h, plan))
         if members:
             scheme = choose_scheme(members[0], sd[members[0]], plan)
-            problem = GPTQProblem(members, h, scheme, plan.limit(scheme), plan.clip_sigmas(members[0]))
+            problem = GPTQProblem(members, h, scheme, plan.limit(scheme), plan.clip_sigmas(members[0]),
+                                  plan.scale_floor)
             batches.setdefault(problem.key(sd), []).append(problem)
     return list(batches.values())
 
@@ -218,7 +221,8 @@ def _gptq_chunk(sd: Mapping[str, Tensor], problems: list[GPTQProblem], block_siz
     hessians = torch.stack([p.hessian.float() for p in problems]).to(device)
     row_splits = [sd[n].shape[0] for n in problems[0].names]
     first = problems[0]
-    results = gptq_quantize_batch(weights, hessians, row_splits, first.limit, block_size, percdamp, first.clip_sigmas)
+    results = gptq_quantize_batch(weights, hessians, row_splits, first.limit, block_size, percdamp, first.clip_sigmas,
+                                  first.scale_floor)
     out: dict[str, QuantizedTensor] = {}
     for problem, per_matrix in zip(problems, results):
         for name, (codes, scale, method) in zip(problem.names, per_matrix):

@@ -55,6 +55,7 @@ class QuantPlan:
     embed_clip_sigmas: float = 0.0
     gptq_embed: bool = False
     gates_int8: bool = False
+    scale_floor: bool = True  # the reference's least row scale, 1 / the codes' limit
     lqer_rank: int = 0  # 0: no low-rank corrections
     lqer_top_k: int = 3
     lqer_factor_bits: int = 4
@@ -64,7 +65,7 @@ class QuantPlan:
     def from_config(cls, q: QuantConfig) -> QuantPlan:
         return cls(q.quant_clip_range, q.quant_passthrough_max_numel, q.quant_embed_bits, q.quant_mlp_clip_sigmas,
                    q.quant_attn_clip_sigmas, q.quant_embed_clip_sigmas, q.quant_gptq_embed, q.quant_gates_int8,
-                   q.quant_lqer_rank, q.quant_lqer_top_k, q.quant_lqer_factor_bits, q.quant_lqer_group_size)
+                   q.quant_scale_floor, q.quant_lqer_rank, q.quant_lqer_top_k, q.quant_lqer_factor_bits, q.quant_lqer_group_size)
 
     def clip_sigmas(self, name: str) -> float:
         """The k of k-sigma clipping for this tensor (0: the reference's clipping)."""
@@ -103,16 +104,18 @@ def row_quantiles(a: Tensor, q: Sequence[float]) -> Tensor:
     return torch.cat([torch.quantile(chunk, qs, dim=1) for chunk in a.split(rows_per_chunk)], dim=1)
 
 
-def int6_candidate_scales(w: Tensor, clip_range: int, clip_sigmas: float = 0.0) -> Tensor:
-    """Float16 row scales [K, rows] for each clip percentile in INT6_CLIP_QUANTILES, or
-    [1, rows] for clipping at clip_sigmas standard deviations."""
+def int6_candidate_scales(w: Tensor, clip_range: int, clip_sigmas: float = 0.0, floor: bool = True) -> Tensor:
+    """Float16 row scales [K, rows] for each clip percentile in INT6_CLIP_QUANTILES (at
+    least 1 / clip_range with floor, as the reference's), or [1, rows] for clipping at
+    clip_sigmas standard deviations."""
     if clip_sigmas > 0:
         return sigma_scales(w, clip_range, clip_sigmas).unsqueeze(0)
     a = w.float().abs()
     partial = [q for q in INT6_CLIP_QUANTILES if q < 1.0]
     clips = list(row_quantiles(a, partial)) if partial else []
     clips += [a.amax(dim=1) for q in INT6_CLIP_QUANTILES if q >= 1.0]
-    return torch.stack([(c / clip_range).clamp_min(1.0 / clip_range).to(SCALE_DTYPE) for c in clips])
+    least = 1.0 / clip_range if floor else 1e-8
+    return torch.stack([(c / clip_range).clamp_min(least).to(SCALE_DTYPE) for c in clips])
 
 
 def sigma_scales(w: Tensor, limit: int, clip_sigmas: float) -> Tensor:
@@ -134,7 +137,8 @@ def reconstruction_mse(w: Tensor, codes: Tensor, scale: Tensor) -> float:
     return (w - codes.float() * scale.float().unsqueeze(-1)).pow(2).mean().item()
 
 
-def quantize_int6_rtn(t: Tensor, clip_range: int = 31, clip_sigmas: float = 0.0) -> tuple[Tensor, Tensor]:
+def quantize_int6_rtn(t: Tensor, clip_range: int = 31, clip_sigmas: float = 0.0,
+                      floor: bool = True) -> tuple[Tensor, Tensor]:
     """int6 codes by rounding to nearest, with the clip percentile of least MSE (or the
     scales of clip_sigmas standard deviations)."""
     w = t.float()
@@ -144,7 +148,7 @@ def quantize_int6_rtn(t: Tensor, clip_range: int = 31, clip_sigmas: float = 0.0)
         codes = torch.clamp(torch.round(w / scale.float()), -clip_range, clip_range)
         return codes.to(torch.int8), scale
     best: tuple[float, Tensor, Tensor] | None = None
-    for scale in int6_candidate_scales(w, clip_range, clip_sigmas):
+    for scale in int6_candidate_scales(w, clip_range, clip_sigmas, floor):
         codes = round_to_grid(w, scale.float(), clip_range)
         err = reconstruction_mse(w, codes, scale)
         if best is None or err < best[0]:  # strict: the earliest of equal candidates wins
@@ -153,7 +157,7 @@ def quantize_int6_rtn(t: Tensor, clip_range: int = 31, clip_sigmas: float = 0.0)
     return best[1].to(torch.int8), best[2]
 
 
-def quantize_int8(t: Tensor, limit: int = INT8_CLIP_RANGE) -> tuple[Tensor, Tensor]:
+def quantize_int8(t: Tensor, limit: int = INT8_CLIP_RANGE, floor: bool = True) -> tuple[Tensor, Tensor]:
     """int8 codes per row (per tensor when not 2-D), clipped at INT8_CLIP_QUANTILE (codes
     in [-limit, limit]: 127 is the reference's int8).
 
@@ -164,7 +168,7 @@ def quantize_int8(t: Tensor, limit: int = INT8_CLIP_RANGE) -> tuple[Tensor, Tens
     if w.ndim == 2:
         clip = row_quantiles(w.abs(), [INT8_CLIP_QUANTILE])[0]
         clipped = torch.maximum(torch.minimum(w, clip[:, None]), -clip[:, None])
-        scale = (clip / limit).clamp_min(1.0 / limit)
+        scale = (clip / limit).clamp_min(1.0 / limit if floor else 1e-8)
         codes = round_to_grid(clipped, scale, limit)
         return codes.to(torch.int8), scale.to(SCALE_DTYPE)
     clip_abs = float(torch.quantile(w.abs().flatten(), INT8_CLIP_QUANTILE).item())
@@ -173,11 +177,11 @@ def quantize_int8(t: Tensor, limit: int = INT8_CLIP_RANGE) -> tuple[Tensor, Tens
     return codes.to(torch.int8), scale
 
 
-def quantize_rows(t: Tensor, limit: int, clip_sigmas: float) -> tuple[Tensor, Tensor]:
+def quantize_rows(t: Tensor, limit: int, clip_sigmas: float, floor: bool = True) -> tuple[Tensor, Tensor]:
     """Codes in [-limit, limit] with one scale per row: clipped at clip_sigmas standard
     deviations, or with clip_sigmas 0 at the reference's int8 percentile."""
     if clip_sigmas <= 0 or t.ndim != 2:
-        return quantize_int8(t, limit)
+        return quantize_int8(t, limit, floor)
     w = t.float()
     scale = sigma_scales(w, limit, clip_sigmas)
     return round_to_grid(w, scale.float(), limit).to(torch.int8), scale
@@ -205,7 +209,7 @@ def quantize_tensor(name: str, t: Tensor, plan: QuantPlan = REFERENCE_PLAN) -> Q
         return QuantizedTensor(scheme, t.dtype, codes, scale, method="max")
     sigmas = plan.clip_sigmas(name)
     if scheme == INT6 and classify_param(name) in INT6_CATEGORIES:
-        codes, scale = quantize_int6_rtn(t, plan.clip_range, sigmas)
+        codes, scale = quantize_int6_rtn(t, plan.clip_range, sigmas, plan.scale_floor)
         return QuantizedTensor(scheme, t.dtype, codes, scale, method=method_of("rtn", sigmas))
-    codes, scale = quantize_rows(t, plan.limit(scheme), sigmas)
+    codes, scale = quantize_rows(t, plan.limit(scheme), sigmas, plan.scale_floor)
     return QuantizedTensor(scheme, t.dtype, codes, scale, method=method_of("", sigmas))
