@@ -39,7 +39,8 @@ SCHEMES = {
     "nofloor": ["--no-quant-scale-floor"],
     "int5_nofloor": ["--clip-range", "15", "--no-quant-scale-floor"],
     "int4_nofloor": ["--clip-range", "7", "--no-quant-scale-floor"],
-    # PR #1855's clips at k standard deviations: the clip sets each row's grid
+    # PR #1855's clips at k standard deviations: the clip sets each row's grid (wider: coarser)
+    **{f"sdclip{k}": ["--quant-mlp-clip-sigmas", str(k), "--quant-attn-clip-sigmas", str(k)] for k in (14, 17, 20)},
     "sdclip": SDCLIP,
     "sdclip_int7embed": SDCLIP + ["--quant-embed-bits", "7"],
     "sdclip_int7embed_gptqembed": SDCLIP + ["--quant-embed-bits", "7", "--quant-gptq-embed"],

@@ -6,7 +6,14 @@ import threading
 import pytest
 import torch
 
-from windowgpt_cli.runtime import ONE_PASS_OPTIONS, compiled, device_started_meanwhile, threads_meanwhile
+from windowgpt_cli.config import CHOICES
+from windowgpt_cli.runtime import (
+    ONE_PASS_OPTIONS,
+    TUNING_OPTIONS,
+    compiled,
+    device_started_meanwhile,
+    threads_meanwhile,
+)
 
 
 def scaled_tanh_plus_square(x: torch.Tensor) -> torch.Tensor:
@@ -24,6 +31,21 @@ def test_one_pass_compilation_turns_autotuning_off_and_computes_the_same():
     assert one_pass.options == ONE_PASS_OPTIONS == {"triton.autotune_pointwise": False}
     x = torch.randn(64, 8)
     assert torch.allclose(one_pass(x), scaled_tanh_plus_square(x), atol=1e-6)
+
+
+def test_each_compile_tuning_names_settings_inductor_has():
+    """The training step's --compile-tuning choices: default leaves Inductor's settings alone;
+    the others set options that this torch's Inductor knows, so torch.compile accepts them."""
+    import torch._inductor.config as inductor
+
+    assert set(TUNING_OPTIONS) == set(CHOICES["compile_tuning"])
+    assert compiled(scaled_tanh_plus_square, tuning="default").options is None
+    for name in ("gemm", "full"):
+        options = compiled(scaled_tanh_plus_square, tuning=name).options
+        assert options["max_autotune_gemm"] is True and "TRITON" in options["max_autotune_gemm_backends"]
+        for key in options:
+            assert hasattr(inductor, key), key
+    assert TUNING_OPTIONS["full"]["coordinate_descent_tuning"] is True
 
 
 def test_the_device_starts_beside_the_block_and_its_failure_is_raised():

@@ -294,3 +294,19 @@ def test_keep_checkpoints_keeps_the_last_k_and_force_removes_them(tiny_data_dir,
     again = runner.invoke(app, [*args[:-4], "--iterations", "1", "--force"], env=WIDE)
     assert again.exit_code == 0, again.output
     assert not list((tmp_path / "run").glob("checkpoint-*.pt"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_step_tuned_with_triton_products_trains_as_the_default_one(tiny_data_dir, tmp_path):
+    """--compile-tuning gemm changes which kernels run the products, not what a step computes:
+    the same iterations end at the same loss to bf16's rounding."""
+    losses = {}
+    for tuning in ("default", "gemm"):
+        run = tmp_path / tuning
+        result = CliRunner().invoke(app, ["train", "--preset", "tiny", "--data", str(tiny_data_dir), "--out", str(run),
+                                          "--device", "cuda", "--compile", "--compile-tuning", tuning,
+                                          "--iterations", "10", "--warmdown-iters", "3"])
+        assert result.exit_code == 0, result.output
+        losses[tuning] = json.loads((run / "summary.json").read_text())["val_loss"]
+    assert abs(losses["gemm"] - losses["default"]) < 0.02 * losses["default"], losses

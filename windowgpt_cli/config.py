@@ -188,6 +188,12 @@ class TrainConfig:
                                   "count in their last digits.")
     attn_backend: str = setting("auto", "Attention kernels: auto, fa3, flex, triton or sdpa.")
     compile: bool = setting(True, "torch.compile the model (on CUDA only).")
+    compile_tuning: str = setting("default", "What torch.compile tunes in the training step: default (its "
+                                             "element-wise kernels), gemm (also Triton matrix-product templates "
+                                             "against cuBLAS for each product's shape, fusing the element-wise "
+                                             "work around a chosen template into it) or full (gemm, and "
+                                             "coordinate-descent tuning of every kernel): a longer warm-up, "
+                                             "possibly a faster step.")
     sample_every: int = setting(0, "Log a short greedy sample every N steps; 0 = never.")
     sample_prompt: str = setting("The", "The prompt of those samples.")
     logger: str = setting("none", "Also send the metrics to: none, tensorboard or wandb.")
@@ -549,7 +555,7 @@ def grad_accum_steps_for(cfg: RunConfig, world_size: int) -> int:
 
 # Settings that a resumed run may change: where its data lies and how it runs, never what it computes.
 RESUMABLE_SETTINGS = ("data_path", "tokenizer_path", "tokenizer_meta_path", "device", "cpu_threads", "attn_backend",
-                      "compile", "micro_batches_per_pass", "sample_every", "sample_prompt", "logger", "keep_checkpoints")
+                      "compile", "compile_tuning", "micro_batches_per_pass", "sample_every", "sample_prompt", "logger", "keep_checkpoints")
 
 
 # --- Presets ----------------------------------------------------------------------------
@@ -672,6 +678,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "ttt_method": ("chunks", "lora"),
     "rope_scaling": ("ntk", "yarn"),
     "ttt_lora_context": ("document", "stream"),
+    "compile_tuning": ("default", "gemm", "full"),
 }
 LORA_TARGETS = ("q", "k", "v", "o", "up", "down", "head")  # ttt_lora_targets' names
 MAX_PARAMETERS = 4_000_000_000  # about 150 times the reference model

@@ -58,6 +58,15 @@ def enable_fast_math(device: torch.device) -> None:
 # element-wise kernel is built in two variants and both are benchmarked on the GPU at the
 # first call; for a pass of a few hundred batches that costs more than it saves.
 ONE_PASS_OPTIONS = {"triton.autotune_pointwise": False}
+# Inductor settings per TrainConfig.compile_tuning: with max_autotune_gemm each matrix
+# product's shape is benchmarked as cuBLAS and as Triton templates, and a chosen template
+# takes the element-wise work that follows it as its epilogue.
+TUNING_OPTIONS: dict[str, dict | None] = {
+    "default": None,
+    "gemm": {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRITON"},
+    "full": {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRITON",
+             "coordinate_descent_tuning": True},
+}
 
 
 class _Compiled:
@@ -83,12 +92,13 @@ class _Compiled:
         return out
 
 
-def compiled(fn, enabled: bool = True, *, autotune: bool = True):
+def compiled(fn, enabled: bool = True, *, autotune: bool = True, tuning: str = "default"):
     """torch.compile with static shapes (one graph per shape) when enabled, else fn.
-    autotune=False suits a graph that runs over the data once (see ONE_PASS_OPTIONS)."""
+    autotune=False suits a graph that runs over the data once (see ONE_PASS_OPTIONS);
+    tuning names TUNING_OPTIONS' settings, for graphs that run many times."""
     if not enabled:
         return fn
-    return _Compiled(fn, None if autotune else ONE_PASS_OPTIONS)
+    return _Compiled(fn, TUNING_OPTIONS[tuning] if autotune else ONE_PASS_OPTIONS)
 
 
 def triton_available(device: torch.device) -> bool:

@@ -284,8 +284,9 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     model = build_model(cfg.model, ctx.device)
     model.set_attention_backend(cfg.train.attn_backend, ctx.device)
     compile_model = cfg.train.compile and ctx.device.type == "cuda"
+    forward = compiled(model, compile_model, tuning=cfg.train.compile_tuning)
     return Setup(
-        cfg=cfg, ctx=ctx, model=model, forward=compiled(model, compile_model), compiled=compile_model,
+        cfg=cfg, ctx=ctx, model=model, forward=forward, compiled=compile_model,
         optimizers=build_optimizers(model, cfg.optim),
         averages=WeightAverages(model, cfg.train.ema_decay, cfg.train.ema_warmup), luts=luts, val_tokens=val_tokens,
         train_files=train_files, tokenizer_sha256=inputs.tokenizer_sha256,
