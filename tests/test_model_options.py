@@ -241,6 +241,18 @@ def test_every_stage_takes_a_model_with_the_options(tiny_data_dir, tmp_path, mon
                     ("eval-ttt", str(ptz), "--data", str(tiny_data_dir), "--json"),
                     ("eval-ttt", str(ptz), "--data", str(tiny_data_dir), "--method", "lora", "--json")):
         assert json.loads(ok(*command))["val_bpb"] > 0
+    # the packed record code, run on its own, scores the artifact as the package does
+    import subprocess
+    import sys
+
+    from windowgpt_cli.record.archive import pack
+
+    pack(tmp_path / "code.pyz")
+    args = ("eval", str(ptz), "--data", str(tiny_data_dir), "--stride", "32", "--device", "cpu", "--json")
+    packed = subprocess.run([sys.executable, str(tmp_path / "code.pyz"), *args], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    assert packed.returncode == 0, packed.stderr[-3000:]
+    assert json.loads(packed.stdout)["val_bpb"] == json.loads(ok(*args))["val_bpb"]
     assert "It was" in ok("generate", str(ptz), "--prompt", "It was", "--max-new-tokens", "8")
     assert "skip_gates" in ok("inspect", str(ptz))
     transformers = pytest.importorskip("transformers")  # the Hugging Face folder computes the same logits
