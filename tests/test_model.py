@@ -234,3 +234,29 @@ def test_an_uninitialized_model_takes_loaded_weights_and_gives_the_same_logits()
     blank.load_state_dict(model.state_dict(), strict=True)
     ids = torch.randint(0, 1024, (2, 16))
     assert torch.equal(model.forward_logits(ids), blank.forward_logits(ids))
+
+
+def test_rotary_tables_up_to_the_training_length_are_made_once_and_equal_fresh_ones():
+    """Sequences up to rope_train_seq_len read slices of tables the model made once (no
+    state-dict entry); longer ones are computed per call, rescaled; a model built on the
+    meta device gets its tables back from restore_constants."""
+    from windowgpt_cli.model.rotary import rotary_inv_freq, rotary_magnitude, rotary_tables
+
+    cfg = dataclasses.replace(tiny_preset().model, rope_scaling="yarn")
+    model = GPT(cfg)
+    assert not any(name.startswith("rotary_") for name in model.state_dict())
+    for length, start in ((1, 0), (64, 10), (cfg.rope_train_seq_len, 0), (3 * cfg.rope_train_seq_len, 5)):
+        cos, sin = model.rotary(length, torch.device("cpu"), start)
+        inv_freq = rotary_inv_freq(model.rotary_dims, cfg.rope_base, length, cfg.rope_train_seq_len,
+                                   scaling=cfg.rope_scaling)
+        fresh_cos, fresh_sin = rotary_tables(length, inv_freq)
+        magnitude = rotary_magnitude(length, cfg.rope_train_seq_len, cfg.rope_scaling)
+        assert torch.equal(cos, (fresh_cos * magnitude)[:, start:])
+        assert torch.equal(sin, (fresh_sin * magnitude)[:, start:])
+        shared = cos.untyped_storage().data_ptr() == model.rotary_cos.untyped_storage().data_ptr()
+        assert shared == (length <= cfg.rope_train_seq_len), length
+    with torch.device("meta"):
+        empty = GPT(cfg, initialize=False)
+    empty.to_empty(device="cpu")
+    empty.restore_constants()
+    assert torch.equal(empty.rotary_cos, model.rotary_cos) and torch.equal(empty.rotary_sin, model.rotary_sin)

@@ -555,7 +555,8 @@ def grad_accum_steps_for(cfg: RunConfig, world_size: int) -> int:
 
 # Settings that a resumed run may change: where its data lies and how it runs, never what it computes.
 RESUMABLE_SETTINGS = ("data_path", "tokenizer_path", "tokenizer_meta_path", "device", "cpu_threads", "attn_backend",
-                      "compile", "compile_tuning", "micro_batches_per_pass", "sample_every", "sample_prompt", "logger", "keep_checkpoints")
+                      "compile", "compile_tuning", "micro_batches_per_pass", "sample_every", "sample_prompt", "logger",
+                      "keep_checkpoints")
 
 
 # --- Presets ----------------------------------------------------------------------------

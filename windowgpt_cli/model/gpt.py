@@ -361,6 +361,9 @@ class ValueEmbedding(ProjectedEmbedding):
 
 # --- The model ---------------------------------------------------------------------------
 
+ROTARY_CACHE_MAX_LEN = 1 << 16  # longest training length whose rotary tables the model keeps
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, initialize: bool = True):
         """initialize=False skips the reference's initialization, for weights loaded next."""
@@ -398,6 +401,11 @@ class GPT(nn.Module):
         self.lane_mix = nn.Parameter(mix) if parallel else None
         self.head_observer: LinearObserver | None = None  # GPTQ calibration of the output layer
         self.head_adapter: LinearAdapter | None = None
+        # cos and sin up to the training length, made once: a compiled step reads them as
+        # inputs instead of computing them again (sequences longer than that are computed per call)
+        cos, sin = self._rotary_base_tables()
+        self.register_buffer("rotary_cos", cos, persistent=False)
+        self.register_buffer("rotary_sin", sin, persistent=False)
         if initialize:
             self._init_weights()
 
@@ -432,10 +440,20 @@ class GPT(nn.Module):
 
     # --- backends and observation ---
 
+    @torch.no_grad()
     def restore_constants(self) -> None:
         """The tensors a state dict does not hold, set from the configuration again."""
         for block in self.blocks:
             block.restore_constants()
+        cos, sin = self._rotary_base_tables()
+        self.rotary_cos.copy_(cos)
+        self.rotary_sin.copy_(sin)
+
+    def _rotary_base_tables(self) -> tuple[Tensor, Tensor]:
+        """cos and sin of positions 0 .. rope_train_seq_len - 1 (none past ROTARY_CACHE_MAX_LEN)."""
+        cfg = self.cfg
+        length = cfg.rope_train_seq_len if cfg.rope_train_seq_len <= ROTARY_CACHE_MAX_LEN else 0
+        return rotary_tables(length, rotary_inv_freq(self.rotary_dims, cfg.rope_base, length, cfg.rope_train_seq_len))
 
     def set_attention_backend(self, name: str, device: torch.device) -> str:
         backend = resolve_backend(name, device)
@@ -520,7 +538,10 @@ class GPT(nn.Module):
         return self.trunk(input_ids, x0, self.rotary(input_ids.shape[1], input_ids.device), queries, ops, query_runs)
 
     def rotary(self, seq_len: int, device: torch.device, start: int = 0) -> tuple[Tensor, Tensor]:
-        """cos and sin at positions start..seq_len - 1 of a sequence of seq_len tokens."""
+        """cos and sin at positions start..seq_len - 1 of a sequence of seq_len tokens: up to
+        the training length (where no rescaling applies) slices of the tables made once."""
+        if seq_len <= self.rotary_cos.shape[1] and self.rotary_cos.device == device:
+            return self.rotary_cos[:, start:seq_len], self.rotary_sin[:, start:seq_len]
         cfg = self.cfg
         inv_freq = rotary_inv_freq(self.rotary_dims, cfg.rope_base, seq_len, cfg.rope_train_seq_len, device=device,
                                    scaling=cfg.rope_scaling)

@@ -65,7 +65,8 @@ class QuantPlan:
     def from_config(cls, q: QuantConfig) -> QuantPlan:
         return cls(q.quant_clip_range, q.quant_passthrough_max_numel, q.quant_embed_bits, q.quant_mlp_clip_sigmas,
                    q.quant_attn_clip_sigmas, q.quant_embed_clip_sigmas, q.quant_gptq_embed, q.quant_gates_int8,
-                   q.quant_scale_floor, q.quant_lqer_rank, q.quant_lqer_top_k, q.quant_lqer_factor_bits, q.quant_lqer_group_size)
+                   q.quant_scale_floor, q.quant_lqer_rank, q.quant_lqer_top_k, q.quant_lqer_factor_bits,
+                   q.quant_lqer_group_size)
 
     def clip_sigmas(self, name: str) -> float:
         """The k of k-sigma clipping for this tensor (0: the reference's clipping)."""
