@@ -260,3 +260,16 @@ def test_rotary_tables_up_to_the_training_length_are_made_once_and_equal_fresh_o
     empty.to_empty(device="cpu")
     empty.restore_constants()
     assert torch.equal(empty.rotary_cos, model.rotary_cos) and torch.equal(empty.rotary_sin, model.rotary_sin)
+
+
+def test_a_models_shapes_come_from_the_meta_device_without_importing_torchdynamo():
+    """Every stage that reads weights checks their shapes first: building the model on the
+    meta device must stay instant, which importing TorchDynamo (seconds on a CPU) is not."""
+    import subprocess
+
+    probe = ("import sys; from windowgpt_cli.config import RunConfig; "
+             "from windowgpt_cli.artifacts.shapes import expected_shapes; "
+             "assert expected_shapes(RunConfig().model, per_layer=True); print('torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"

@@ -450,10 +450,14 @@ class GPT(nn.Module):
         self.rotary_sin.copy_(sin)
 
     def _rotary_base_tables(self) -> tuple[Tensor, Tensor]:
-        """cos and sin of positions 0 .. rope_train_seq_len - 1 (none past ROTARY_CACHE_MAX_LEN)."""
+        """cos and sin of positions 0 .. rope_train_seq_len - 1 (none past ROTARY_CACHE_MAX_LEN),
+        on the CPU also where the model is built on the meta device (whose sin and cos would
+        import TorchDynamo, seconds on a CPU)."""
         cfg = self.cfg
         length = cfg.rope_train_seq_len if cfg.rope_train_seq_len <= ROTARY_CACHE_MAX_LEN else 0
-        return rotary_tables(length, rotary_inv_freq(self.rotary_dims, cfg.rope_base, length, cfg.rope_train_seq_len))
+        inv_freq = rotary_inv_freq(self.rotary_dims, cfg.rope_base, length, cfg.rope_train_seq_len,
+                                   device=torch.device("cpu"))
+        return rotary_tables(length, inv_freq)
 
     def set_attention_backend(self, name: str, device: torch.device) -> str:
         backend = resolve_backend(name, device)
