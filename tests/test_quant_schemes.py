@@ -6,10 +6,11 @@ import json
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from windowgpt_cli.artifacts import codecs, compressors, grouped, ptz
+from windowgpt_cli.artifacts import codecs, compressors, grouped, ptz, rans_rows
 from windowgpt_cli.artifacts.quantized import CONTROL, INT6, INT8, PASSTHROUGH
 from windowgpt_cli.config import RunConfig, tiny_preset, validate
 from windowgpt_cli.errors import ArtifactError, ConfigError
@@ -270,7 +271,9 @@ def test_every_codec_and_layout_restores_the_payload(codec: str, transform: str)
     payload = _payload()
     stream, sections = grouped.compress(payload, [codec], [transform])
     assert grouped.decompress(stream, len(payload)) == payload
-    assert {s.codec for s in sections} == {codec}
+    # rANS of bytes comes with its by-rows variant for int8 matrices as stored
+    used = {s.codec for s in sections}
+    assert codec in used and used <= ({codec, "rans_rows"} if codec == "rans" else {codec})
     assert all(s.transform in (transform, "none") for s in sections)
     with pytest.raises(compressors.CorruptPayload):
         grouped.decompress(stream, len(payload) - 1)  # never more than the header declares
@@ -293,6 +296,50 @@ def test_a_sorted_layout_pays_for_its_permutation_only_where_it_is_smaller():
     mlp = {s.name: s for s in sorted_only}["mlp/codes"]
     cost = {"sort": len(mlp.body) + 2 * 64, "none": len({s.name: s for s in plain}["mlp/codes"].body)}
     assert {s.name: s for s in either}["mlp/codes"].transform == min(cost, key=cost.get)
+
+
+def _matrices_of_unequal_rows() -> list[np.ndarray]:
+    """int8 code matrices whose rows spread unequally, as on the reference's fixed grid."""
+    rng = np.random.default_rng(0)
+    return [np.clip(np.round(rng.normal(size=(64, 96)) * np.linspace(0.3, 6, 64)[rng.permutation(64), None]),
+                    -31, 31).astype(np.int8) for _ in range(3)] + [np.zeros((5, 7), np.int8)]
+
+
+def test_rans_by_rows_codes_each_class_of_rows_with_its_own_table():
+    mats = _matrices_of_unequal_rows()
+    data, shapes = b"".join(m.tobytes() for m in mats), [m.shape for m in mats]
+    body = rans_rows.encode(data, shapes)
+    assert rans_rows.decode(body, shapes, len(data)) == data
+    assert len(body) < 0.95 * len(codecs.encode("rans", data))  # one table for all rows
+    classes = rans_rows.row_classes(mats[0].view(np.uint8) ^ np.uint8(0x80))
+    spread = mats[0].astype(float).std(axis=1)
+    assert spread[classes == 0].max() <= spread[classes == rans_rows.ROW_CLASSES - 1].min()
+    # the grouped compressor takes it where it is smallest, and restores the payload
+    payload = tensorfile.dumps({f"blocks.{i}.mlp.fc.weight.q": torch.from_numpy(m) for i, m in enumerate(mats[:3])},
+                               {})
+    stream, sections = grouped.compress(payload, ["lzma", "rans"])
+    assert {s.name: s.codec for s in sections}["mlp/codes"] == "rans_rows"
+    assert grouped.decompress(stream, len(payload)) == payload
+
+
+def test_corrupt_rans_by_rows_sections_are_refused_as_corrupt_payloads():
+    mats = _matrices_of_unequal_rows()
+    data, shapes = b"".join(m.tobytes() for m in mats), [m.shape for m in mats]
+    body = rans_rows.encode(data, shapes)
+    rng = np.random.default_rng(1)
+    bad = [body[:-3], body + b"\0", body[:10], b""]
+    for _ in range(40):  # flipped bytes anywhere: refused or (in the words) decoded to other bytes
+        at = int(rng.integers(len(body)))
+        bad.append(body[:at] + bytes([body[at] ^ int(rng.integers(1, 256))]) + body[at + 1:])
+    for data_bad in bad:
+        try:
+            assert rans_rows.decode(data_bad, shapes, len(data)) != data
+        except compressors.CorruptPayload:
+            pass
+    with pytest.raises(compressors.CorruptPayload):
+        rans_rows.decode(body, shapes[:-1], len(data))  # other shapes than coded
+    with pytest.raises(compressors.CorruptPayload):
+        rans_rows.decode(body, shapes, len(data) - 1)  # more than declared
 
 
 def test_corrupt_grouped_streams_are_refused_as_corrupt_payloads():

@@ -11,13 +11,15 @@ tensor group (attention, MLP, embeddings, other, control), laid out by one trans
 - sort_transpose: both, sorted first;
 - shuffle: the bytes of multi-byte values as planes (every first byte, then every second).
 
-Each section is then coded by a codec of `codecs`. `compress(payload)` lays each section
-out every way that applies, keeps the layout a fast stand-in codec (zlib) codes smallest,
-codes it and the bytes as stored with every available codec and keeps the smallest (the work runs in threads:
-the codecs release the GIL); `exhaustive=True` codes every layout with every codec;
-`compress(payload, codecs=..., transforms=...)` restricts the search. Everything else (the safetensors header, the tensors
-too small to be worth a section) goes, with the map of the sections, into the first
-section, coded by lzma.
+Each section is then coded by a codec of `codecs`, or, when it holds int8 matrices laid
+out as stored, by `rans_rows` (a table per matrix and class of rows; the map gives it the
+matrices' shapes). `compress(payload)` lays each section out every way that applies, keeps
+the layout a fast stand-in codec (zlib) codes smallest, codes it and the bytes as stored
+with every available codec and keeps the smallest (the work runs in threads: the codecs
+release the GIL); `exhaustive=True` codes every layout with every codec; `compress(payload,
+codecs=..., transforms=...)` restricts the search. Everything else (the safetensors header,
+the tensors too small to be worth a section) goes, with the map of the sections, into the
+first section, coded by lzma.
 
 Stream (compressor id 4): _HEADER (the map's compressed and raw length, the payload's
 crc32), the map section, then each section's bytes. The map: the section count; per
@@ -37,11 +39,16 @@ import numpy as np
 
 from ..model.state_dict import tensor_group
 from ..storage import tensorfile
-from . import codecs
+from . import codecs, rans_rows
 from .rans import CorruptPayload
 
 TRANSFORMS = ("none", "transpose", "sort", "sort_transpose", "shuffle")
 _TRANSFORM_IDS = {name: i for i, name in enumerate(TRANSFORMS)}
+# A section's codec: one of `codecs`' byte codecs, or rans_rows (int8 matrices as stored,
+# a table per matrix and class of rows), which needs the matrices' shapes from the map.
+SECTION_CODEC_IDS = {**codecs.CODEC_IDS, "rans_rows": 5}
+SECTION_CODEC_NAMES = {i: name for name, i in SECTION_CODEC_IDS.items()}
+RANS_ROWS_MAX_MATRICES = 1024  # bounds the decoder's tables (ROW_CLASSES rows of 256 a matrix)
 MIN_SECTION_TENSOR_BYTES = 1024  # smaller tensors stay in the map section
 MAX_SECTIONS = 256
 MAX_RANGES = 1 << 16
@@ -209,6 +216,9 @@ def compress(payload: bytes, codecs_tried: Iterable[str] | None = None,
                        for section in sections for key, options in [(id(section), layouts[id(section)])]}
         jobs = [(section, transform, codec, pool.submit(codecs.encode, codec, laid))
                 for section in sections for transform, laid in layouts[id(section)] for codec in tried]
+        jobs += [(section, "none", "rans_rows", pool.submit(rans_rows.encode, _laid_out(payload, section, "none"),
+                                                            _shapes(section)))
+                 for section in sections if "rans" in tried and _by_rows(section)]
         best: dict[int, tuple[int, str, str, bytes]] = {}
         for section, transform, codec, future in jobs:
             body = future.result()
@@ -218,6 +228,15 @@ def compress(payload: bytes, codecs_tried: Iterable[str] | None = None,
     for section in sections:
         _, section.transform, section.codec, section.body = best[id(section)]
     return _stream(payload, sections), sections
+
+
+def _by_rows(section: Section) -> bool:
+    """Whether rans_rows may code the section: int8 matrices, not too many."""
+    return "transpose" in section.transforms and len(section.ranges) <= RANS_ROWS_MAX_MATRICES
+
+
+def _shapes(section: Section) -> list[tuple[int, int]]:
+    return [(r.rows, r.cols) for r in section.ranges]
 
 
 def _proxy_choice(pool: ThreadPoolExecutor, options: list[tuple[str, bytes]],
@@ -238,7 +257,7 @@ def _stream(payload: bytes, sections: list[Section]) -> bytes:
     for s in sections:
         label = s.name.encode()
         index.append(struct.pack("<B", len(label)) + label)
-        index.append(_SECTION.pack(codecs.CODEC_IDS[s.codec], _TRANSFORM_IDS[s.transform], s.raw_bytes,
+        index.append(_SECTION.pack(SECTION_CODEC_IDS[s.codec], _TRANSFORM_IDS[s.transform], s.raw_bytes,
                                    len(s.body), len(s.ranges)))
         for r in s.ranges:
             index.append(_RANGE.pack(r.begin, r.end, r.rows, r.cols, r.itemsize))
@@ -286,9 +305,9 @@ def _parse_map(raw: bytes, limit: int) -> tuple[list[Section], bytes]:
         at += 1 + label_len
         codec_id, transform_id, raw_bytes, compressed, n_ranges = _SECTION.unpack_from(raw, at)
         at += _SECTION.size
-        if codec_id not in codecs.CODEC_NAMES or transform_id >= len(TRANSFORMS) or n_ranges > MAX_RANGES:
+        if codec_id not in SECTION_CODEC_NAMES or transform_id >= len(TRANSFORMS) or n_ranges > MAX_RANGES:
             raise ValueError("unknown codec or transform, or too many ranges")
-        section = Section(label, [], TRANSFORMS[transform_id], codecs.CODEC_NAMES[codec_id], raw_bytes,
+        section = Section(label, [], TRANSFORMS[transform_id], SECTION_CODEC_NAMES[codec_id], raw_bytes,
                           stored_bytes=compressed)
         for _ in range(n_ranges):
             r = Range(*_RANGE.unpack_from(raw, at))
@@ -321,7 +340,7 @@ def decompress(data: bytes, limit: int) -> bytes:
         length = s.stored_bytes
         if at + length > len(data):
             raise CorruptPayload("truncated (a section ends past the stream)")
-        laid = codecs.decode(codecs.CODEC_IDS[s.codec], data[at:at + length], s.raw_bytes)
+        laid = _decode_section(s, data[at:at + length])
         at += length
         if len(laid) != s.raw_bytes:
             raise CorruptPayload("a section decodes to another size than its map says")
@@ -336,6 +355,14 @@ def decompress(data: bytes, limit: int) -> bytes:
     if zlib.crc32(payload) != crc:
         raise CorruptPayload("payload checksum mismatch")
     return payload
+
+
+def _decode_section(s: Section, body: bytes) -> bytes:
+    if s.codec != "rans_rows":
+        return codecs.decode(codecs.CODEC_IDS[s.codec], body, s.raw_bytes)
+    if s.transform != "none" or len(s.ranges) > RANS_ROWS_MAX_MATRICES or any(r.itemsize != 1 for r in s.ranges):
+        raise CorruptPayload("a rANS-by-rows section that is not int8 matrices as stored")
+    return rans_rows.decode(body, _shapes(s), s.raw_bytes)
 
 
 def _interleave(rest: bytes, pieces: list[tuple[int, bytes]], limit: int) -> bytes:

@@ -105,3 +105,39 @@ def decoding_tables(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if not symbol_of:
         return np.zeros(0, np.uint8), np.zeros(0, np.uint32)
     return np.concatenate(symbol_of), np.concatenate(step_of)
+
+
+def rans_decode_tables(words: np.ndarray, states: np.ndarray, table_of: np.ndarray, freq: np.ndarray) -> np.ndarray:
+    """Decode len(table_of) symbols, symbol i under frequency row freq[table_of[i]] (rows that
+    interleave symbol by symbol, as the row classes of `rans_rows`). A slot's symbol is found
+    by binary search in the rows' cumulative frequencies, laid end to end, so memory stays
+    that of the rows (not 2**15 entries each)."""
+    x, lanes = states.astype(np.uint32), len(states)
+    freq = freq.astype(np.int64)
+    cum = np.cumsum(freq, axis=1) - freq  # [T, 256]
+    span = 1 << RANS_SCALE_BITS
+    ends = (np.cumsum(freq, axis=1) + span * np.arange(len(freq))[:, None]).ravel()  # each symbol's slot end
+    total = len(table_of)
+    out = np.empty(total, dtype=np.uint8)
+    pos = 0
+    for start in range(0, total, lanes):
+        stop = min(start + lanes, total)
+        tables = table_of[start:stop]
+        xs = x[:stop - start]
+        slot = (xs & _SLOT_MASK).astype(np.int64)
+        flat = np.searchsorted(ends, tables * span + slot, side="right")
+        symbol = flat - tables * 256
+        if np.any((symbol < 0) | (symbol > 255)):
+            raise CorruptPayload("rANS stream decodes outside its tables")
+        out[start:stop] = symbol
+        f, c = freq[tables, symbol], cum[tables, symbol]
+        xs = (f * (xs >> RANS_SCALE_BITS) + slot - c).astype(np.uint32)
+        refill = np.flatnonzero(xs < RANS_LOW)
+        if pos + len(refill) > len(words):
+            raise CorruptPayload("rANS stream ends early")
+        xs[refill] = (xs[refill] << 16) | words[pos:pos + len(refill)].astype(np.uint32)
+        pos += len(refill)
+        x[:stop - start] = xs
+    if pos != len(words) or np.any(x != RANS_LOW):
+        raise CorruptPayload("rANS stream does not decode to its initial state")
+    return out
