@@ -83,15 +83,24 @@ def rans_decode(words: np.ndarray, states: np.ndarray, lengths: list[int], freq:
         out[start:stop] = symbol_of[slot]
         step = step_of[slot]
         xs = (step >> 16) * (xs >> RANS_SCALE_BITS) + (step & 0xFFFF)  # < 2**32 for any input
-        refill = np.flatnonzero(xs < RANS_LOW)
-        if pos + len(refill) > len(words):
-            raise CorruptPayload("rANS stream ends early")
-        xs[refill] = (xs[refill] << 16) | words[pos:pos + len(refill)].astype(np.uint32)
-        pos += len(refill)
+        pos = _refill(xs, words, pos)
         x[:stop - start] = xs
+    _check_end(x, words, pos)
+    return out
+
+
+def _refill(xs: np.ndarray, words: np.ndarray, pos: int) -> int:
+    """Read the next words into the states that fell under RANS_LOW; the words' new position."""
+    refill = np.flatnonzero(xs < RANS_LOW)
+    if pos + len(refill) > len(words):
+        raise CorruptPayload("rANS stream ends early")
+    xs[refill] = (xs[refill] << 16) | words[pos:pos + len(refill)].astype(np.uint32)
+    return pos + len(refill)
+
+
+def _check_end(x: np.ndarray, words: np.ndarray, pos: int) -> None:
     if pos != len(words) or np.any(x != RANS_LOW):
         raise CorruptPayload("rANS stream does not decode to its initial state")
-    return out
 
 
 def decoding_tables(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -132,12 +141,7 @@ def rans_decode_tables(words: np.ndarray, states: np.ndarray, table_of: np.ndarr
         out[start:stop] = symbol
         f, c = freq[tables, symbol], cum[tables, symbol]
         xs = (f * (xs >> RANS_SCALE_BITS) + slot - c).astype(np.uint32)
-        refill = np.flatnonzero(xs < RANS_LOW)
-        if pos + len(refill) > len(words):
-            raise CorruptPayload("rANS stream ends early")
-        xs[refill] = (xs[refill] << 16) | words[pos:pos + len(refill)].astype(np.uint32)
-        pos += len(refill)
+        pos = _refill(xs, words, pos)
         x[:stop - start] = xs
-    if pos != len(words) or np.any(x != RANS_LOW):
-        raise CorruptPayload("rANS stream does not decode to its initial state")
+    _check_end(x, words, pos)
     return out
