@@ -453,11 +453,17 @@ class GPT(nn.Module):
         """cos and sin of positions 0 .. rope_train_seq_len - 1 (none past ROTARY_CACHE_MAX_LEN),
         on the CPU also where the model is built on the meta device (whose sin and cos would
         import TorchDynamo, seconds on a CPU)."""
+        length = self.cfg.rope_train_seq_len if self.cfg.rope_train_seq_len <= ROTARY_CACHE_MAX_LEN else 0
+        return self._rotary_tables(length, torch.device("cpu"))
+
+    def _rotary_tables(self, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """cos and sin of a sequence of seq_len tokens, rescaled beyond the training length."""
         cfg = self.cfg
-        length = cfg.rope_train_seq_len if cfg.rope_train_seq_len <= ROTARY_CACHE_MAX_LEN else 0
-        inv_freq = rotary_inv_freq(self.rotary_dims, cfg.rope_base, length, cfg.rope_train_seq_len,
-                                   device=torch.device("cpu"))
-        return rotary_tables(length, inv_freq)
+        inv_freq = rotary_inv_freq(self.rotary_dims, cfg.rope_base, seq_len, cfg.rope_train_seq_len, device=device,
+                                   scaling=cfg.rope_scaling)
+        cos, sin = rotary_tables(seq_len, inv_freq)
+        magnitude = rotary_magnitude(seq_len, cfg.rope_train_seq_len, cfg.rope_scaling)
+        return (cos * magnitude, sin * magnitude) if magnitude != 1.0 else (cos, sin)
 
     def set_attention_backend(self, name: str, device: torch.device) -> str:
         backend = resolve_backend(name, device)
@@ -546,13 +552,7 @@ class GPT(nn.Module):
         the training length (where no rescaling applies) slices of the tables made once."""
         if seq_len <= self.rotary_cos.shape[1] and self.rotary_cos.device == device:
             return self.rotary_cos[:, start:seq_len], self.rotary_sin[:, start:seq_len]
-        cfg = self.cfg
-        inv_freq = rotary_inv_freq(self.rotary_dims, cfg.rope_base, seq_len, cfg.rope_train_seq_len, device=device,
-                                   scaling=cfg.rope_scaling)
-        cos, sin = rotary_tables(seq_len, inv_freq)
-        magnitude = rotary_magnitude(seq_len, cfg.rope_train_seq_len, cfg.rope_scaling)
-        if magnitude != 1.0:
-            cos, sin = cos * magnitude, sin * magnitude
+        cos, sin = self._rotary_tables(seq_len, device)
         return cos[:, start:], sin[:, start:]
 
     def trunk(self, input_ids: Tensor, x0: Any, rotary: tuple[Tensor, Tensor], queries: Tensor | None = None,
