@@ -216,9 +216,9 @@ def compress(payload: bytes, codecs_tried: Iterable[str] | None = None,
                        for section in sections for key, options in [(id(section), layouts[id(section)])]}
         jobs = [(section, transform, codec, pool.submit(codecs.encode, codec, laid))
                 for section in sections for transform, laid in layouts[id(section)] for codec in tried]
-        jobs += [(section, "none", "rans_rows", pool.submit(rans_rows.encode, _laid_out(payload, section, "none"),
-                                                            _shapes(section)))
-                 for section in sections if "rans" in tried and _by_rows(section)]
+        jobs += [(section, "none", "rans_rows", pool.submit(rans_rows.encode, laid, _shapes(section)))
+                 for section in sections if "rans" in tried and _by_rows(section)
+                 for transform, laid in layouts[id(section)] if transform == "none"]
         best: dict[int, tuple[int, str, str, bytes]] = {}
         for section, transform, codec, future in jobs:
             body = future.result()
