@@ -261,17 +261,27 @@ def test_warm_up_builds_every_kernel_that_scoring_runs(cuda_model):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_scoring_matches_the_compiled_model_on_cuda(cuda_model):
     """Logits at chosen positions (the last block pruned to them, the one before it to the
-    rows the last reads): within two bf16 steps of the compiled model's, and the mean losses
-    over 2048 predictions within 1e-4 nats."""
-    x = torch.randint(0, cuda_model.cfg.vocab_size, (32, 2048), device="cuda")
+    rows the last reads): within two bf16 steps of the compiled model's, and the mean loss
+    over 2048 predictions as near the float32 model's as the compiled bf16 model's is (bf16
+    rounding alone moves this random model's mean loss by about 1e-4 nats)."""
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randint(0, cuda_model.cfg.vocab_size, (32, 2048), device="cuda", generator=generator)
     positions = torch.arange(2048 - 64, 2048, device="cuda").expand(32, 64).contiguous()
-    targets = torch.randint(0, cuda_model.cfg.vocab_size, positions.shape, device="cuda")
+    targets = torch.randint(0, cuda_model.cfg.vocab_size, positions.shape, device="cuda", generator=generator)
     compiled = torch.compile(cuda_model.logits_at, dynamic=False, fullgraph=True)
-    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
-        fused, reference = cuda_model.logits_at(x, positions, ops=FUSED, query_runs=True), compiled(x, positions)
-    loss = [torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-            for logits in (fused, reference)]
-    assert close(fused, reference) and abs(loss[0] - loss[1]).item() < 1e-4
+    with torch.inference_mode():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            fused, reference = cuda_model.logits_at(x, positions, ops=FUSED, query_runs=True), compiled(x, positions)
+        cuda_model.set_attention_backend("sdpa", x.device)  # masks in float32, where the kernels take bf16
+        try:
+            exact = cuda_model.logits_at(x, positions)
+        finally:
+            cuda_model.set_attention_backend("auto", x.device)
+    fused_loss, compiled_loss, exact_loss = [
+        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).item()
+        for logits in (fused, reference, exact)]
+    assert close(fused, reference)
+    assert abs(fused_loss - exact_loss) <= max(2 * abs(compiled_loss - exact_loss), 1e-4)
 
 
 @pytest.mark.gpu
