@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -190,3 +191,26 @@ def test_the_pipeline_trains_the_model_asked_for(tmp_path: Path, model: str, win
 def test_the_pipeline_refuses_an_unknown_model(tmp_path: Path):
     done = pipeline_train_command(tmp_path, "huge")
     assert done.returncode == 2 and "MODEL: huge is neither record nor full" in done.stdout
+
+
+# --- bench/ttt_results.py --------------------------------------------------------------------
+
+
+def test_ttt_results_names_the_reports_gpu_and_skips_a_report_a_stopped_run_left_empty(tmp_path):
+    """The collector may run off the GPU: the GPU is the one the reports name, and an empty
+    report (its run stopped at the call's limit) is skipped, not a crash."""
+    logs = tmp_path / "logs"
+    cap = {"seconds": 20.0, "cap_seconds": 4800.0, "hardware": "1 x NVIDIA H200", "within": True}
+    write_json(logs / "sliding.json", {"val_bpb": 1.5, "seconds": 18.0, "eval_cap": cap})
+    write_json(logs / "lora.json", {"val_bpb": 1.49, "seconds": 200.0, "mode": "ttt_lora", "eval_cap": cap,
+                                    "ttt": {"ttt_lora_rank": 80, "ttt_lr": 0.002},
+                                    "per_phase": [{"val_bpb": 1.45}, {"val_bpb": 1.52}]})
+    (logs / "lora_chunk32.json").write_text("")
+    out = tmp_path / "ttt.json"
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "ttt_results.py"), str(logs), "--model", "m",
+                           "--out", str(out)], capture_output=True, text=True, check=True)
+    result = json.loads(out.read_text())
+    entry = result["models"]["m"]
+    assert result["gpu"] == "NVIDIA H200" and "lora_chunk32" not in entry
+    assert entry["gain_over_sliding"] == {"lora": 0.01} and entry["settings"]["lora"] == {"ttt_lora_rank": 80}
+    assert entry["per_phase"]["lora"] == [1.45, 1.52] and "skipped lora_chunk32.json" in done.stderr
