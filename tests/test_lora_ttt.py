@@ -80,11 +80,18 @@ def test_chunk_windows_end_with_their_chunk_within_the_document_or_the_stream(do
                 assert rows.window_start[b] + rows.window_len[b] == want[-1] + 1
                 assert rows.window_len[b] == min(SEQ, want[-1] + 1 - first)
             assert bool(rows.trains[b]) == (d.start + 16 * (index + 1) < d.end)
+            if want:  # what the window span trains on: the document's targets in the window, up to the chunk's end
+                trained = (rows.window_start[b] + rows.window_targets()[b].nonzero().flatten()).tolist()
+                assert trained == list(range(max(d.start, int(rows.window_start[b])), want[-1] + 1))
 
 
-@pytest.mark.parametrize("context", ["document", "stream"])
-def test_every_target_is_scored_once_and_the_bytes_are_the_streams(eval_model, doc_tokens, eval_luts, context):
-    seen, result = scores(eval_model, doc_tokens, eval_luts, ttt_lora_context=context)
+SPANS = [("document", "chunk"), ("stream", "chunk"), ("stream", "window")]
+
+
+@pytest.mark.parametrize("context,span", SPANS)
+def test_every_target_is_scored_once_and_the_bytes_are_the_streams(eval_model, doc_tokens, eval_luts, context,
+                                                                     span):
+    seen, result = scores(eval_model, doc_tokens, eval_luts, ttt_lora_context=context, ttt_lora_train_span=span)
     assert sorted(seen) == list(range(doc_tokens.numel() - 1))
     assert result.tokens == doc_tokens.numel() - 1
     assert result.bytes == int(eval_luts.count_bytes(doc_tokens[:-1], doc_tokens[1:]).sum())
@@ -92,18 +99,18 @@ def test_every_target_is_scored_once_and_the_bytes_are_the_streams(eval_model, d
     assert result.ttt_steps["adapter_steps"] > 0 and result.ttt_steps["phase_eager"] == 2
 
 
-@pytest.mark.parametrize("context", ["document", "stream"])
-def test_a_later_token_never_changes_an_earlier_score(eval_model, doc_tokens, eval_luts, context):
+@pytest.mark.parametrize("context,span", SPANS)
+def test_a_later_token_never_changes_an_earlier_score(eval_model, doc_tokens, eval_luts, context, span):
     """Score first: altering token p (not a BOS) leaves the score of every target before p
     unchanged: adapters, phases and batching notwithstanding. Token p does change later scores
     in its document (through the adapters and the context) and in later phase groups."""
     state = {k: v.clone() for k, v in eval_model.state_dict().items()}
-    base, _ = scores(eval_model, doc_tokens, eval_luts, ttt_lora_context=context)
+    base, _ = scores(eval_model, doc_tokens, eval_luts, ttt_lora_context=context, ttt_lora_train_span=span)
     for p in (40, 150, 350, 500):
         altered = doc_tokens.clone()
         altered[p] = 7 if altered[p] != 7 else 8
         eval_model.load_state_dict(state)
-        got, _ = scores(eval_model, altered, eval_luts, ttt_lora_context=context)
+        got, _ = scores(eval_model, altered, eval_luts, ttt_lora_context=context, ttt_lora_train_span=span)
         for target in range(p - 1):  # target p - 1 predicts token p itself
             assert got[target] == pytest.approx(base[target], abs=1e-6), (p, target)
         assert any(abs(got[t] - base[t]) > 1e-5 for t in range(p, doc_tokens.numel() - 1))
@@ -129,6 +136,23 @@ def test_adapters_learn_within_a_document_and_start_as_the_model(eval_model, doc
     assert [learned[t] for t in first_chunk] == pytest.approx([still[t] for t in first_chunk], abs=1e-6)
     later = [t for t in learned if t not in set(first_chunk)]
     assert max(abs(learned[t] - still[t]) for t in later) > 1e-3
+
+
+def test_the_window_span_scores_each_documents_first_chunk_alike_and_learns_more_from_the_rest(
+        eval_model, doc_tokens, eval_luts):
+    """Training on the document's window (its earlier chunks again) leaves the first chunk's
+    scores as they are (no step precedes them) and moves the later ones."""
+    state = {k: v.clone() for k, v in eval_model.state_dict().items()}
+    chunk, _ = scores(eval_model, doc_tokens, eval_luts, ttt_lora_phases=0)
+    eval_model.load_state_dict(state)
+    window, _ = scores(eval_model, doc_tokens, eval_luts, ttt_lora_phases=0, ttt_lora_train_span="window")
+    first_chunk = {t for d in find_documents(doc_tokens) for t in range(d.start, min(d.start + 16, d.end))}
+    assert [window[t] for t in sorted(first_chunk)] == pytest.approx([chunk[t] for t in sorted(first_chunk)], abs=1e-5)
+    # the second chunk follows one step on the first chunk either way: alike; from the third on they part
+    second_chunk = [t for d in find_documents(doc_tokens) for t in range(d.start + 16, min(d.start + 32, d.end))]
+    assert [window[t] for t in second_chunk] == pytest.approx([chunk[t] for t in second_chunk], abs=1e-5)
+    third_on = [t for d in find_documents(doc_tokens) for t in range(d.start + 32, d.end)]
+    assert max(abs(window[t] - chunk[t]) for t in third_on) > 1e-3
 
 
 def test_a_documents_scores_do_not_depend_on_its_batch(eval_model, doc_tokens, eval_luts):

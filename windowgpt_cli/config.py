@@ -281,6 +281,9 @@ class TTTConfig:
                                                 "own tokens only; stream = the tokens before it in the stream, "
                                                 "earlier documents too, as sliding evaluation reads them.")
     ttt_lora_chunk_tokens: int = setting(48, "lora: tokens of a document scored before each adapter step.")
+    ttt_lora_train_span: str = setting("chunk", "lora: what an adapter step trains on: chunk = the chunk just "
+                                                "scored; window = every target of the document that the chunk's "
+                                                "window holds (all scored already), so earlier chunks count again.")
     ttt_lora_batch_docs: int = setting(64, "lora: documents scored side by side, each with its own adapters.")
     ttt_lora_phases: int = setting(3, "lora: global phases: after each equal share of the first "
                                       "ttt_lora_prefix_docs documents is scored, the model trains on that share as "
@@ -679,6 +682,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "ttt_method": ("chunks", "lora"),
     "rope_scaling": ("ntk", "yarn"),
     "ttt_lora_context": ("document", "stream"),
+    "ttt_lora_train_span": ("chunk", "window"),
     "compile_tuning": ("default", "gemm", "full"),
 }
 LORA_TARGETS = ("q", "k", "v", "o", "up", "down", "head")  # ttt_lora_targets' names

@@ -5,8 +5,9 @@ its own tokens after its BOS and the next document's BOS, each predicted from th
 alone; so the documents' targets cover the stream's exactly once. A document is scored in
 chunks of ttt_lora_chunk_tokens, in order: each chunk by the model plus the document's own
 LoRA adapters over a window of the document that ends with the chunk, and then, where the
-document has a later chunk, the adapters take one AdamW step on that chunk's mean loss. The
-adapters start afresh with every document. With ttt_lora_context=stream a window reaches
+document has a later chunk, the adapters take one AdamW step on that chunk's mean loss (with
+ttt_lora_train_span=window: on the mean loss of every target of the document that the
+window holds, all scored by then). The adapters start afresh with every document. With ttt_lora_context=stream a window reaches
 back across document boundaries to earlier tokens, as sliding evaluation's do (for a model
 trained on packed documents, whose predictions lean on the documents before). Documents are
 scored side by side, each row of a batch with its own adapters (batched products), longest
@@ -94,6 +95,13 @@ class ChunkRows:
     valid: Tensor  # [B, C] bool: which queries score a target
     trains: Tensor  # [B] bool: the document has a later chunk, so its adapters learn from this one
     width: int  # T, the rows' padded length
+    document_first: Tensor  # [B] the row position of the document's first target the window holds
+
+    def window_targets(self) -> Tensor:
+        """[B, T] bool: the row positions that predict a target of the row's document up to
+        the chunk's end (all scored by the time the adapters train on them)."""
+        at = torch.arange(self.width, dtype=torch.int64)[None, :]
+        return (at >= self.document_first[:, None]) & (at < self.window_len[:, None])
 
 
 def chunk_rows(docs: list[Document], index: int, chunk_tokens: int, seq_len: int,
@@ -117,7 +125,7 @@ def chunk_rows(docs: list[Document], index: int, chunk_tokens: int, seq_len: int
     queries = (chunk_start - window_start)[:, None] + offsets[None, :]
     queries = torch.where(valid, queries, window_len[:, None] - 1).clamp(0, width - 1)
     trains = chunk_end < end
-    return ChunkRows(window_start, window_len, queries, valid, trains, width)
+    return ChunkRows(window_start, window_len, queries, valid, trains, width, (start - window_start).clamp(min=0))
 
 
 # --- Adapters --------------------------------------------------------------------------------
@@ -221,7 +229,7 @@ class BatchScorer:
                 with torch.set_grad_enabled(trains):
                     nats, valid = self._chunk(rows, sums, on_target)
                 if trains:
-                    per_doc = (nats * valid).sum(1) / valid.sum(1).clamp(min=1)
+                    per_doc = (nats * valid).sum(1) / valid.sum(1).clamp(min=1)  # valid: the targets trained on
                     (per_doc * rows.trains.to(self.device)).sum().backward()
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
@@ -230,16 +238,20 @@ class BatchScorer:
 
     def _chunk(self, rows: ChunkRows, sums: Tensor, on_target: Callable[[Tensor, Tensor], None] | None
                ) -> tuple[Tensor, Tensor]:
-        """Score the rows' valid targets into sums; (every query's nats, with the graph to
-        the adapters where gradients are on; which are valid)."""
+        """Score the rows' valid targets into sums; (the nats of the targets an adapter step
+        trains on, with the graph to the adapters where gradients are on; which those are)."""
         positions = rows.window_start.to(self.device)[:, None] + torch.arange(rows.width, device=self.device)
         positions = torch.minimum(positions, (rows.window_start + rows.window_len - 1).to(self.device)[:, None])
         x = self.tokens[positions]
         queries, valid = rows.queries.to(self.device), rows.valid.to(self.device)
-        targets = self.tokens[positions.gather(1, queries) + 1]
+        whole = self.ttt.ttt_lora_train_span == "window"  # logits at every row position, the chunk's among them
+        asked = torch.arange(rows.width, device=self.device).expand(len(queries), -1) if whole else queries
+        targets = self.tokens[positions.gather(1, asked) + 1]
         with autocast(self.device):
-            logits = self.model.logits_at(x, queries, self.ops)
-        nats = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+            logits = self.model.logits_at(x, asked, self.ops)
+        trained = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+        nats = trained.gather(1, queries) if whole else trained
+        targets = targets.gather(1, queries) if whole else targets
         with torch.no_grad():
             scored = nats.detach().double() * valid
             n_bytes = self.luts.count_bytes(x.gather(1, queries), targets) * valid
@@ -249,7 +261,7 @@ class BatchScorer:
             if on_target is not None:
                 at = positions.gather(1, queries)
                 on_target(at[valid], nats.detach()[valid])
-        return nats, valid
+        return (trained, rows.window_targets().to(self.device)) if whole else (nats, valid)
 
 
 def batches(docs: list[Document], batch_docs: int) -> list[list[Document]]:
@@ -284,7 +296,7 @@ def evaluate_lora_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTCo
     total_batches = sum(len(b) for b in mine)
     log(f"ttt_lora:start documents={len(documents)} groups={[len(g) for g in groups]} "
         f"rank={ttt.ttt_lora_rank} targets={ttt.ttt_lora_targets} lr={ttt.ttt_lora_lr} "
-        f"chunk={ttt.ttt_lora_chunk_tokens} batch_docs={ttt.ttt_lora_batch_docs} "
+        f"chunk={ttt.ttt_lora_chunk_tokens} train_span={ttt.ttt_lora_train_span} batch_docs={ttt.ttt_lora_batch_docs} "
         f"adapter_parameters={sum(i + o for i, o in scorer.shapes.values()) * ttt.ttt_lora_rank:,}/document")
     trainer = None
     if ttt.ttt_lora_phases > 0 and ttt.ttt_epochs > 0:
