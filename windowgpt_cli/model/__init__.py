@@ -1,8 +1,9 @@
 """The reference's GPT (`gpt`): blocks, embeddings and U-Net skips over parameter banks;
 the attention backends (`attention`); rotary tables (`rotary`); the seam of element-wise
 steps between the products (`ops.TorchOps`) and its fused variants for scoring
-(`fused_ops`) and for test-time training (`fused_train_ops`); and the names of its tensors
-(`state_dict`: banks, control tensors, groups).
+(`fused_ops`) and for test-time training (`fused_train_ops`); the names of its tensors
+(`state_dict`: banks, control tensors, groups); and the grids its matrices are quantized
+to (`weight_grid`).
 
 May import: ground, kernels.
 """

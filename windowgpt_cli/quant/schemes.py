@@ -27,6 +27,7 @@ from torch import Tensor
 
 from ..artifacts.quantized import CONTROL, INT6, INT8, PASSTHROUGH, QuantizedTensor, code_limit, int_scheme
 from ..model.state_dict import classify_param, is_control_tensor
+from ..model.weight_grid import SCALE_DTYPE, row_scales, sigma_clip
 
 if TYPE_CHECKING:
     from ..config import QuantConfig
@@ -36,7 +37,6 @@ INT8_CLIP_QUANTILE = 99.99984 / 100.0
 INT8_CLIP_RANGE = 127
 PASSTHROUGH_MAX_NUMEL = 65_536
 INT6_CATEGORIES = frozenset({"attn", "mlp"})
-SCALE_DTYPE = torch.float16
 PASSTHROUGH_DTYPE = torch.float16
 _QUANTILE_MAX_NUMEL = 1 << 24  # torch.quantile refuses larger inputs
 
@@ -116,7 +116,7 @@ def int6_candidate_scales(w: Tensor, clip_range: int, clip_sigmas: float = 0.0, 
     clips = list(row_quantiles(a, partial)) if partial else []
     clips += [a.amax(dim=1) for q in INT6_CLIP_QUANTILES if q >= 1.0]
     least = 1.0 / clip_range if floor else 1e-8
-    return torch.stack([(c / clip_range).clamp_min(least).to(SCALE_DTYPE) for c in clips])
+    return torch.stack([row_scales(c, clip_range, least) for c in clips])
 
 
 def sigma_scales(w: Tensor, limit: int, clip_sigmas: float) -> Tensor:
@@ -124,8 +124,7 @@ def sigma_scales(w: Tensor, limit: int, clip_sigmas: float) -> Tensor:
     #1855 does: also where no weight reaches the clip, so the clip sets the grid's step and
     with it the codes' entropy (bytes), not the row's largest weight. A row of zeros keeps
     the smallest scale."""
-    clip = clip_sigmas * w.float().std(dim=1, correction=0)
-    return (clip / limit).clamp_min(1e-8).to(SCALE_DTYPE)
+    return row_scales(sigma_clip(w, clip_sigmas), limit)
 
 
 def round_to_grid(w: Tensor, scale: Tensor, clip_range: int) -> Tensor:
@@ -205,7 +204,7 @@ def quantize_tensor(name: str, t: Tensor, plan: QuantPlan = REFERENCE_PLAN) -> Q
     if scheme == CONTROL:
         return QuantizedTensor(scheme, t.dtype, t.float())
     if is_control_tensor(name):  # a gate's row: its largest |w| sets the scale, no floor
-        scale = (t.float().abs().amax(dim=1) / INT8_CLIP_RANGE).clamp_min(1e-8).to(SCALE_DTYPE)
+        scale = row_scales(t.float().abs().amax(dim=1), INT8_CLIP_RANGE)
         codes = round_to_grid(t.float(), scale.float(), INT8_CLIP_RANGE).to(torch.int8)
         return QuantizedTensor(scheme, t.dtype, codes, scale, method="max")
     sigmas = plan.clip_sigmas(name)
