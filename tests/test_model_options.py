@@ -311,14 +311,16 @@ def test_on_cuda_fused_scoring_and_graphed_decoding_take_the_options():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_the_warm_up_compiles_both_depths_and_training_compiles_nothing(tiny_data_dir, tmp_path):
-    """Depth recurrence switched on half way: the warm-up compiles the graphs with and without
-    the loop, so no training step nor the validations compile another."""
+def test_on_cuda_the_warm_up_compiles_every_state_and_training_compiles_nothing(tiny_data_dir, tmp_path):
+    """Depth recurrence switched on half way and rounding to the grid (QAT) at three
+    quarters: the warm-up compiles the graphs of the three states training takes, so no
+    training step nor the validations (unrounded) compile another."""
     run = tmp_path / "run"
     result = CliRunner().invoke(app, ["train", "--preset", "tiny", "--data", str(tiny_data_dir), "--out", str(run),
                                       "--device", "cuda", "--compile", "--iterations", "12", "--warmdown-iters", "4",
-                                      "--val-loss-every", "6", *OPTION_FLAGS])
+                                      "--val-loss-every", "6", "--qat-start-fraction", "0.75", "--warmup-steps", "3",
+                                      *OPTION_FLAGS])
     assert result.exit_code == 0, result.output
     log = (run / "train.log").read_text()
-    assert "recurrence:on step:6 layers:1 count:2" in log
+    assert "recurrence:on step:6 layers:1 count:2" in log and "qat:on step:9" in log
     assert json.loads((run / "summary.json").read_text())["graphs_compiled_in_training"] == 0, log

@@ -171,6 +171,11 @@ class TrainConfig:
     recur_start_fraction: float = setting(0.0, "Depth recurrence (model.recur_layers): training runs those layers "
                                                 "once until this fraction of its iterations, or of its wallclock "
                                                 "budget under a cap, has passed, then recur_count times.")
+    qat_start_fraction: float = setting(0.0, "Quantization-aware training: once this fraction of the iterations, "
+                                              "or of the wallclock budget under a cap, has passed, each training "
+                                              "forward rounds the int6 matrices to the grid quantize will use (the "
+                                              "quant settings'; gradients pass straight through); validation sees "
+                                              "them unrounded. 0 = never.")
     min_lr_fraction: float = setting(0.0, "The warm-down's floor: the learning rate falls linearly to this "
                                           "fraction of its peak; 0 = to zero, the reference's.")
     warmdown_max_fraction: float = setting(0.5, "Under a wallclock cap, the warm-down lasts warmdown_iters steps "
@@ -637,7 +642,7 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "bigram_dim": (1, 16384), "ve_dim": (1, 16384), "window_attn_size": (0, 1 << 22), "num_sink_tokens": (0, 1 << 22),
     "rope_train_seq_len": (1, 1 << 22), "attn_out_gate_width": (0, 16384), "attn_out_gate_scale": (0, 1000),
     "doc_boundary_token": (-1, 65535), "parallel_start_layer": (0, 127), "recur_count": (1, 16),
-    "recur_start_fraction": (0, 1),
+    "recur_start_fraction": (0, 1), "qat_start_fraction": (0, 1),
     "embed_lr": (0, None), "head_lr": (0, None), "tied_embed_lr": (0, None), "matrix_lr": (0, None),
     "scalar_lr": (0, None), "muon_momentum": (0, 1), "muon_backend_steps": (1, 100),
     "muon_momentum_warmup_start": (0, 1), "muon_momentum_warmup_steps": (0, INT_MAX), "muon_wd": (0, None),

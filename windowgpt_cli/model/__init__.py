@@ -3,7 +3,7 @@ the attention backends (`attention`); rotary tables (`rotary`); the seam of elem
 steps between the products (`ops.TorchOps`) and its fused variants for scoring
 (`fused_ops`) and for test-time training (`fused_train_ops`); the names of its tensors
 (`state_dict`: banks, control tensors, groups); and the grids its matrices are quantized
-to (`weight_grid`).
+to, which training may round them to (`weight_grid`).
 
 May import: ground, kernels.
 """

@@ -22,6 +22,7 @@ from .attention import attention, attention_at, resolve_backend
 from .ops import TORCH_OPS, Residual, TorchOps, ValueInjection, pick_positions, smear
 from .rotary import rotary_inv_freq, rotary_magnitude, rotary_tables
 from .state_dict import BANK_NAMES, is_control_tensor
+from .weight_grid import RowGrid
 
 LinearObserver = Callable[[tuple[str, ...], Tensor], None]
 # What an adapter (per-document LoRA in test-time training) adds to a matrix product: given
@@ -381,6 +382,10 @@ class GPT(nn.Module):
         steps = len(cfg.block_order())
         self.skip_weights = nn.Parameter(torch.ones(min(steps // 2, steps - steps // 2), dim))
         self.recurring = True  # depth recurrence on (training turns it on part way; see block_order)
+        # Quantization-aware training: each bank's grid (None: stays float), applied while
+        # rounding_weights is on (training turns it on part way; see layer_weights).
+        self.weight_grids: tuple[RowGrid | None, ...] | None = None
+        self.rounding_weights = False
         self.qo_bank = nn.Parameter(torch.empty(2 * n, dim, dim))
         self.kv_bank = nn.Parameter(torch.empty(2 * n, cfg.kv_dim, dim))
         self.mlp_up_bank = nn.Parameter(torch.empty(n, cfg.mlp_dim, dim))
@@ -515,9 +520,12 @@ class GPT(nn.Module):
         """Each layer's (q, k, v, out, up, down) matrices in `dtype`: slices of the banks,
         each bank cast once (one kernel per bank, not one per slice). stack_qkv: q, k and v
         stacked into one matrix in q's place (k and v None), for a decoder, whose one-token
-        steps are bound by the number of kernels more than by their work."""
-        qo, kv, up, down = (bank.to(dtype) for bank in (self.qo_bank, self.kv_bank, self.mlp_up_bank,
-                                                         self.mlp_down_bank))
+        steps are bound by the number of kernels more than by their work. With rounding_weights,
+        the matrices are rounded to their banks' grids, gradients passing straight through."""
+        banks: tuple[Tensor, ...] = (self.qo_bank, self.kv_bank, self.mlp_up_bank, self.mlp_down_bank)
+        if self.rounding_weights and self.weight_grids is not None:
+            banks = tuple(b if grid is None else grid.snap(b) for grid, b in zip(self.weight_grids, banks))
+        qo, kv, up, down = (bank.to(dtype) for bank in banks)
         n = self.num_layers
         if stack_qkv:
             return [(torch.cat((qo[i], kv[i], kv[n + i])), None, None, qo[n + i], up[i], down[i]) for i in range(n)]

@@ -1,7 +1,14 @@
-"""The grids `quantize` rounds a matrix's rows to: a row's scale is its clip over the codes'
-limit, stored in float16, the clip k standard deviations of the row (k-sigma clipping) or
-one of its quantiles, at least 1 / limit where the reference floors it."""
+"""The grids `quantize` rounds a matrix's rows to, and the rounding a training forward may
+apply with them (quantization-aware training, `GPT.weight_grids`).
+
+A row's scale is its clip over the codes' limit, stored in float16: the clip is k standard
+deviations of the row (k-sigma clipping) or its largest weight, at least 1 / limit where
+the reference floors it. `quant.schemes` takes its scales from here, so that the grid a
+model trains on is the one its matrices are later quantized to.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -18,3 +25,32 @@ def row_scales(clip: Tensor, limit: int, least: float = LEAST_SCALE) -> Tensor:
 def sigma_clip(w: Tensor, sigmas: float) -> Tensor:
     """Each row of w [..., rows, cols] clipped at `sigmas` standard deviations of its weights."""
     return sigmas * w.float().std(dim=-1, correction=0)
+
+
+@dataclass(frozen=True)
+class RowGrid:
+    """Codes in [-limit, limit] times one scale per row: the row's clip (sigmas standard
+    deviations, or with sigmas 0 its largest weight) over limit, at least 1 / limit with
+    floor."""
+
+    limit: int
+    sigmas: float = 0.0
+    floor: bool = True
+
+    def __str__(self) -> str:
+        clip = f"{self.sigmas:g}sigma" if self.sigmas > 0 else "rowmax" + (f"(floor 1/{self.limit})" if self.floor else "")
+        return f"+-{self.limit}/{clip}"
+
+    def scales(self, w: Tensor) -> Tensor:
+        """The float16 scales [..., rows] of w [..., rows, cols]."""
+        if self.sigmas > 0:
+            return row_scales(sigma_clip(w, self.sigmas), self.limit)
+        least = 1.0 / self.limit if self.floor else LEAST_SCALE
+        return row_scales(w.float().abs().amax(dim=-1), self.limit, least)
+
+    def snap(self, w: Tensor) -> Tensor:
+        """w rounded to the grid in the forward; its gradient passes straight through."""
+        with torch.no_grad():
+            scale = self.scales(w).float().unsqueeze(-1)
+            snapped = torch.clamp(torch.round(w.float() / scale), -self.limit, self.limit) * scale
+        return snapped.to(w.dtype) + (w - w.detach())  # exactly the grid's values; gradient one

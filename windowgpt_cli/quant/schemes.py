@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 
 from ..artifacts.quantized import CONTROL, INT6, INT8, PASSTHROUGH, QuantizedTensor, code_limit, int_scheme
-from ..model.state_dict import classify_param, is_control_tensor
-from ..model.weight_grid import SCALE_DTYPE, row_scales, sigma_clip
+from ..model.state_dict import BANK_NAMES, bank_slots, classify_param, is_control_tensor
+from ..model.weight_grid import SCALE_DTYPE, RowGrid, row_scales, sigma_clip
 
 if TYPE_CHECKING:
     from ..config import QuantConfig
@@ -78,6 +78,23 @@ class QuantPlan:
 
 
 REFERENCE_PLAN = QuantPlan()
+
+
+def bank_grids(plan: QuantPlan, banks: dict[str, Tensor], num_layers: int) -> tuple[RowGrid | None, ...]:
+    """The grid each parameter bank's matrices (in BANK_NAMES' order) are quantized to, for
+    training to round them to: int6 rows as the plan scales them, with the reference's
+    percentile search taken at its last candidate, the row's largest weight (where every
+    weight is under 1, as in the reference's trained models, the floor makes all its
+    candidates one grid); None where the matrices stay floats."""
+    slots = bank_slots(num_layers)
+    grids: list[RowGrid | None] = []
+    for bank in BANK_NAMES:
+        name = slots[bank][0][1]
+        if choose_scheme(name, banks[bank][0], plan) != INT6:
+            grids.append(None)
+            continue
+        grids.append(RowGrid(plan.limit(INT6), plan.clip_sigmas(name), plan.scale_floor))
+    return tuple(grids)
 
 
 # --- Which scheme -------------------------------------------------------------------------

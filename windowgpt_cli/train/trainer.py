@@ -37,7 +37,10 @@ from ..errors import ConfigError, DataError, Interrupted, Terminated, TrainingDi
 from ..eval.scoring import evaluate_standard
 from ..model.attention import window_kernel_builds
 from ..model.gpt import GPT, build_model, check_fits
+from ..model.state_dict import BANK_NAMES
+from ..model.weight_grid import RowGrid
 from ..quant.calibration import calibrate, save_hessians
+from ..quant.schemes import QuantPlan, bank_grids
 from ..runtime import (
     autocast,
     compiled,
@@ -54,6 +57,33 @@ from .optim import Optimizers, WeightAverages, build_optimizers, lr_scale, muon_
 
 TRAINING_BYTES_PER_PARAMETER = 24
 SWA_LR_THRESHOLD = 0.2  # SWA collects snapshots once the LR scale falls below this
+# The model's switches that training may turn on part way (GPT attributes), and how the log names them.
+RECURRING, ROUNDING = "recurring", "rounding_weights"
+SWITCH_LOG_NAMES = {RECURRING: "recurrence", ROUNDING: "qat"}
+
+
+def qat_text(grids: tuple[RowGrid | None, ...] | None) -> str:
+    """The log's line on what quantization-aware training rounds."""
+    if grids is None:
+        return "qat:nothing to round: every bank's matrices stay float (quant_passthrough_max_numel)"
+    return "qat:grids " + " ".join(f"{bank}:{grid}" for bank, grid in zip(BANK_NAMES, grids) if grid is not None)
+
+
+def switch_states(fractions: dict[str, float]) -> list[dict[str, bool]]:
+    """The states of the switches (attribute -> on) that a run's forward passes take, each
+    one graph to compile: training's, as each switch turns on at its fraction of the budget
+    (ties in the order given), and validation's, which sees the weights unrounded and, at
+    the end, recurrence on."""
+    order = sorted(fractions, key=lambda name: fractions[name])
+    path = [{name: i < k for i, name in enumerate(order)} for k in range(len(order) + 1)]
+    states = list(path)
+    if ROUNDING in fractions:
+        states += [{**state, ROUNDING: False} for state in path]
+    unique: list[dict[str, bool]] = []
+    for state in states:
+        if state not in unique:
+            unique.append(state)
+    return unique
 
 
 @dataclass(frozen=True)
@@ -283,6 +313,9 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     enable_fast_math(ctx.device)
     model = build_model(cfg.model, ctx.device)
     model.set_attention_backend(cfg.train.attn_backend, ctx.device)
+    if cfg.train.qat_start_fraction > 0:  # the grids quantize will round the matrices to
+        grids = bank_grids(QuantPlan.from_config(cfg.quant), dict(model.named_parameters()), cfg.model.num_layers)
+        model.weight_grids = grids if any(grids) else None
     compile_model = cfg.train.compile and ctx.device.type == "cuda"
     forward = compiled(model, compile_model, tuning=cfg.train.compile_tuning)
     return Setup(
@@ -387,11 +420,16 @@ class Trainer:
         model_state = {k: v.detach().clone() for k, v in s.model.state_dict().items()}
         optimizer_state = copy.deepcopy(s.optimizers.state_dict())
         stream_state = self.stream.state_dict()
-        switches = self._switches_looping()
+        # With switches turned on part way (depth recurrence, rounding to the grid), the
+        # warm-up's steps run each state the run will take in equal shares: every graph
+        # compiles here, none in training.
+        states = switch_states(self._switch_fractions())
+        if steps < len(states):
+            self.log.line(f"warmup: {steps} steps run {steps} of the {len(states)} states the run's passes take "
+                          "(--warmup-steps); the others compile during training")
         for i in range(steps):
-            # With depth recurrence switched on part way, the first half of the warm-up runs
-            # without it and the second with it: both graphs compile here, none in training.
-            s.model.recurring = not switches or i >= steps // 2
+            for name, on in states[i * len(states) // steps].items():
+                setattr(s.model, name, on)
             self._optimizer_step(self._direct_batch, 1.0, passes=1)
             if steps <= 20 or (i + 1) % 10 == 0 or i + 1 == steps:
                 self.log.line(f"warmup_step:{i + 1}/{steps}")
@@ -399,24 +437,48 @@ class Trainer:
         s.optimizers.load_state_dict(optimizer_state)
         self.stream.load_state_dict(stream_state)
 
-    def _switches_looping(self) -> bool:
+    def _switch_fractions(self) -> dict[str, float]:
+        """The model's switches this run turns on part way, with the fraction of its budget at
+        which each turns on."""
         m, t = self.s.cfg.model, self.s.cfg.train
-        return bool(m.recur_layers) and m.recur_count > 1 and t.recur_start_fraction > 0
+        fractions = {}
+        if m.recur_layers and m.recur_count > 1 and t.recur_start_fraction > 0:
+            fractions[RECURRING] = t.recur_start_fraction
+        if t.qat_start_fraction > 0 and self.s.model.weight_grids is not None:
+            fractions[ROUNDING] = t.qat_start_fraction
+        return fractions
 
-    def _loops_by(self, elapsed_ms: float) -> bool:
-        """Whether depth recurrence is on at this point of training: once recur_start_fraction
-        of the wallclock budget (under a cap) or of the iterations has passed."""
-        fraction = self.s.cfg.train.recur_start_fraction
+    def _passed(self, fraction: float, elapsed_ms: float) -> bool:
+        """Whether `fraction` of the wallclock budget (under a cap) or of the iterations has passed."""
         if self.wallclock_ms:
             return elapsed_ms >= fraction * self.wallclock_ms
         return self.step >= fraction * self.s.cfg.train.iterations
 
-    def _set_looping(self, on: bool) -> None:
-        if not self._switches_looping() or self.s.model.recurring == on:
-            return
-        self.s.model.recurring = on
-        self.log.line(f"recurrence:{'on' if on else 'off'} step:{self.step} layers:"
-                      f"{','.join(map(str, self.s.cfg.model.recur_layers))} count:{self.s.cfg.model.recur_count}")
+    def _set_switches(self, elapsed_ms: float, last_step: bool = False, quiet: bool = False) -> None:
+        """Each switch on once its fraction has passed (recurrence also at the last step, which
+        validates the model as it scores), each change logged."""
+        for name, fraction in self._switch_fractions().items():
+            on = self._passed(fraction, elapsed_ms) or (last_step and name == RECURRING)
+            if getattr(self.s.model, name) == on:
+                continue
+            setattr(self.s.model, name, on)
+            if not quiet:
+                self.log.line(f"{SWITCH_LOG_NAMES[name]}:{'on' if on else 'off'} step:{self.step}"
+                              + (self._loop_text() if name == RECURRING else ""))
+
+    def _loop_text(self) -> str:
+        m = self.s.cfg.model
+        return f" layers:{','.join(map(str, m.recur_layers))} count:{m.recur_count}"
+
+    @contextlib.contextmanager
+    def _unrounded(self) -> Iterator[None]:
+        """The model's weights as they are, not rounded to their grids (validation, EMA)."""
+        rounding = self.s.model.rounding_weights
+        self.s.model.rounding_weights = False
+        try:
+            yield
+        finally:
+            self.s.model.rounding_weights = rounding
 
     def _direct_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.s
@@ -435,7 +497,7 @@ class Trainer:
             local_batch_tokens = t.train_batch_tokens // (s.ctx.world_size * s.passes_per_step)
         else:
             local_batch_tokens = t.val_batch_size // (s.ctx.world_size * s.grad_accum_steps)
-        with self.phases.timed("validation", sync=s.ctx.device):
+        with self.phases.timed("validation", sync=s.ctx.device), self._unrounded():
             result = evaluate_standard(s.forward, s.val_tokens, s.luts, seq_len=t.train_seq_len,
                                        batch_tokens=local_batch_tokens, device=s.ctx.device,
                                        rank=s.ctx.rank, world_size=s.ctx.world_size, training_graph=training_graph)
@@ -520,8 +582,9 @@ class Trainer:
         if self.gptq_reserve_ms > 0:
             self.log.line(f"gptq:reserving {self.gptq_reserve_ms:.0f}ms from training budget, "
                           f"effective={self.wallclock_ms:.0f}ms")
-        if self._switches_looping():  # where training stands (a resumed run may be past the switch)
-            s.model.recurring = self._loops_by(self.training_time_ms)
+        if t.qat_start_fraction > 0:
+            self.log.line(qat_text(s.model.weight_grids))
+        self._set_switches(self.training_time_ms, quiet=True)  # where training stands (a resumed run may be past them)
         self.graphs_before_loop = compiled_graphs()
         try:
             synchronize(device)
@@ -529,8 +592,7 @@ class Trainer:
             while True:
                 last_step = self.step == t.iterations or (
                     self.stop_after_step is not None and self.step >= self.stop_after_step)
-                self._set_looping(last_step or self._loops_by(self.training_time_ms + 1000.0 * (
-                    time.perf_counter() - t0)))
+                self._set_switches(self.training_time_ms + 1000.0 * (time.perf_counter() - t0), last_step)
                 if last_step or (t.val_loss_every > 0 and self.step % t.val_loss_every == 0):
                     synchronize(device)
                     self.training_time_ms += 1000.0 * (time.perf_counter() - t0)
@@ -618,6 +680,7 @@ class Trainer:
         if s.ctx.device.type == "cuda":
             self.log.line(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 1024 // 1024} MiB "
                           f"reserved: {torch.cuda.max_memory_reserved() // 1024 // 1024} MiB")
+        s.model.rounding_weights = False  # what follows (EMA, calibration) sees the weights themselves
         # The checkpoint's file is written while the EMA weights are scored and calibrated.
         with self.checkpoint_written_meanwhile(prefetcher) as path:
             live = {k: v.detach().clone() for k, v in s.model.state_dict().items()}
