@@ -739,7 +739,8 @@ class Trainer:
     def _log_sample(self) -> None:
         from ..generate.decoding import greedy_sample
 
-        text = greedy_sample(self.s.model, self.s.tokenizer, self.s.cfg.train.sample_prompt)
+        with self._unrounded():  # the model as validation sees it
+            text = greedy_sample(self.s.model, self.s.tokenizer, self.s.cfg.train.sample_prompt)
         self.log.line(f"sample step:{self.step} {self.s.cfg.train.sample_prompt + text!r}")
 
     def _log_validation(self, val_loss: float, val_bpb: float) -> None:
