@@ -123,3 +123,37 @@ def test_a_warm_up_shorter_than_the_runs_states_says_so(tiny_data_dir, tmp_path)
                  "--recur-count", "2", "--recur-start-fraction", "0.5", "--warmup-steps", "2")
     assert "warmup: 2 steps run 2 of the 3 states the run's passes take" in log
     assert "recurrence:on step:3" in log and "qat:on step:5" in log  # 0.75 of 6 steps: after 4.5
+
+
+@pytest.mark.slow
+def test_compiled_training_with_both_switches_compiles_in_the_warm_up_only(tiny_data_dir, tmp_path):
+    """Recurrence at half the run, rounding at three quarters, validations between: the
+    warm-up compiles the three states (each one graph), the run itself none."""
+    from torch._dynamo.testing import CompileCounter
+
+    from windowgpt_cli.config import apply_overrides, tiny_preset
+    from windowgpt_cli.distributed import DistContext
+    from windowgpt_cli.train.trainer import RunLog, StopRequests, Trainer, build_setup
+
+    cfg = apply_overrides(tiny_preset(), {
+        "data": {"data_path": str(tiny_data_dir)},
+        "model": {"recur_layers": (1,), "recur_count": 2},
+        "train": {"iterations": 8, "warmup_steps": 3, "val_loss_every": 2, "warmdown_iters": 2,
+                  "recur_start_fraction": 0.5, "qat_start_fraction": 0.75}}).resolved()
+    setup = build_setup(cfg, DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    setup.forward = torch.compile(setup.model, backend=counter, dynamic=False, fullgraph=True)
+    setup.compiled = True
+    log = RunLog(tmp_path, enabled=True, echo=lambda line: None)
+    trainer = Trainer(setup, tmp_path, log)
+    trainer.warm_up()
+    assert counter.frame_count == 3
+    result = trainer.run(None, StopRequests())
+    assert result.finished and counter.frame_count == 3
+    text = (tmp_path / "train.log").read_text()
+    assert "recurrence:on step:4" in text and "qat:on step:6" in text
+    setup.model.rounding_weights = False
+    unrounded = trainer.validate()
+    setup.model.rounding_weights = True  # as in training after the switch: validation sees the weights unrounded
+    assert trainer.validate() == unrounded and setup.model.rounding_weights and counter.frame_count == 3
