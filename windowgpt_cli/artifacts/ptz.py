@@ -193,7 +193,7 @@ def describe(path: Path) -> PtzDescription:
     path = Path(path)
     data = _read_file(path)
     _check_header(data, str(path))
-    compressor_id, (size, _digest) = data[len(MAGIC) + 1], _SIZE_AND_HASH.unpack_from(data, len(MAGIC) + 2)
+    compressor_id, size = data[len(MAGIC) + 1], _SIZE_AND_HASH.unpack_from(data, len(MAGIC) + 2)[0]
     body = data[HEADER_BYTES:]
     try:
         head = compressors.payload_prefix(compressor_id, body, 8, size)
