@@ -7,6 +7,9 @@
 #                  "name:flags;name:flags") -> LOG_DIR/*.json and LOG_DIR/ttt_h200.json
 #   (no PHASE: both). METHODS (default "sliding chunks lora") chooses the first three. MODEL names the model in the JSON (default record_240s). Without
 #   WORK/data, measure prepares the validation split (and one training file) first.
+#   DEADLINE_S: a LoRA run starts only while its estimate (LORA_ESTIMATE_S, default 240) fits
+#   before DEADLINE_S seconds from the script's start (a device call's limit), so that no run
+#   is cut off half way.
 # usage: [PHASE=train|measure] [TRAIN_SECONDS=240] [LORA_VARIANTS=...] bench/ttt_methods.sh SHARED_DIR WORK_DIR LOG_DIR
 source "$(dirname "$0")/lib.sh"
 phase=${PHASE:-all}
@@ -25,6 +28,10 @@ if [ "$phase" != train ]; then
   fi
   run() {  # NAME ARGS...: one scoring command's JSON report, its log beside it
     local name=$1; shift
+    if [[ -n ${DEADLINE_S:-} && $1 == eval-ttt && " $* " == *" lora "* ]] \
+        && (( SECONDS + ${LORA_ESTIMATE_S:-240} > DEADLINE_S )); then
+      echo "skipped $name: $(( DEADLINE_S - SECONDS ))s left before the deadline"; return 1
+    fi
     wg "$@" --json > "$logs/$name.json" 2> "$logs/$name.log" || { tail "$logs/$name.log"; return 1; }
     python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], r['val_bpb'], r['seconds'])" \
       "$logs/$name.json" "$name"
