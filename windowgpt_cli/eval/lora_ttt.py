@@ -7,9 +7,10 @@ chunks of ttt_lora_chunk_tokens, in order: each chunk by the model plus the docu
 LoRA adapters over a window of the document that ends with the chunk, and then, where the
 document has a later chunk, the adapters take one AdamW step on that chunk's mean loss (with
 ttt_lora_train_span=window: on the mean loss of every target of the document that the
-window holds, all scored by then). The adapters start afresh with every document. With ttt_lora_context=stream a window reaches
-back across document boundaries to earlier tokens, as sliding evaluation's do (for a model
-trained on packed documents, whose predictions lean on the documents before). Documents are
+window holds, all scored by then). The adapters start afresh with every document. With
+ttt_lora_context=stream a window reaches back across document boundaries to earlier tokens,
+as sliding evaluation's do (for a model trained on packed documents, whose predictions lean
+on the documents before). Documents are
 scored side by side, each row of a batch with its own adapters (batched products), longest
 first, so that a batch's rows end together; a window is padded on its right, which a causal
 model never reads.

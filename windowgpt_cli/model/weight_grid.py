@@ -38,7 +38,8 @@ class RowGrid:
     floor: bool = True
 
     def __str__(self) -> str:
-        clip = f"{self.sigmas:g}sigma" if self.sigmas > 0 else "rowmax" + (f"(floor 1/{self.limit})" if self.floor else "")
+        floor = f"(floor 1/{self.limit})" if self.floor else ""
+        clip = f"{self.sigmas:g}sigma" if self.sigmas > 0 else "rowmax" + floor
         return f"+-{self.limit}/{clip}"
 
     def scales(self, w: Tensor) -> Tensor:
