@@ -171,6 +171,9 @@ class TrainConfig:
     recur_start_fraction: float = setting(0.0, "Depth recurrence (model.recur_layers): training runs those layers "
                                                 "once until this fraction of its iterations, or of its wallclock "
                                                 "budget under a cap, has passed, then recur_count times.")
+    fused_cross_entropy: bool = setting(False, "The training loss's soft cap and cross-entropy as one Triton "
+                                                "kernel forward and one backward (CUDA), each reading the logits "
+                                                "once; off: as torch.compile fuses them.")
     qat_start_fraction: float = setting(0.0, "Quantization-aware training: once this fraction of the iterations, "
                                               "or of the wallclock budget under a cap, has passed, each training "
                                               "forward rounds the int6 matrices to the grid quantize will use (the "

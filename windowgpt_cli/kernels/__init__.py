@@ -1,7 +1,8 @@
 """Triton kernels: the window attention with sink tokens, forward and backward
-(`window_attention`), the fused element-wise steps of scoring (`elementwise`) and the
-backward kernels of test-time training's fused steps (`elementwise_backward`), each with
-the functions that launch it on plain tensors. Nothing here knows the model. Importing a
+(`window_attention`), the fused element-wise steps of scoring (`elementwise`), the
+backward kernels of test-time training's fused steps (`elementwise_backward`) and the
+soft-capped cross-entropy of training (`cross_entropy`), each with the functions that
+launch it on plain tensors. Nothing here knows the model. Importing a
 module imports Triton: they are imported only where a GPU path runs.
 
 May import: ground.

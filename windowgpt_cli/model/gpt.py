@@ -386,6 +386,7 @@ class GPT(nn.Module):
         # rounding_weights is on (training turns it on part way; see layer_weights).
         self.weight_grids: tuple[RowGrid | None, ...] | None = None
         self.rounding_weights = False
+        self.fused_loss = False  # the training loss through kernels.cross_entropy (training sets it)
         self.qo_bank = nn.Parameter(torch.empty(2 * n, dim, dim))
         self.kv_bank = nn.Parameter(torch.empty(2 * n, cfg.kv_dim, dim))
         self.mlp_up_bank = nn.Parameter(torch.empty(n, cfg.mlp_dim, dim))
@@ -646,11 +647,14 @@ class GPT(nn.Module):
 
     def logits(self, hidden: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
         """Soft-capped logits for hidden states of any leading shape."""
+        return ops.softcap(self._head(hidden), self.cfg.logit_softcap)
+
+    def _head(self, hidden: Tensor) -> Tensor:
+        """The output layer's logits before the soft cap."""
         weight = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
         if self.head_observer is not None:
             self.head_observer((self.head_name,), hidden.detach())
-        logits = adapted(self.head_adapter, self.head_name, hidden, F.linear(hidden, weight.to(hidden.dtype)))
-        return ops.softcap(logits, self.cfg.logit_softcap)
+        return adapted(self.head_adapter, self.head_name, hidden, F.linear(hidden, weight.to(hidden.dtype)))
 
     def forward_logits(self, input_ids: Tensor) -> Tensor:
         return self.logits(self.hidden_states(input_ids))
@@ -668,8 +672,14 @@ class GPT(nn.Module):
         return self.logits(self.hidden_states(input_ids, positions, ops, query_runs), ops)
 
     def forward(self, input_ids: Tensor, target_ids: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
-        """Mean cross-entropy, as the reference's training forward."""
-        logits = self.logits(self.hidden_states(input_ids, ops=ops).flatten(0, 1), ops)
+        """Mean cross-entropy, as the reference's training forward (with fused_loss, the soft
+        cap and the cross-entropy as one kernel each way: `kernels.cross_entropy`)."""
+        hidden = self.hidden_states(input_ids, ops=ops).flatten(0, 1)
+        if self.fused_loss:
+            from ..kernels.cross_entropy import softcap_cross_entropy  # imports Triton: only when used
+
+            return softcap_cross_entropy(self._head(hidden), target_ids.reshape(-1), self.cfg.logit_softcap).mean()
+        logits = self.logits(hidden, ops)
         return F.cross_entropy(logits.float(), target_ids.reshape(-1), reduction="mean")
 
 

@@ -50,6 +50,7 @@ from ..runtime import (
     seed_everything,
     synchronize,
     threads_meanwhile,
+    triton_available,
 )
 from ..storage.files import json_text, sha256_file, tensors_sha256
 from ..timing import Phases, compiled_graphs
@@ -313,6 +314,7 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     enable_fast_math(ctx.device)
     model = build_model(cfg.model, ctx.device)
     model.set_attention_backend(cfg.train.attn_backend, ctx.device)
+    model.fused_loss = cfg.train.fused_cross_entropy and triton_available(ctx.device)
     if cfg.train.qat_start_fraction > 0:  # the grids quantize will round the matrices to
         grids = bank_grids(QuantPlan.from_config(cfg.quant), dict(model.named_parameters()), cfg.model.num_layers)
         model.weight_grids = grids if any(grids) else None
@@ -352,7 +354,8 @@ class Trainer:
             self.gptq_reserve_ms = 1000.0 * setup.cfg.quant.gptq_reserve_seconds
             self.wallclock_ms -= self.gptq_reserve_ms
         data_seed = t.data_seed if t.data_seed >= 0 else t.seed
-        self.stream = TokenStream(setup.train_files, data_seed, setup.ctx.rank, setup.ctx.world_size, setup.cfg.model.vocab_size)
+        self.stream = TokenStream(setup.train_files, data_seed, setup.ctx.rank, setup.ctx.world_size,
+                                  setup.cfg.model.vocab_size)
         self.step = 0
         self.training_time_ms = 0.0
         self.stop_after_step: int | None = None
@@ -584,6 +587,8 @@ class Trainer:
                           f"effective={self.wallclock_ms:.0f}ms")
         if t.qat_start_fraction > 0:
             self.log.line(qat_text(s.model.weight_grids))
+        if t.fused_cross_entropy and not s.model.fused_loss:
+            self.log.line("fused_cross_entropy: off on this device (its kernels need CUDA and Triton)")
         self._set_switches(self.training_time_ms, quiet=True)  # where training stands (a resumed run may be past them)
         self.graphs_before_loop = compiled_graphs()
         try:

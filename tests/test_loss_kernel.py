@@ -1,0 +1,123 @@
+"""The soft-capped cross-entropy kernels (`kernels.cross_entropy`, `train --fused-cross-entropy`)
+against torch's soft cap and cross-entropy: losses and gradients, alone, compiled, and as
+the model's training loss. On the CPU they run in Triton's interpreter."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import interpret_kernels_without_cuda
+from test_model import perturbed_tiny
+
+interpret_kernels_without_cuda()
+
+from windowgpt_cli.kernels.cross_entropy import softcap_cross_entropy  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("interpreter_fixes")
+CAP = 30.0
+
+
+def torch_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(CAP * torch.tanh(logits.float() / CAP), targets, reduction="none")
+
+
+def losses_and_grads(fn, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = logits.detach().clone().requires_grad_(True)
+    loss = fn(logits, targets)
+    weights = torch.randn(loss.shape, generator=torch.Generator().manual_seed(2))
+    (loss * weights).sum().backward()
+    return loss.detach(), logits.grad
+
+
+@pytest.mark.parametrize("vocab", [1000, 1024, 2500])  # one block (partly filled), exactly one, several
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_give_torchs_losses_and_gradients(vocab, dtype):
+    g = torch.Generator().manual_seed(vocab)
+    logits = (40 * torch.randn(23, vocab, generator=g)).to(dtype)  # large enough that the cap bends them
+    targets = torch.randint(0, vocab, (23,), generator=g)
+    loss, grad = losses_and_grads(lambda x, t: softcap_cross_entropy(x, t, CAP), logits, targets)
+    want_loss, want_grad = losses_and_grads(torch_loss, logits, targets)
+    assert loss.dtype == torch.float32 and grad.dtype == dtype
+    assert torch.allclose(loss, want_loss, rtol=1e-5, atol=1e-5)
+    # torch's gradient is rounded to dtype after its own float32 steps; the kernel's once
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7  # bfloat16: one step at the largest gradient
+    assert (grad.float() - want_grad.float()).abs().max() <= tol * want_grad.float().abs().max()
+
+
+def test_inside_a_compiled_function_the_op_stays_one_graph():
+    from torch._dynamo.testing import CompileCounter
+
+    logits = torch.randn(9, 300, generator=torch.Generator().manual_seed(3))
+    targets = torch.randint(0, 300, (9,), generator=torch.Generator().manual_seed(4))
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, t: softcap_cross_entropy(x * 2.0, t, CAP).mean(), backend=counter,
+                             fullgraph=True)
+    got, grad = losses_and_grads(compiled, logits, targets)
+    want, want_grad = losses_and_grads(lambda x, t: torch_loss(x * 2.0, t).mean(), logits, targets)
+    assert counter.frame_count == 1 and torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(grad, want_grad, atol=1e-6)
+
+
+def test_the_models_fused_loss_trains_as_its_torch_loss():
+    x = torch.randint(0, 1024, (2, 40), generator=torch.Generator().manual_seed(5))
+    y = torch.randint(0, 1024, (2, 40), generator=torch.Generator().manual_seed(6))
+    results = []
+    for fused in (False, True):
+        model = perturbed_tiny().train()
+        model.fused_loss = fused
+        loss = model(x, y)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (plain, plain_grads), (fused, fused_grads) = results
+    assert torch.allclose(plain, fused, atol=1e-5) and plain_grads.keys() == fused_grads.keys()
+    for name, grad in plain_grads.items():
+        assert torch.allclose(fused_grads[name], grad, atol=1e-6, rtol=1e-4), name
+
+
+def test_the_op_refuses_misshapen_inputs():
+    with pytest.raises(ValueError, match=r"logits \[N, V\] and targets \[N\]"):
+        softcap_cross_entropy(torch.zeros(2, 3, 5), torch.zeros(2, dtype=torch.long), CAP)
+
+
+def test_training_says_the_fused_loss_is_off_without_cuda(tiny_data_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from windowgpt_cli.cli.app import app
+
+    result = CliRunner().invoke(app, ["train", "--preset", "tiny", "--data", str(tiny_data_dir), "--out",
+                                      str(tmp_path / "run"), "--iterations", "2", "--fused-cross-entropy"])
+    assert result.exit_code == 0, result.output
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert ("fused_cross_entropy: off on this device" in log) == (not torch.cuda.is_available())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_compiled_step_with_the_fused_loss_gives_the_same_loss_and_gradients():
+    """The full-size model's compiled training loss in bf16 autocast, at a micro-batch of 8
+    sequences: the fused kernels' loss within 1e-3 of Inductor's, the output layer's gradient
+    within 1% of its size."""
+    from windowgpt_cli.config import RunConfig
+    from windowgpt_cli.model.gpt import build_model
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = build_model(RunConfig().model, device)
+    model.set_attention_backend("auto", device)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randint(0, 1024, (8, 2048), device="cuda", generator=g)
+    y = torch.randint(0, 1024, (8, 2048), device="cuda", generator=g)
+    step = torch.compile(model, dynamic=False, fullgraph=True)
+    results = []
+    for fused in (False, True):
+        model.fused_loss = fused
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step(x, y)
+        loss.backward()
+        results.append((loss.item(), model.tok_emb.weight.grad.float().clone()))
+    (plain, plain_grad), (fused, fused_grad) = results
+    assert abs(plain - fused) < 1e-3
+    assert (fused_grad - plain_grad).abs().max() <= 0.01 * plain_grad.abs().max()
