@@ -1,0 +1,81 @@
+"""Whether the fused soft-capped cross-entropy pays (`train --fused-cross-entropy`): the loss
+and its gradient for one pass of a training step's logits, through `kernels.cross_entropy`
+against the soft cap and cross-entropy as torch.compile fuses them.
+
+    python bench/loss_speed.py [--rows 196608] [--vocab 1024,8192] [--repeats 20] [--json PATH]
+
+rows: the tokens of one forward pass (the record's step of 786,432 tokens runs as four
+passes of two micro-batches on one H200). For each vocabulary: both ways' milliseconds
+(forward and backward, the median of `repeats`), their ratio, the bytes of the bf16 logits,
+and the largest differences of loss and gradient. Prints one JSON object per line; --json
+writes them all to one file.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.fused_products import milliseconds  # noqa: E402
+from windowgpt_cli.kernels.cross_entropy import softcap_cross_entropy  # noqa: E402
+
+CAP = 30.0
+
+
+def torch_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy((CAP * torch.tanh(logits / CAP)).float(), targets)
+
+
+def fused_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return softcap_cross_entropy(logits, targets, CAP).mean()
+
+
+def measure(rows: int, vocab: int, repeats: int) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(vocab)
+    logits = (8 * torch.randn(rows, vocab, device="cuda", generator=g)).bfloat16().requires_grad_(True)
+    targets = torch.randint(0, vocab, (rows,), device="cuda", generator=g)
+    result: dict = {"rows": rows, "vocab": vocab, "logits_bytes": logits.numel() * logits.element_size()}
+    outputs = {}
+    for name, fn in (("compiled", torch.compile(torch_loss, dynamic=False)),
+                     ("fused", torch.compile(fused_loss, dynamic=False))):
+        def step() -> None:
+            logits.grad = None
+            fn(logits, targets).backward()
+
+        result[f"{name}_ms"] = round(milliseconds(step, repeats), 3)
+        logits.grad = None
+        loss = fn(logits, targets)
+        loss.backward()
+        outputs[name] = (loss.detach().float(), logits.grad.float())
+    result["ratio"] = round(result["fused_ms"] / result["compiled_ms"], 3)
+    result["loss_difference"] = float((outputs["fused"][0] - outputs["compiled"][0]).abs())
+    result["grad_difference"] = float((outputs["fused"][1] - outputs["compiled"][1]).abs().max())
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=196_608)
+    parser.add_argument("--vocab", default="1024,8192")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/loss_speed.py needs a CUDA GPU")
+    rows = []
+    for vocab in (int(v) for v in args.vocab.split(",")):
+        rows.append({"gpu": torch.cuda.get_device_name(0), **measure(args.rows, vocab, args.repeats)})
+        print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
