@@ -61,16 +61,23 @@ def test_inside_a_compiled_function_the_op_stays_one_graph():
 
 
 def test_the_models_fused_loss_trains_as_its_torch_loss():
+    """The model's training loss with fused_loss, compiled whole (one graph), against its
+    torch loss: the same loss and the same gradient for every parameter."""
+    from torch._dynamo.testing import CompileCounter
+
     x = torch.randint(0, 1024, (2, 40), generator=torch.Generator().manual_seed(5))
     y = torch.randint(0, 1024, (2, 40), generator=torch.Generator().manual_seed(6))
+    counter = CompileCounter()
+    torch._dynamo.reset()
     results = []
     for fused in (False, True):
         model = perturbed_tiny().train()
         model.fused_loss = fused
-        loss = model(x, y)
+        loss = (torch.compile(model, backend=counter, fullgraph=True) if fused else model)(x, y)
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
     (plain, plain_grads), (fused, fused_grads) = results
+    assert counter.frame_count == 1
     assert torch.allclose(plain, fused, atol=1e-5) and plain_grads.keys() == fused_grads.keys()
     for name, grad in plain_grads.items():
         assert torch.allclose(fused_grads[name], grad, atol=1e-6, rtol=1e-4), name
