@@ -276,6 +276,16 @@ def test_micro_batches_per_pass_fit_the_gpu_memory_and_divide_the_step(monkeypat
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=memory))
         assert micro_batches_per_pass_for(cfg, 1, 8, cuda) == expected, fitting
     assert micro_batches_per_pass_for(cfg, 1, 8, torch.device("cpu")) == 1
+    # the fused loss keeps bf16 logits and their gradient only: more micro-batches fit
+    big_vocab = RunConfig()
+    big_vocab.model.vocab_size = 8192
+    memory = int(3.5 * training_bytes_per_token(big_vocab.model) * cfg.train.train_batch_tokens // 8
+                 / TRAIN_MEMORY_FRACTION)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=memory))
+    monkeypatch.setattr("windowgpt_cli.train.trainer.triton_available", lambda device: True)
+    assert micro_batches_per_pass_for(big_vocab, 1, 8, cuda) == 2
+    big_vocab.train.fused_cross_entropy = True
+    assert micro_batches_per_pass_for(big_vocab, 1, 8, cuda) == 4
     cfg.train.micro_batches_per_pass = 3
     with pytest.raises(ConfigError, match="must divide grad_accum_steps=8"):
         micro_batches_per_pass_for(cfg, 1, 8, cuda)

@@ -207,12 +207,14 @@ class Setup:
 TRAIN_MEMORY_FRACTION = 0.5
 
 
-def training_bytes_per_token(cfg: ModelConfig) -> int:
+def training_bytes_per_token(cfg: ModelConfig, fused_loss: bool = False) -> int:
     """A bound on what one training token keeps alive for the backward: per layer the
     float32 residual stream's parts and the bfloat16 inputs and outputs of its matrix
-    products and attention, and the float32 logits and their gradient."""
+    products and attention, and the float32 logits and their gradient (with the fused loss
+    the bfloat16 logits and their gradient alone)."""
     bf16_per_layer = 5 * cfg.model_dim + 2 * cfg.kv_dim + 3 * cfg.mlp_dim
-    return cfg.num_layers * (4 * 3 * cfg.model_dim + 2 * bf16_per_layer) + 4 * 3 * cfg.vocab_size
+    per_logit = 2 * 2 if fused_loss else 4 * 3
+    return cfg.num_layers * (4 * 3 * cfg.model_dim + 2 * bf16_per_layer) + per_logit * cfg.vocab_size
 
 
 def micro_batches_per_pass_for(cfg: RunConfig, world_size: int, accum: int, device: torch.device) -> int:
@@ -229,7 +231,8 @@ def micro_batches_per_pass_for(cfg: RunConfig, world_size: int, accum: int, devi
         return 1
     micro_tokens = cfg.train.train_batch_tokens // (world_size * accum)
     budget = torch.cuda.get_device_properties(device).total_memory * TRAIN_MEMORY_FRACTION
-    fitting = int(budget // (micro_tokens * training_bytes_per_token(cfg.model)))
+    fused_loss = cfg.train.fused_cross_entropy and triton_available(device)
+    fitting = int(budget // (micro_tokens * training_bytes_per_token(cfg.model, fused_loss)))
     return max(d for d in range(1, accum + 1) if accum % d == 0 and d <= max(fitting, 1))
 
 
