@@ -25,7 +25,6 @@ from ..runtime import run_in_threads
 from .attention import window_kernel_builds
 from .gpt import GPT
 from .ops import TORCH_OPS, Residual, TorchOps, ValueInjection, smear
-from .rotary import rotary_inv_freq, rotary_tables
 
 
 @dataclass
@@ -73,8 +72,7 @@ class FusedOps(TorchOps):
         x0 = SmearedEmbedding(torch.zeros(1, seq_len, width, device=device, dtype=table.dtype),
                               float32_values(model.smear.gate, table))
         block = model.blocks[0]
-        inv_freq = rotary_inv_freq(model.rotary_dims, cfg.rope_base, seq_len, cfg.rope_train_seq_len, device=device)
-        cos, sin = rotary_tables(seq_len, inv_freq)
+        cos, sin = model.rotary(seq_len, device)  # the tables scoring will pass
         y = activations(1, queries, cfg.num_heads, cfg.head_dim)
         tasks = [
             lambda: self.embed(ids, table, activations(1, seq_len, width) if model.bigram is not None else None,
