@@ -44,9 +44,12 @@ def test_tiny_run_learns_and_writes_its_artifacts(tiny_run_dir):
 
 
 @pytest.mark.slow
-def test_interrupted_then_resumed_run_matches_an_uninterrupted_one(tiny_data_dir, tmp_path):
-    cfg = tiny_cfg(tiny_data_dir, iterations=12, train_log_every=1, train_batch_tokens=2048)  # small steps: quick
+@pytest.mark.parametrize("switched", [{}, {"qat_start_fraction": 0.25}])  # stopped after the rounding began
+def test_interrupted_then_resumed_run_matches_an_uninterrupted_one(tiny_data_dir, tmp_path, switched):
+    cfg = tiny_cfg(tiny_data_dir, iterations=12, train_log_every=1, train_batch_tokens=2048,  # small steps: quick
+                   **switched)
     train(cfg, tmp_path / "straight")
+    assert ("qat:on step:3" in (tmp_path / "straight" / "train.log").read_text()) == bool(switched)
     paused = train(cfg, tmp_path / "paused", stop_at_step=5)
     assert not paused.finished and paused.step == 5
     assert load_checkpoint(tmp_path / "paused").step == 5
