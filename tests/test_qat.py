@@ -4,7 +4,6 @@ through, and training switches the rounding on at its fraction of the budget, wi
 state the run takes compiled in the warm-up."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -115,7 +114,7 @@ def test_training_says_when_there_is_nothing_to_round(tiny_data_dir, tmp_path):
 
 def test_the_grid_describes_itself():
     assert str(RowGrid(31)) == "+-31/rowmax(floor 1/31)"
-    assert str(dataclasses.replace(RowGrid(15, 11.5))) == "+-15/11.5sigma"
+    assert str(RowGrid(15, 11.5)) == "+-15/11.5sigma" and str(RowGrid(31, floor=False)) == "+-31/rowmax"
 
 
 def test_a_warm_up_shorter_than_the_runs_states_says_so(tiny_data_dir, tmp_path):
