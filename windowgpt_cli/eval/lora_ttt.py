@@ -10,10 +10,9 @@ ttt_lora_train_span=window: on the mean loss of every target of the document tha
 window holds, all scored by then). The adapters start afresh with every document. With
 ttt_lora_context=stream a window reaches back across document boundaries to earlier tokens,
 as sliding evaluation's do (for a model trained on packed documents, whose predictions lean
-on the documents before). Documents are
-scored side by side, each row of a batch with its own adapters (batched products), longest
-first, so that a batch's rows end together; a window is padded on its right, which a causal
-model never reads.
+on the documents before). Documents are scored side by side, each row of a batch with its
+own adapters (batched products), longest first, so that a batch's rows end together; a
+window is padded on its right, which a causal model never reads.
 
 Global phases: the first ttt_lora_prefix_docs documents, in stream order, fall into
 ttt_lora_phases equal groups. Once a group is scored entirely, the model itself trains on

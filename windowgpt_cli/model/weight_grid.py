@@ -22,6 +22,16 @@ def row_scales(clip: Tensor, limit: int, least: float = LEAST_SCALE) -> Tensor:
     return (clip / limit).clamp_min(least).to(SCALE_DTYPE)
 
 
+def least_scale(limit: int, floor: bool) -> float:
+    """The smallest row scale: the reference's 1 / limit with its floor, else LEAST_SCALE."""
+    return 1.0 / limit if floor else LEAST_SCALE
+
+
+def round_to_grid(w: Tensor, scale: Tensor, limit: int) -> Tensor:
+    """Codes (as floats) of w [..., cols] with one float32 scale per row [...]."""
+    return torch.clamp(torch.round(w / scale.unsqueeze(-1)), -limit, limit)
+
+
 def sigma_clip(w: Tensor, sigmas: float) -> Tensor:
     """Each row of w [..., rows, cols] clipped at `sigmas` standard deviations of its weights."""
     return sigmas * w.float().std(dim=-1, correction=0)
@@ -46,12 +56,11 @@ class RowGrid:
         """The float16 scales [..., rows] of w [..., rows, cols]."""
         if self.sigmas > 0:
             return row_scales(sigma_clip(w, self.sigmas), self.limit)
-        least = 1.0 / self.limit if self.floor else LEAST_SCALE
-        return row_scales(w.float().abs().amax(dim=-1), self.limit, least)
+        return row_scales(w.float().abs().amax(dim=-1), self.limit, least_scale(self.limit, self.floor))
 
     def snap(self, w: Tensor) -> Tensor:
         """w rounded to the grid in the forward; its gradient passes straight through."""
         with torch.no_grad():
-            scale = self.scales(w).float().unsqueeze(-1)
-            snapped = torch.clamp(torch.round(w.float() / scale), -self.limit, self.limit) * scale
+            scale = self.scales(w).float()
+            snapped = round_to_grid(w.float(), scale, self.limit) * scale.unsqueeze(-1)
         return snapped.to(w.dtype) + (w - w.detach())  # exactly the grid's values; gradient one

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..artifacts.quantized import CONTROL, INT6, INT8, PASSTHROUGH, QuantizedTensor, code_limit, int_scheme
 from ..model.state_dict import BANK_NAMES, bank_slots, classify_param, is_control_tensor
-from ..model.weight_grid import SCALE_DTYPE, RowGrid, row_scales, sigma_clip
+from ..model.weight_grid import SCALE_DTYPE, RowGrid, least_scale, round_to_grid, row_scales, sigma_clip
 
 if TYPE_CHECKING:
     from ..config import QuantConfig
@@ -132,8 +132,7 @@ def int6_candidate_scales(w: Tensor, clip_range: int, clip_sigmas: float = 0.0, 
     partial = [q for q in INT6_CLIP_QUANTILES if q < 1.0]
     clips = list(row_quantiles(a, partial)) if partial else []
     clips += [a.amax(dim=1) for q in INT6_CLIP_QUANTILES if q >= 1.0]
-    least = 1.0 / clip_range if floor else 1e-8
-    return torch.stack([row_scales(c, clip_range, least) for c in clips])
+    return torch.stack([row_scales(c, clip_range, least_scale(clip_range, floor)) for c in clips])
 
 
 def sigma_scales(w: Tensor, limit: int, clip_sigmas: float) -> Tensor:
@@ -142,11 +141,6 @@ def sigma_scales(w: Tensor, limit: int, clip_sigmas: float) -> Tensor:
     with it the codes' entropy (bytes), not the row's largest weight. A row of zeros keeps
     the smallest scale."""
     return row_scales(sigma_clip(w, clip_sigmas), limit)
-
-
-def round_to_grid(w: Tensor, scale: Tensor, clip_range: int) -> Tensor:
-    """Codes (as floats) of w [..., cols] with one float32 scale per row [...]."""
-    return torch.clamp(torch.round(w / scale.unsqueeze(-1)), -clip_range, clip_range)
 
 
 def reconstruction_mse(w: Tensor, codes: Tensor, scale: Tensor) -> float:
@@ -185,7 +179,7 @@ def quantize_int8(t: Tensor, limit: int = INT8_CLIP_RANGE, floor: bool = True) -
     if w.ndim == 2:
         clip = row_quantiles(w.abs(), [INT8_CLIP_QUANTILE])[0]
         clipped = torch.maximum(torch.minimum(w, clip[:, None]), -clip[:, None])
-        scale = (clip / limit).clamp_min(1.0 / limit if floor else 1e-8)
+        scale = (clip / limit).clamp_min(least_scale(limit, floor))
         codes = round_to_grid(clipped, scale, limit)
         return codes.to(torch.int8), scale.to(SCALE_DTYPE)
     clip_abs = float(torch.quantile(w.abs().flatten(), INT8_CLIP_QUANTILE).item())

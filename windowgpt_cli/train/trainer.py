@@ -217,6 +217,11 @@ def training_bytes_per_token(cfg: ModelConfig, fused_loss: bool = False) -> int:
     return cfg.num_layers * (4 * 3 * cfg.model_dim + 2 * bf16_per_layer) + per_logit * cfg.vocab_size
 
 
+def fused_loss_on(cfg: RunConfig, device: torch.device) -> bool:
+    """Whether training computes its loss with the fused kernels: asked for, and where they run."""
+    return cfg.train.fused_cross_entropy and triton_available(device)
+
+
 def micro_batches_per_pass_for(cfg: RunConfig, world_size: int, accum: int, device: torch.device) -> int:
     """How many of a step's micro-batches run as one forward and backward: the setting, or
     for 0 on CUDA the most (a divisor of accum) whose activations fit in
@@ -231,8 +236,7 @@ def micro_batches_per_pass_for(cfg: RunConfig, world_size: int, accum: int, devi
         return 1
     micro_tokens = cfg.train.train_batch_tokens // (world_size * accum)
     budget = torch.cuda.get_device_properties(device).total_memory * TRAIN_MEMORY_FRACTION
-    fused_loss = cfg.train.fused_cross_entropy and triton_available(device)
-    fitting = int(budget // (micro_tokens * training_bytes_per_token(cfg.model, fused_loss)))
+    fitting = int(budget // (micro_tokens * training_bytes_per_token(cfg.model, fused_loss_on(cfg, device))))
     return max(d for d in range(1, accum + 1) if accum % d == 0 and d <= max(fitting, 1))
 
 
@@ -317,7 +321,7 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     enable_fast_math(ctx.device)
     model = build_model(cfg.model, ctx.device)
     model.set_attention_backend(cfg.train.attn_backend, ctx.device)
-    model.fused_loss = cfg.train.fused_cross_entropy and triton_available(ctx.device)
+    model.fused_loss = fused_loss_on(cfg, ctx.device)
     if cfg.train.qat_start_fraction > 0:  # the grids quantize will round the matrices to
         grids = bank_grids(QuantPlan.from_config(cfg.quant), dict(model.named_parameters()), cfg.model.num_layers)
         model.weight_grids = grids if any(grids) else None
