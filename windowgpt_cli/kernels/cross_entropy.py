@@ -17,7 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 BLOCK_V = 1024  # vocabulary entries a program handles at a time
-NOTHING: tl.constexpr = -1e30  # a logit below every capped one, finite so that differences stay numbers
+NOTHING: tl.constexpr = tl.constexpr(-1e30)  # a logit below every capped one, finite so that differences stay numbers
 
 
 @triton.jit
