@@ -85,13 +85,15 @@ def test_chunk_windows_end_with_their_chunk_within_the_document_or_the_stream(do
                 assert trained == list(range(max(d.start, int(rows.window_start[b])), want[-1] + 1))
 
 
-SPANS = [("document", "chunk"), ("stream", "chunk"), ("stream", "window")]
+SPANS = [("document", "chunk", "share"), ("stream", "chunk", "share"), ("stream", "window", "share"),
+         ("stream", "chunk", "prefix")]
 
 
-@pytest.mark.parametrize("context,span", SPANS)
+@pytest.mark.parametrize("context,span,phase_span", SPANS)
 def test_every_target_is_scored_once_and_the_bytes_are_the_streams(eval_model, doc_tokens, eval_luts, context,
-                                                                     span):
-    seen, result = scores(eval_model, doc_tokens, eval_luts, ttt_lora_context=context, ttt_lora_train_span=span)
+                                                                     span, phase_span):
+    seen, result = scores(eval_model, doc_tokens, eval_luts, ttt_lora_context=context, ttt_lora_train_span=span,
+                          ttt_lora_phase_span=phase_span)
     assert sorted(seen) == list(range(doc_tokens.numel() - 1))
     assert result.tokens == doc_tokens.numel() - 1
     assert result.bytes == int(eval_luts.count_bytes(doc_tokens[:-1], doc_tokens[1:]).sum())
@@ -99,18 +101,19 @@ def test_every_target_is_scored_once_and_the_bytes_are_the_streams(eval_model, d
     assert result.ttt_steps["adapter_steps"] > 0 and result.ttt_steps["phase_eager"] == 2
 
 
-@pytest.mark.parametrize("context,span", SPANS)
-def test_a_later_token_never_changes_an_earlier_score(eval_model, doc_tokens, eval_luts, context, span):
+@pytest.mark.parametrize("context,span,phase_span", SPANS)
+def test_a_later_token_never_changes_an_earlier_score(eval_model, doc_tokens, eval_luts, context, span, phase_span):
     """Score first: altering token p (not a BOS) leaves the score of every target before p
     unchanged: adapters, phases and batching notwithstanding. Token p does change later scores
     in its document (through the adapters and the context) and in later phase groups."""
     state = {k: v.clone() for k, v in eval_model.state_dict().items()}
-    base, _ = scores(eval_model, doc_tokens, eval_luts, ttt_lora_context=context, ttt_lora_train_span=span)
+    settings = dict(ttt_lora_context=context, ttt_lora_train_span=span, ttt_lora_phase_span=phase_span)
+    base, _ = scores(eval_model, doc_tokens, eval_luts, **settings)
     for p in (40, 150, 350, 500):
         altered = doc_tokens.clone()
         altered[p] = 7 if altered[p] != 7 else 8
         eval_model.load_state_dict(state)
-        got, _ = scores(eval_model, altered, eval_luts, ttt_lora_context=context, ttt_lora_train_span=span)
+        got, _ = scores(eval_model, altered, eval_luts, **settings)
         for target in range(p - 1):  # target p - 1 predicts token p itself
             assert got[target] == pytest.approx(base[target], abs=1e-6), (p, target)
         assert any(abs(got[t] - base[t]) > 1e-5 for t in range(p, doc_tokens.numel() - 1))
@@ -153,6 +156,25 @@ def test_the_window_span_scores_each_documents_first_chunk_alike_and_learns_more
     assert [window[t] for t in second_chunk] == pytest.approx([chunk[t] for t in second_chunk], abs=1e-5)
     third_on = [t for d in find_documents(doc_tokens) for t in range(d.start + 32, d.end)]
     assert max(abs(window[t] - chunk[t]) for t in third_on) > 1e-3
+
+
+def test_prefix_phases_train_on_every_document_scored_so_far(eval_model, doc_tokens, eval_luts):
+    """Groups [0, 1], [2, 3], [4, 5]: the first phase trains on documents 0-1 either way, so
+    the first two groups score alike; the second trains on 2-3 (share) or 0-3 (prefix), so
+    the last group's scores part."""
+    state = {k: v.clone() for k, v in eval_model.state_dict().items()}
+    lines: dict[str, list[str]] = {"share": [], "prefix": []}
+    got = {}
+    for span in lines:
+        eval_model.load_state_dict(state)
+        got[span] = evaluate_lora_ttt(eval_model, doc_tokens, eval_luts, lora_config(ttt_lora_phase_span=span),
+                                      seq_len=SEQ, device=CPU, log=lines[span].append)
+    share, prefix = got["share"].per_chunk, got["prefix"].per_chunk
+    assert [g.loss_sum for g in prefix[:2]] == pytest.approx([g.loss_sum for g in share[:2]], abs=1e-9)
+    assert abs(prefix[2].loss_sum - share[2].loss_sum) > 1e-4
+    phases = {span: [line for line in log if "ttt_lora:phase" in line] for span, log in lines.items()}
+    assert "trained on documents 2..3 (targets 100..419)" in phases["share"][1]
+    assert "trained on documents 0..3 (targets 0..419)" in phases["prefix"][1]
 
 
 def test_a_documents_scores_do_not_depend_on_its_batch(eval_model, doc_tokens, eval_luts):

@@ -297,6 +297,9 @@ class TTTConfig:
                                       "ttt_lora_prefix_docs documents is scored, the model trains on that share as "
                                       "--method chunks trains (ttt_lr, ttt_epochs, ...); 0 = none.")
     ttt_lora_prefix_docs: int = setting(2500, "lora: the documents the global phases cover, from the first.")
+    ttt_lora_phase_span: str = setting("share", "lora: what a global phase trains on: share = the documents "
+                                                "scored since the last phase; prefix = every document scored so "
+                                                "far (the phases cumulative).")
 
 
 @dataclass
@@ -691,6 +694,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rope_scaling": ("ntk", "yarn"),
     "ttt_lora_context": ("document", "stream"),
     "ttt_lora_train_span": ("chunk", "window"),
+    "ttt_lora_phase_span": ("share", "prefix"),
     "compile_tuning": ("default", "gemm", "full"),
 }
 LORA_TARGETS = ("q", "k", "v", "o", "up", "down", "head")  # ttt_lora_targets' names

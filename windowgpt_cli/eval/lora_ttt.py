@@ -16,8 +16,9 @@ window is padded on its right, which a causal model never reads.
 
 Global phases: the first ttt_lora_prefix_docs documents, in stream order, fall into
 ttt_lora_phases equal groups. Once a group is scored entirely, the model itself trains on
-that group's tokens as `--method chunks` trains (`ttt.ChunkTrainer`: SGD with ttt_lr,
-ttt_epochs, ...), and the later groups are scored by the model so changed. Within a group
+that group's tokens (with ttt_lora_phase_span=prefix: on every group's so far) as `--method
+chunks` trains (`ttt.ChunkTrainer`: SGD with ttt_lr, ttt_epochs, ...), and the later groups
+are scored by the model so changed. Within a group
 the model never changes and adapters are per document, so the order of its documents is
 free: a token's score depends only on tokens before it in the stream (its own document's,
 those of the documents of earlier groups, and with stream context those its window reads).
@@ -316,11 +317,12 @@ def evaluate_lora_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTCo
             timings["adapters"] += sync_clock(device) - begun
             if trainer is not None and g < len(groups) - 1 and g < ttt.ttt_lora_phases and groups[g]:
                 begun = sync_clock(device)
-                first, last = groups[g][0].start, groups[g][-1].end
+                since = groups[0] if ttt.ttt_lora_phase_span == "prefix" else groups[g]
+                first, last = since[0].start, groups[g][-1].end
                 trainer.train_chunk(first, last, ttt_learning_rate(ttt.ttt_lr, g, ttt.ttt_lora_phases + 1))
                 timings["phases"] += sync_clock(device) - begun
                 log(f"ttt_lora:phase {g + 1}/{ttt.ttt_lora_phases} trained on documents "
-                    f"{groups[g][0].index}..{groups[g][-1].index} (targets {first}..{last - 1})")
+                    f"{since[0].index}..{groups[g][-1].index} (targets {first}..{last - 1})")
     finally:
         model.zero_grad(set_to_none=True)
     all_reduce_(group_sums)
