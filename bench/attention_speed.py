@@ -10,13 +10,16 @@ evaluation batch (B=512: forward in inference mode), it times
 - triton: `window_attention.window_attention`, the Triton kernels;
 - sdpa:   SDPA's full causal attention (as the model's full causal layers), a yardstick
           that does about twice the work;
+- where flash-attn-4 is installed: fa4 (`--attn-backend fa4`'s windowed layer, compiled:
+          FA4's window, the sinks merged through its log-sum-exp), fa4_no_sinks (FA4's
+          window alone) and fa4_full (FA4's full causal attention, beside sdpa);
 
 with CUDA events after a warm-up, as milliseconds and TFLOP/s counting only the (query,
 key) pairs each computes (2 matrix products forward, 5 backward). "first call" is the wall
 time of each kernel's first call at that shape: compilation or kernel builds included. By
 default the compiler caches are emptied first (a fresh machine); --warm-caches keeps them.
-It then compares out, dq, dk and dv of triton and flex on the training batch (max abs
-difference, and each one's difference from a float32 reference). --sweep times a few block/warps/stages
+It then compares out, dq, dk and dv of triton and flex (and fa4) on the training batch (max
+abs difference, and each one's difference from a float32 reference). --sweep times a few block/warps/stages
 settings of the Triton forward and backward at the training shape and prints the best.
 --json PATH writes every number. Takes under a minute on an H200.
 """
@@ -84,7 +87,12 @@ def kernels(tuning=None) -> dict[str, Attention]:
     def sdpa(q, k, v):
         return attention._sdpa(q, k, v, mask=None)
 
-    return {"flex": flex, "triton": triton, "sdpa": sdpa}
+    impls = {"flex": flex, "triton": triton, "sdpa": sdpa}
+    if attention.fa4_available():
+        impls["fa4"] = torch.compile(lambda q, k, v: attention.attention(q, k, v, WINDOW, SINKS, "fa4"))
+        impls["fa4_no_sinks"] = lambda q, k, v: attention._fa4(q, k, v, WINDOW)[0]
+        impls["fa4_full"] = lambda q, k, v: attention._fa4(q, k, v, -1)[0]
+    return impls
 
 
 @functools.cache
@@ -93,7 +101,8 @@ def visible_pairs(window: int, sinks: int) -> int:
 
 
 def tflops(name: str, batch: int, matmuls: int, ms: float) -> float:
-    pairs = visible_pairs(0, 0) if name == "sdpa" else visible_pairs(WINDOW, SINKS)
+    full, no_sinks = name in ("sdpa", "fa4_full"), name == "fa4_no_sinks"
+    pairs = visible_pairs(0, 0) if full else visible_pairs(WINDOW, 0 if no_sinks else SINKS)
     return 2 * matmuls * pairs * HEAD_DIM * HEADS * batch / (ms * 1e-3) / 1e12
 
 
@@ -164,7 +173,7 @@ def errors(impls: dict[str, Attention]) -> dict[str, dict]:
         k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
         return attention._sdpa(q, k, v, mask=attention.window_mask(SEQ_LEN, WINDOW, SINKS, q.device))
 
-    got = {name: outputs(impls[name], q, k, v, grad) for name in ("triton", "flex")}
+    got = {name: outputs(impls[name], q, k, v, grad) for name in ("triton", "flex", "fa4") if name in impls}
     exact = [x.detach().float().requires_grad_() for x in (q, k, v)]  # float32 gradients too
     want = outputs(reference, *exact, grad.float())
     names = ("out", "dq", "dk", "dv")
@@ -172,8 +181,9 @@ def errors(impls: dict[str, Attention]) -> dict[str, dict]:
     def diff(a, b):
         return {n: (x.float() - y.float()).abs().max().item() for n, x, y in zip(names, a, b)}
 
-    return {"triton_vs_flex": diff(got["triton"], got["flex"]), "triton_vs_fp32": diff(got["triton"], want),
-            "flex_vs_fp32": diff(got["flex"], want)}
+    found = {"triton_vs_flex": diff(got["triton"], got["flex"])}
+    found.update({f"{name}_vs_fp32": diff(outputs_, want) for name, outputs_ in got.items()})
+    return found
 
 
 def sweep(iters: int) -> dict[str, list]:

@@ -92,3 +92,99 @@ def test_auto_prefers_fa3_then_the_triton_window_kernels_on_cuda(monkeypatch):
     assert attention.resolve_backend("auto", cuda) == "flex"
     monkeypatch.setattr(attention, "fa3_available", lambda: True)
     assert attention.resolve_backend("auto", cuda) == "fa3"
+
+
+class _FakeFA4:
+    """flash_attn.cute.interface's calling convention, computed in float64 from FlashAttention's
+    formulas: the forward returns the log-sum-exp; the backward recomputes the probabilities
+    from the log-sum-exp it is given and takes the log-sum-exp's gradient."""
+
+    @staticmethod
+    def _scores(q, k, window_left):
+        b, t, h, d = q.shape
+        kk = k.double().repeat_interleave(h // k.shape[2], dim=2)
+        scores = torch.einsum("bihd,bjhd->bhij", q.double(), kk) / math.sqrt(d)
+        i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+        allowed = (j <= i) & (True if window_left is None else (i - j <= window_left))
+        return scores.masked_fill(~allowed, float("-inf")), kk
+
+    @staticmethod
+    def flash_attn_func(q, k, v, causal=False, window_size=(None, None), return_lse=False):
+        assert causal and window_size[1] is None
+        scores, _ = _FakeFA4._scores(q, k, window_size[0])
+        lse = scores.logsumexp(-1)  # [B, H, T]
+        vv = v.double().repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+        out = torch.einsum("bhij,bjhd->bihd", (scores - lse[..., None]).exp(), vv)
+        return out.to(q.dtype), lse.float()
+
+    @staticmethod
+    def _flash_attn_bwd(q, k, v, out, dout, lse, causal=False, window_size_left=None, window_size_right=None,
+                        dlse=None):
+        assert causal and window_size_right is None
+        h, hkv, d = q.shape[2], k.shape[2], q.shape[3]
+        scores, kk = _FakeFA4._scores(q, k, window_size_left)
+        p = (scores - lse.double()[..., None]).exp()  # [B, H, I, J]
+        vv = v.double().repeat_interleave(h // hkv, dim=2)
+        do = dout.double()
+        dv = torch.einsum("bhij,bihd->bjhd", p, do)
+        dp = torch.einsum("bihd,bjhd->bhij", do, vv)
+        delta = (do * out.double()).sum(-1).transpose(1, 2)  # [B, H, I]
+        if dlse is not None:
+            delta = delta - dlse.double()
+        ds = p * (dp - delta[..., None])
+        dq = torch.einsum("bhij,bjhd->bihd", ds, kk) / math.sqrt(d)
+        dk = torch.einsum("bhij,bihd->bjhd", ds, q.double()) / math.sqrt(d)
+        fold = lambda x: x.unflatten(2, (hkv, h // hkv)).sum(3)  # noqa: E731  the group's heads share k, v
+        return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
+
+
+@pytest.fixture
+def fake_fa4(monkeypatch):
+    interface = types.SimpleNamespace(flash_attn_func=_FakeFA4.flash_attn_func,
+                                      _flash_attn_bwd=_FakeFA4._flash_attn_bwd)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", types.ModuleType("flash_attn.cute"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+
+
+def _gradients(q, k, v, window, sinks, backend):
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out = attention.attention(*leaves, window, sinks, backend)
+    weights = torch.linspace(-1, 1, out.numel()).view_as(out)  # a loss that weighs every output
+    (out * weights).sum().backward()
+    return out.detach(), [x.grad for x in leaves]
+
+
+@pytest.mark.parametrize("window,sinks", CASES)
+def test_fa4_path_gives_the_outputs_and_gradients_of_sdpa(fake_fa4, window, sinks):
+    """Sinks merged through FA4's log-sum-exp: the window's scores get their gradient through
+    the log-sum-exp as well as through the output."""
+    q, k, v = _qkv(200 + window + sinks)
+    got, got_grads = _gradients(q, k, v, window, sinks, "fa4")
+    want, want_grads = _gradients(q, k, v, window, sinks, "sdpa")
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+    for name, g, w in zip("qkv", got_grads, want_grads):
+        assert torch.allclose(g, w, atol=1e-5, rtol=0), name
+
+
+def test_fa4_op_stays_in_one_compiled_graph(fake_fa4):
+    q, k, v = (x.requires_grad_(True) for x in _qkv(7))
+    compiled = torch.compile(lambda a, b, c: attention.attention(a, b, c, 5, 3, "fa4"), backend="aot_eager",
+                             fullgraph=True)
+    out = compiled(q, k, v)
+    out.sum().backward()
+    assert torch.allclose(out.detach().double(), naive_attention(q.detach(), k.detach(), v.detach(), 5, 3), atol=1e-5)
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_fa4_needs_cuda_and_the_package(monkeypatch):
+    monkeypatch.setattr(attention, "fa4_available", lambda: False)
+    with pytest.raises(ConfigError, match="flash-attn-4"):
+        attention.resolve_backend("fa4", torch.device("cuda"))
+    monkeypatch.setattr(attention, "fa4_available", lambda: True)
+    assert attention.resolve_backend("fa4", torch.device("cuda")) == "fa4"
+    with pytest.raises(ConfigError, match="CUDA"):
+        attention.resolve_backend("fa4", torch.device("cpu"))
+    monkeypatch.setattr(attention, "fa3_available", lambda: False)
+    monkeypatch.setattr(attention, "triton_available", lambda device: True)
+    assert attention.resolve_backend("auto", torch.device("cuda")) == "triton"  # auto never picks fa4

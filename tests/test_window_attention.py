@@ -168,6 +168,27 @@ def test_record_shape_matches_flex_within_bf16_rounding(window, sinks):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not attention.fa4_available(),
+                    reason="needs CUDA and flash-attn-4")
+@pytest.mark.parametrize("window,sinks", [(512, 4), (0, 0), (100, 0)])
+def test_the_fa4_backend_matches_the_triton_kernels_within_bf16_rounding(window, sinks):
+    """`--attn-backend fa4` at the record model's shape, eagerly and compiled in one graph:
+    its error against a float32 reference is about the Triton kernels' (SDPA's where full)."""
+    q, k, v = inputs(4, 2, 2048, 8, 4, head_dim=64, dtype=torch.bfloat16, device="cuda")
+    grad = torch.randn_like(q)
+
+    def fa4(q, k, v):
+        return attention.attention(q, k, v, window, sinks, "fa4")
+
+    theirs = _errors_against_float32(lambda *x: attention.attention(*x, window, sinks, "triton"), q, k, v, grad,
+                                     window, sinks)
+    for fn in (fa4, torch.compile(fa4, fullgraph=True)):
+        ours = _errors_against_float32(fn, q, k, v, grad, window, sinks)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), ours, theirs):
+            assert a <= 2 * b + 1e-3, (name, a, b)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_inductor_compiles_around_the_op_in_one_graph():
     q, k, v = inputs(4, 2, 1024, 8, 4, head_dim=64, dtype=torch.bfloat16, device="cuda")

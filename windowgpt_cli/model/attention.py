@@ -5,6 +5,8 @@ when Hkv < H) and agree on one rule: query i sees key j when j <= i and either
 i - j <= window or j < sinks (window 0 means the whole causal prefix).
 
 - fa3:  FlashAttention-3 (`flash_attn_interface`), when installed.
+- fa4:  FlashAttention-4 (`flash_attn.cute`, the `fa4` extra), through `kernels.flash4`'s
+  custom op; never chosen by auto.
 - flex: FlexAttention for windowed layers, SDPA (flash kernel) for full causal layers.
   Called eagerly on CUDA (sliding evaluation, test-time training), windowed layers run the
   Triton kernels instead, which start at once where FlexAttention compiles for seconds.
@@ -30,11 +32,17 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from ..runtime import triton_available
 
-BACKENDS = ("auto", "fa3", "flex", "triton", "sdpa")
+BACKENDS = ("auto", "fa3", "fa4", "flex", "triton", "sdpa")
 
 
 def fa3_available() -> bool:
     return importlib.util.find_spec("flash_attn_interface") is not None
+
+
+def fa4_available() -> bool:
+    from ..kernels.flash4 import fa4_available as available  # imports no kernel package
+
+    return available()
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -49,6 +57,8 @@ def resolve_backend(name: str, device: torch.device) -> str:
         return "triton" if triton_available(device) else "flex"
     if name == "fa3" and (device.type != "cuda" or not fa3_available()):
         raise ConfigError("attention backend fa3 needs CUDA and the flash_attn_interface package (FlashAttention-3)")
+    if name == "fa4" and (device.type != "cuda" or not fa4_available()):
+        raise ConfigError("attention backend fa4 needs CUDA and the flash-attn-4 package (pip install 'windowgpt[fa4]')")
     if name == "triton" and not triton_available(device):
         raise ConfigError("attention backend triton needs CUDA and the triton package")
     return name
@@ -62,9 +72,15 @@ def covers_everything(seq_len: int, window: int) -> bool:
 def attention(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, backend: str) -> Tensor:
     seq_len = q.shape[1]
     if covers_everything(seq_len, window):
+        if backend == "fa4":
+            return _fa4(q, k, v, window=-1)[0]
         return _fa3(q, k, v) if backend == "fa3" else _sdpa(q, k, v, mask=None)
     if backend == "fa3":
         return _fa3_window_with_sinks(q, k, v, window, sinks)
+    if backend == "fa4":
+        if sinks <= 0:
+            return _fa4(q, k, v, window)[0]
+        return merge_sinks(q, k, v, window, sinks, *_fa4(q, k, v, window))
     if runs_window_kernels(backend, eager_on_cuda=_eager_on_cuda(q)):
         return _triton_window(q, k, v, window, sinks)
     if backend == "flex":
@@ -194,13 +210,28 @@ def _fa3(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 
 def _fa3_window_with_sinks(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int) -> Tensor:
-    """FA3 has no sink tokens: attend within the window with FA3, attend to the sinks that
-    lie outside the window directly (there are only a few), and merge the two softmaxes
-    through their log-sum-exps."""
+    """FA3 has no sink tokens: attend within the window with FA3, then `merge_sinks`."""
     if sinks <= 0:
         return _fa3_call(q, k, v, window_size=(window, window))[0]
     y_win, lse_win = _fa3_call(q, k, v, window_size=(window, window), return_attn_probs=True)
     assert lse_win is not None, "flash_attn_func did not return the log-sum-exp"
+    return merge_sinks(q, k, v, window, sinks, y_win, lse_win)
+
+
+# --- FlashAttention-4 --------------------------------------------------------------------
+
+def _fa4(q: Tensor, k: Tensor, v: Tensor, window: int) -> tuple[Tensor, Tensor]:
+    from ..kernels.flash4 import fa4_attention  # imports flash_attn.cute at the first call
+
+    return fa4_attention(q, k, v, window)
+
+
+# --- Sink tokens beside a window kernel -----------------------------------------------------
+
+def merge_sinks(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, y_win: Tensor, lse_win: Tensor) -> Tensor:
+    """Attention over the window and the sinks, from the window's output y_win [B, T, H, D]
+    and log-sum-exp lse_win [B, H, T]: attend to the sinks that lie outside the window
+    directly (there are only a few) and merge the two softmaxes through their log-sum-exps."""
     lse_win = lse_win.transpose(1, 2).float()  # [B, T, H]
     b, t, h, d = q.shape
     group = h // k.shape[2]

@@ -1,0 +1,73 @@
+"""FlashAttention-4's causal attention (the `flash-attn-4` package, `flash_attn.cute`) as a
+torch custom op, `windowgpt::fa4_attention`, that returns the output and its log-sum-exp,
+both differentiable, so that torch.compile keeps a step that calls it in one graph.
+
+The sink tokens of a windowed layer are not FA4's: `model.attention` attends to them apart
+and merges the two softmaxes through their log-sum-exps, so the gradient reaches the
+window's scores through the log-sum-exp as well as through the output. FA4's public
+function has no backward of its own to call; the op's backward calls the package's
+`_flash_attn_bwd`, an internal function, which is why the `fa4` extra pins its version.
+
+Nothing here knows the model. The package is imported at the first call.
+
+May import: ground.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
+from torch import Tensor
+
+FULL = -1  # window for plain causal attention
+
+
+def fa4_available() -> bool:
+    """Whether `flash_attn.cute` (flash-attn-4) can be imported."""
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ModuleNotFoundError:  # no flash_attn package at all
+        return False
+
+
+def _interface():
+    return importlib.import_module("flash_attn.cute.interface")
+
+
+def _left(window: int) -> int | None:
+    return None if window == FULL else window
+
+
+@torch.library.custom_op("windowgpt::fa4_attention", mutates_args=())
+def fa4_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> tuple[Tensor, Tensor]:
+    """q [B, T, H, D], k, v [B, T, Hkv, D]: (out [B, T, H, D], lse [B, H, T] float32) of
+    causal attention in which query i sees keys i - window .. i (all of them for FULL)."""
+    out, lse = _interface().flash_attn_func(q, k, v, causal=True, window_size=(_left(window), None),
+                                             return_lse=True)
+    return out, lse
+
+
+@fa4_attention.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, window: int) -> tuple[Tensor, Tensor]:
+    b, t, h, _ = q.shape
+    return torch.empty_like(q), q.new_empty((b, h, t), dtype=torch.float32)
+
+
+def _setup(ctx, inputs, output) -> None:
+    q, k, v, window = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.window = window
+
+
+def _backward(ctx, dout: Tensor | None, dlse: Tensor | None):
+    q, k, v, out, lse = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+    dq, dk, dv = _interface()._flash_attn_bwd(q, k, v, out, dout, lse, causal=True,
+                                             window_size_left=_left(ctx.window), window_size_right=None,
+                                             dlse=None if dlse is None else dlse.contiguous())
+    return dq, dk, dv, None
+
+
+fa4_attention.register_autograd(_backward, setup_context=_setup)
