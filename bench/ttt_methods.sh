@@ -7,6 +7,8 @@
 #                  "name:flags;name:flags") -> LOG_DIR/*.json and LOG_DIR/ttt_h200.json
 #   (no PHASE: both). METHODS (default "sliding chunks lora") chooses the first three. MODEL names the model in the JSON (default record_240s). Without
 #   WORK/data, measure prepares the validation split (and one training file) first.
+#   PTZ: measure this .ptz (e.g. one carried from an earlier machine) instead of WORK/model.ptz;
+#   KEEP_PTZ=1: train also copies WORK/model.ptz into LOG_DIR (so that it outlives the machine).
 #   DEADLINE_S: a LoRA run starts only while its estimate (LORA_ESTIMATE_S, default 240) fits
 #   before DEADLINE_S seconds from the script's start (a device call's limit), so that no run
 #   is cut off half way.
@@ -20,9 +22,13 @@ if [ "$phase" != measure ]; then
   wg export "$work/run" --out "$work/export" > "$logs/export.log" 2>&1 || { tail "$logs/export.log"; exit 1; }
   wg quantize "$work/export" --out "$work/model.ptz" --gptq --compressor rans --budget 100000000 \
     > "$logs/quantize.log" 2>&1 || { tail "$logs/quantize.log"; exit 1; }
+  [ -n "${KEEP_PTZ:-}" ] && cp "$work/model.ptz" "$logs/model.ptz"
 fi
 if [ "$phase" != train ]; then
-  [ -f "$work/model.ptz" ] || { echo "no $work/model.ptz: run PHASE=train first"; exit 1; }
+  if [ -n "${PTZ:-}" ]; then
+    cp "$PTZ" "$work/model.ptz" || exit 1
+  fi
+  [ -f "$work/model.ptz" ] || { echo "no $work/model.ptz: run PHASE=train first (or give PTZ)"; exit 1; }
   if [ ! -d "$work/data" ]; then  # a .ptz brought from elsewhere: the validation split is what is scored
     prepare_blogs "$work/data" "$shared/data/blogs/train_00.jsonl.xz" || exit 1
   fi
