@@ -9,8 +9,6 @@ function has no backward of its own to call; the op's backward calls the package
 `_flash_attn_bwd`, an internal function, which is why the `fa4` extra pins its version.
 
 Nothing here knows the model. The package is imported at the first call.
-
-May import: ground.
 """
 from __future__ import annotations
 
