@@ -18,10 +18,10 @@ Global phases: the first ttt_lora_prefix_docs documents, in stream order, fall i
 ttt_lora_phases equal groups. Once a group is scored entirely, the model itself trains on
 that group's tokens (with ttt_lora_phase_span=prefix: on every group's so far) as `--method
 chunks` trains (`ttt.ChunkTrainer`: SGD with ttt_lr, ttt_epochs, ...), and the later groups
-are scored by the model so changed. Within a group
-the model never changes and adapters are per document, so the order of its documents is
-free: a token's score depends only on tokens before it in the stream (its own document's,
-those of the documents of earlier groups, and with stream context those its window reads).
+are scored by the model so changed. Within a group the model never changes and adapters
+are per document, so the order of its documents is free: a token's score depends only on
+tokens before it in the stream (its own document's, those of the documents of earlier
+groups, and with stream context those its window reads).
 """
 from __future__ import annotations
 
@@ -273,6 +273,16 @@ def batches(docs: list[Document], batch_docs: int) -> list[list[Document]]:
 
 # --- The evaluation ------------------------------------------------------------------------
 
+def train_phase(trainer: ChunkTrainer, groups: list[list[Document]], g: int, ttt: TTTConfig, log: Log) -> None:
+    """Global phase g + 1, once group g is scored: the model trains on group g's targets (with
+    ttt_lora_phase_span=prefix: on those of every group up to g), at phase g's learning rate."""
+    since = groups[0] if ttt.ttt_lora_phase_span == "prefix" else groups[g]
+    first, last = since[0].start, groups[g][-1].end
+    trainer.train_chunk(first, last, ttt_learning_rate(ttt.ttt_lr, g, ttt.ttt_lora_phases + 1))
+    log(f"ttt_lora:phase {g + 1}/{ttt.ttt_lora_phases} trained on documents "
+        f"{since[0].index}..{groups[g][-1].index} (targets {first}..{last - 1})")
+
+
 def evaluate_lora_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTConfig, *, seq_len: int,
                       device: torch.device, rank: int = 0, world_size: int = 1, fused: bool = False,
                       on_batch: Callable[[ChunkProgress], None] | None = None, log: Log | None = None,
@@ -317,12 +327,8 @@ def evaluate_lora_ttt(model: GPT, val_tokens: Tensor, luts: ByteLuts, ttt: TTTCo
             timings["adapters"] += sync_clock(device) - begun
             if trainer is not None and g < len(groups) - 1 and g < ttt.ttt_lora_phases and groups[g]:
                 begun = sync_clock(device)
-                since = groups[0] if ttt.ttt_lora_phase_span == "prefix" else groups[g]
-                first, last = since[0].start, groups[g][-1].end
-                trainer.train_chunk(first, last, ttt_learning_rate(ttt.ttt_lr, g, ttt.ttt_lora_phases + 1))
+                train_phase(trainer, groups, g, ttt, log)
                 timings["phases"] += sync_clock(device) - begun
-                log(f"ttt_lora:phase {g + 1}/{ttt.ttt_lora_phases} trained on documents "
-                    f"{since[0].index}..{groups[g][-1].index} (targets {first}..{last - 1})")
     finally:
         model.zero_grad(set_to_none=True)
     all_reduce_(group_sums)
