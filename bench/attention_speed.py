@@ -91,7 +91,7 @@ def kernels(tuning=None) -> dict[str, Attention]:
     if attention.fa4_available():
         impls["fa4"] = torch.compile(lambda q, k, v: attention.attention(q, k, v, WINDOW, SINKS, "fa4"))
         impls["fa4_no_sinks"] = lambda q, k, v: attention._fa4(q, k, v, WINDOW)[0]
-        impls["fa4_full"] = lambda q, k, v: attention._fa4(q, k, v, -1)[0]
+        impls["fa4_full"] = lambda q, k, v: attention._fa4(q, k, v, None)[0]
     return impls
 
 
@@ -182,7 +182,7 @@ def errors(impls: dict[str, Attention]) -> dict[str, dict]:
         return {n: (x.float() - y.float()).abs().max().item() for n, x, y in zip(names, a, b)}
 
     found = {"triton_vs_flex": diff(got["triton"], got["flex"])}
-    found.update({f"{name}_vs_fp32": diff(outputs_, want) for name, outputs_ in got.items()})
+    found.update({f"{name}_vs_fp32": diff(result, want) for name, result in got.items()})
     return found
 
 

@@ -67,13 +67,18 @@ def _cross_entropy_backward_kernel(grad_loss_ptr, logits_ptr, targets_ptr, lse_p
         tl.store(grad_ptr + row * grad_row_stride + cols, g * p * (1.0 - scaled * scaled), mask=live)
 
 
+def _block(vocab: int) -> int:
+    """The vocabulary entries a program reads at a time."""
+    return min(BLOCK_V, triton.next_power_of_2(vocab))
+
+
 def _forward(logits: Tensor, targets: Tensor, cap: float) -> tuple[Tensor, Tensor]:
     rows, vocab = logits.shape
     loss = torch.empty(rows, device=logits.device, dtype=torch.float32)
     lse = torch.empty(rows, device=logits.device, dtype=torch.float32)
     if rows:
         _cross_entropy_forward_kernel[(rows,)](logits, targets, loss, lse, logits.stride(0), vocab, cap,
-                                               BLOCK=min(BLOCK_V, triton.next_power_of_2(vocab)))
+                                               BLOCK=_block(vocab))
     return loss, lse
 
 
@@ -82,8 +87,7 @@ def _backward(grad_loss: Tensor, logits: Tensor, targets: Tensor, lse: Tensor, c
     grad = torch.empty_like(logits)
     if rows:
         _cross_entropy_backward_kernel[(rows,)](grad_loss.contiguous(), logits, targets, lse, grad, logits.stride(0),
-                                                grad.stride(0), vocab, cap,
-                                                BLOCK=min(BLOCK_V, triton.next_power_of_2(vocab)))
+                                                grad.stride(0), vocab, cap, BLOCK=_block(vocab))
     return grad
 
 

@@ -73,7 +73,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, backend:
     seq_len = q.shape[1]
     if covers_everything(seq_len, window):
         if backend == "fa4":
-            return _fa4(q, k, v, window=-1)[0]
+            return _fa4(q, k, v, window=None)[0]
         return _fa3(q, k, v) if backend == "fa3" else _sdpa(q, k, v, mask=None)
     if backend == "fa3":
         return _fa3_window_with_sinks(q, k, v, window, sinks)
@@ -220,10 +220,11 @@ def _fa3_window_with_sinks(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: 
 
 # --- FlashAttention-4 --------------------------------------------------------------------
 
-def _fa4(q: Tensor, k: Tensor, v: Tensor, window: int) -> tuple[Tensor, Tensor]:
-    from ..kernels.flash4 import fa4_attention  # imports flash_attn.cute at the first call
+def _fa4(q: Tensor, k: Tensor, v: Tensor, window: int | None) -> tuple[Tensor, Tensor]:
+    """FA4's (output, log-sum-exp [B, H, T]) over the window (None: the whole causal prefix)."""
+    from ..kernels.flash4 import FULL, fa4_attention  # imports flash_attn.cute at the first call
 
-    return fa4_attention(q, k, v, window)
+    return fa4_attention(q, k, v, FULL if window is None else window)
 
 
 # --- Sink tokens beside a window kernel -----------------------------------------------------
