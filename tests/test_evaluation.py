@@ -381,6 +381,44 @@ def test_recorded_steps_train_exactly_as_eager_steps(eval_model, eval_val_tokens
     assert all(p.grad is None for p in eval_model.parameters())
 
 
+def chunk_trainer(model, tokens, device, *, graphs: bool):
+    ttt = ttt_config(ttt_cuda_graphs=graphs)
+    params = select_ttt_parameters(model, ttt.ttt_freeze_blocks, ttt.ttt_freeze_bank_slices)
+    return ttt_module.ChunkTrainer(model, params, ttt, tokens.to(device=device, dtype=torch.int64), seq_len=TTT_SEQ,
+                                   device=device, rank=0, world_size=1, compile_model=False)
+
+
+FOUR_SEQS = 4 * TTT_SEQ  # a chunk of 4 sequences: 2 steps of one shape (ttt_batch_seqs=2)
+
+
+def train_chunk_twice(model, tokens, device, *, graphs: bool, release: bool):
+    """A ChunkTrainer's counts after training twice on one chunk of 4 sequences in steps of 2
+    (one shape), released after each pass where asked; the model is trained in place."""
+    trainer = chunk_trainer(model, tokens, device, graphs=graphs)
+    for _ in range(2):
+        trainer.train_chunk(0, FOUR_SEQS, 0.05)
+        if release:
+            trainer.release()
+    return trainer.counts
+
+
+def test_released_steps_record_again_and_train_as_eager_steps(eval_model, eval_val_tokens):
+    """After release() a shape's next step is eager and records again; the weights are the
+    eager steps' either way."""
+    state = {k: v.clone() for k, v in eval_model.state_dict().items()}
+    weights = {}
+    for graphs, release in [(False, False), (True, False), (True, True)]:
+        eval_model.load_state_dict(state)
+        counts = train_chunk_twice(eval_model, eval_val_tokens, CPU, graphs=graphs, release=release)
+        weights[graphs, release] = {k: v.clone() for k, v in eval_model.state_dict().items()}
+        expected = {(False, False): {"eager": 4, "captured": 0, "replayed": 0},
+                    (True, False): {"eager": 1, "captured": 1, "replayed": 3},
+                    (True, True): {"eager": 2, "captured": 2, "replayed": 2}}[graphs, release]
+        assert counts == expected
+    for run in [(True, False), (True, True)]:
+        assert all(torch.equal(weights[run][k], weights[False, False][k]) for k in state)
+
+
 def test_parameter_counts_count_frozen_slices_as_frozen(eval_model):
     m = eval_model
     scalars = sum(p.numel() for name, p in m.named_parameters() if name.startswith(("blocks.0.", "blocks.1.")))
@@ -517,6 +555,25 @@ def test_cuda_graph_steps_train_exactly_as_eager_steps(eval_model, eval_val_toke
     assert graphs.ttt_steps == {"eager": 2, "captured": 2, "replayed": 6}
     assert graphs.per_chunk == eager.per_chunk and graphs.val_bpb == eager.val_bpb
     assert all(torch.equal(graph_weights[k], eager_weights[k]) for k in eager_weights)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.usefixtures("deterministic_cuda")
+def test_released_cuda_graphs_give_their_memory_back_and_train_as_eager_steps(eval_model, eval_val_tokens):
+    model, cuda = cuda_ttt_model(eval_model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    train_chunk_twice(model, eval_val_tokens, cuda, graphs=False, release=False)
+    eager = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    assert train_chunk_twice(model, eval_val_tokens, cuda, graphs=True, release=True) == {
+        "eager": 2, "captured": 2, "replayed": 2}
+    assert all(torch.equal(model.state_dict()[k], eager[k]) for k in eager)
+    trainer = chunk_trainer(model, eval_val_tokens, cuda, graphs=True)
+    trainer.train_chunk(0, FOUR_SEQS, 0.05)  # one step recorded: its graph holds a pool
+    held = torch.cuda.memory_reserved(cuda)
+    trainer.release()
+    assert torch.cuda.memory_reserved(cuda) < held
 
 
 @pytest.mark.gpu

@@ -279,6 +279,7 @@ def train_phase(trainer: ChunkTrainer, groups: list[list[Document]], g: int, ttt
     since = groups[0] if ttt.ttt_lora_phase_span == "prefix" else groups[g]
     first, last = since[0].start, groups[g][-1].end
     trainer.train_chunk(first, last, ttt_learning_rate(ttt.ttt_lr, g, ttt.ttt_lora_phases + 1))
+    trainer.release()  # the steps' recorded memory back to the scoring, which needs it next
     log(f"ttt_lora:phase {g + 1}/{ttt.ttt_lora_phases} trained on documents "
         f"{since[0].index}..{groups[g][-1].index} (targets {first}..{last - 1})")
 

@@ -94,14 +94,16 @@ class ChunkProgress:
         return bits_per_byte(self.loss_sum, self.tokens, self.bytes)[1] if self.tokens and self.bytes else float("nan")
 
 
-def capture_cuda_graph(step: Callable[[], None], stream: torch.cuda.Stream) -> Callable[[], None]:
-    """step's kernels captured on `stream` as a CUDA graph, and the graph's replay. Capturing
+def capture_cuda_graph(step: Callable[[], None], stream: torch.cuda.Stream, pool: tuple[int, int] | None = None
+                       ) -> Callable[[], None]:
+    """step's kernels captured on `stream` as a CUDA graph (its memory from `pool`, a
+    `torch.cuda.graph_pool_handle()`, where given), and the graph's replay. Capturing
     launches nothing: the step has not run when this returns."""
     graph = torch.cuda.CUDAGraph()
     # The outer context gives the current stream back even when ending a failed capture
     # raises (torch.cuda.graph's exit then skips restoring it).
     try:
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=pool, stream=stream):
             step()
     except Exception:
         _end_generator_capture(stream)
@@ -163,6 +165,12 @@ class ChunkTrainer:
     The shape's second step is captured, which runs nothing, then replayed once: that
     replay is the second step. Should a capture fail, a one-line warning says so and that
     step and every later one run as eager steps.
+
+    The shapes' graphs share one memory pool: a captured step's batch and gradients live
+    outside it and everything it allocates inside dies within the step, so the graphs,
+    replayed one at a time, can reuse each other's memory: the largest step's, not the sum
+    (a remainder batch per chunk length would otherwise hold one more step's activations
+    each). `release()` gives even that back, between uses.
     """
 
     def __init__(self, model: GPT, params: TTTParameters, ttt: TTTConfig, tokens: Tensor, *, seq_len: int,
@@ -185,7 +193,16 @@ class ChunkTrainer:
         self.recording = ttt.ttt_cuda_graphs and world_size == 1 and not compile_model
         self.stream = torch.cuda.Stream(device) if self.recording and device.type == "cuda" else None
         self.shapes: dict[int, _ShapeStep] = {}  # by sequences per step
+        self.pool = torch.cuda.graph_pool_handle() if self.stream is not None else None
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}  # steps run eagerly; records; replays
+
+    def release(self) -> None:
+        """Drop the recorded steps and give their memory back to the device (a caller that
+        needs it between phases of training); the next step of each shape records again."""
+        self.shapes = {}
+        if self.stream is not None:
+            self.pool = torch.cuda.graph_pool_handle()
+            torch.cuda.empty_cache()
 
     def kernel_builds(self) -> list[Callable[[], object]]:
         """The builds of the kernels its steps run (the window attention's, gradients too,
@@ -284,7 +301,7 @@ class ChunkTrainer:
             self.counts["captured"] += 1
             return step
         try:
-            replay = capture_cuda_graph(step, self.stream)
+            replay = capture_cuda_graph(step, self.stream, self.pool)
         except Exception as exc:  # whatever the step cannot capture
             reason = (str(exc).strip().splitlines() or [""])[0][:200]
             print(f"warning: TTT's training step could not be captured as a CUDA graph "
