@@ -111,6 +111,7 @@ class _FakeFA4:
     @staticmethod
     def flash_attn_func(q, k, v, causal=False, window_size=(None, None), return_lse=False):
         assert causal and window_size[1] is None
+        q.data_ptr()  # as FA4 does: a traced tensor has none, so the call must stay opaque
         scores, _ = _FakeFA4._scores(q, k, window_size[0])
         lse = scores.logsumexp(-1)  # [B, H, T]
         vv = v.double().repeat_interleave(q.shape[2] // v.shape[2], dim=2)
@@ -121,6 +122,7 @@ class _FakeFA4:
     def _flash_attn_bwd(q, k, v, out, dout, lse, causal=False, window_size_left=None, window_size_right=None,
                         dlse=None):
         assert causal and window_size_right is None
+        dout.data_ptr()  # as FA4 does (see flash_attn_func)
         h, hkv, d = q.shape[2], k.shape[2], q.shape[3]
         scores, kk = _FakeFA4._scores(q, k, window_size_left)
         p = (scores - lse.double()[..., None]).exp()  # [B, H, I, J]

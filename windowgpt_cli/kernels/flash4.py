@@ -52,6 +52,22 @@ def _(q: Tensor, k: Tensor, v: Tensor, window: int) -> tuple[Tensor, Tensor]:
     return torch.empty_like(q), q.new_empty((b, h, t), dtype=torch.float32)
 
 
+# The backward is an op of its own too: torch.compile traces a registered backward function,
+# and FA4's functions read their tensors' data pointers, which traced tensors do not have.
+@torch.library.custom_op("windowgpt::fa4_attention_backward", mutates_args=())
+def fa4_attention_backward(dout: Tensor, dlse: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                           window: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of q, k, v from those of the output and the log-sum-exp."""
+    return _interface()._flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, causal=True,
+                                        window_size_left=_left(window), window_size_right=None,
+                                        dlse=dlse.contiguous())
+
+
+@fa4_attention_backward.register_fake
+def _(dout, dlse, q, k, v, out, lse, window):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 def _setup(ctx, inputs, output) -> None:
     q, k, v, window = inputs
     out, lse = output
@@ -61,10 +77,9 @@ def _setup(ctx, inputs, output) -> None:
 
 def _backward(ctx, dout: Tensor | None, dlse: Tensor | None):
     q, k, v, out, lse = ctx.saved_tensors
-    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-    dq, dk, dv = _interface()._flash_attn_bwd(q, k, v, out, dout, lse, causal=True,
-                                             window_size_left=_left(ctx.window), window_size_right=None,
-                                             dlse=None if dlse is None else dlse.contiguous())
+    dout = torch.zeros_like(out) if dout is None else dout
+    dlse = torch.zeros_like(lse) if dlse is None else dlse  # an lse gradient of 0 changes nothing
+    dq, dk, dv = fa4_attention_backward(dout, dlse, q, k, v, out, lse, ctx.window)
     return dq, dk, dv, None
 
 
