@@ -6,7 +6,9 @@ stride-64 sliding val_bpb, and what quantization costs against the unquantized w
 
 EXPORT is an export of a run trained with `--use-gptq --quant-gptq-embed` (its Hessians
 cover the output layer too, for the schemes that quantize the embedding by GPTQ). Every
-scheme quantizes with GPTQ on those Hessians and the `auto` compressor; `reference` is also
+scheme quantizes with GPTQ on those Hessians and the `auto` compressor (`own`: with the
+export's own settings, a preset's scheme); a scheme that fails is recorded with its error and
+the others are still measured; `reference` is also
 written with each whole-payload compressor (the same weights and codes), so the file
 compares the compressors too, and every .ptz's decoding is timed. `--compressor rans`
 measures schemes quickly (rans is within 0.2% of auto on the record model). Writes RESULT.json
@@ -45,17 +47,30 @@ SCHEMES = {
     "sdclip_int7embed": SDCLIP + ["--quant-embed-bits", "7"],
     "sdclip_int7embed_gptqembed": SDCLIP + ["--quant-embed-bits", "7", "--quant-gptq-embed"],
     "pr1855": SDCLIP + ["--quant-embed-bits", "7", "--quant-gptq-embed", "--quant-gates-int8"] + LQER,
+    # the export's own settings (a preset's scheme, e.g. --preset frontier's), nothing turned off
+    "own": None,
 }
 WHOLE_PAYLOAD = ("lzma", "rans", "brotli", "zstd")
+
+
+class CommandFailed(Exception):
+    """A windowgpt command exited non-zero; the message is its last line of errors."""
 
 
 def windowgpt(*args: str) -> dict:
     """A windowgpt command's --json output (its stderr passed through)."""
     done = subprocess.run([sys.executable, "-m", "windowgpt_cli", *args, "--json"], cwd=REPO, text=True,
-                          stdout=subprocess.PIPE)
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    sys.stderr.write(done.stderr)
     if done.returncode != 0:
-        raise SystemExit(f"windowgpt {' '.join(args[:2])} exited {done.returncode}")
+        last = (done.stderr.strip().splitlines() or [f"exited {done.returncode}"])[-1]
+        raise CommandFailed(f"windowgpt {' '.join(args[:2])}: {last}")
     return json.loads(done.stdout)
+
+
+def scheme_flags(name: str) -> list[str]:
+    """quantize's flags for a scheme: every departing setting reset, then the scheme's own."""
+    return [] if SCHEMES[name] is None else [*OFF, *SCHEMES[name]]
 
 
 def decode_seconds(path: Path) -> float:
@@ -88,10 +103,16 @@ def main() -> None:
     print(f"unquantized: val_bpb {base['val_bpb']:.5f}", flush=True)
     for name in args.schemes.split(","):
         out = args.work / f"{name}.ptz"
-        # a scheme over the budget is measured all the same (quantize writes it, then exits 1 without this)
-        report = windowgpt("quantize", str(args.export), "--out", str(out), "--gptq", "--budget", str(1 << 40), *OFF,
-                           *SCHEMES[name], "--compressor", args.compressor)
-        score = windowgpt("eval", str(out), "--data", str(args.data), "--stride", args.stride)
+        try:
+            # a scheme over the budget is measured all the same (quantize writes it, then exits 1 without this)
+            report = windowgpt("quantize", str(args.export), "--out", str(out), "--gptq", "--budget", str(1 << 40),
+                               *scheme_flags(name), "--compressor", args.compressor)
+            score = windowgpt("eval", str(out), "--data", str(args.data), "--stride", args.stride)
+        except CommandFailed as failed:  # the others are still measured
+            result["schemes"][name] = {"error": str(failed)}
+            print(f"{name}: failed: {failed}", flush=True)
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+            continue
         result["schemes"][name] = {
             "bytes": report["model_bytes"], "val_bpb": score["val_bpb"],
             "quant_loss": score["val_bpb"] - base["val_bpb"], "compressor": report["compressor"],
@@ -117,7 +138,7 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")  # what is measured so far survives a stop
     lzma_bytes = result["compressors"].get("lzma", {}).get("bytes")
     for row in result["schemes"].values():
-        if lzma_bytes:
+        if lzma_bytes and "bytes" in row:
             row["bytes_vs_reference_lzma"] = round(row["bytes"] / lzma_bytes, 4)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
