@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import lzma
+import os
 import random
 import subprocess
 import sys
@@ -158,6 +159,18 @@ def test_demo_corpus_trains_a_tokenizer_and_prepares(tmp_path, data_demo_corpus)
     assert not sp.id_to_piece(sp.encode("hello")[0]).startswith("▁")  # no dummy prefix
     assert sp.normalize("ｆｕｌｌ ﬁt") == "full▁fit"  # nmt_nfkc
     check_tokenizer_meta(data_dir / "tokenizer.meta.npz", data_dir / "tokenizer.model")
+
+
+def test_a_trained_tokenizer_does_not_depend_on_the_machine(tmp_path, data_demo_corpus, monkeypatch):
+    """The same prepare on machines of 1 and 8 cores (all of them encoding) trains the same
+    tokenizer, so data prepared elsewhere scores a model trained on this machine's."""
+    shas = []
+    for cores in (1, 8):
+        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
+        data_dir = tmp_path / f"cores{cores}"
+        prepare([data_demo_corpus], data_dir, vocab_size=1024, val_fraction=0.05)
+        shas.append(json.loads((data_dir / "manifest.json").read_text())["tokenizer"]["sha256"])
+    assert shas[0] == shas[1]
 
 
 def test_matches_make_shards_script(tmp_path, shared_dir, data_fineweb_tokenizer):

@@ -55,8 +55,8 @@ def _check_settings(inputs: list[Path], val_inputs: list[Path] | None, val_fract
 
 
 def _install_tokenizer(data_dir: Path, tokenizer: Path | None, vocab_size: int | None,
-                       train_inputs: list[Path], val_fraction: float | None, sample_bytes: int,
-                       threads: int) -> dict[str, Any]:
+                       train_inputs: list[Path], val_fraction: float | None, sample_bytes: int
+                       ) -> dict[str, Any]:
     """Put the tokenizer (given, or trained on the training split) at DATA_DIR/tokenizer.model."""
     from ..storage.files import atomic_write_bytes, sha256_file
     from .tokenizer import (
@@ -82,8 +82,7 @@ def _install_tokenizer(data_dir: Path, tokenizer: Path | None, vocab_size: int |
         if val_fraction is not None:  # the tokenizer must not see validation documents
             texts = (t for t in texts if validation_score(t) >= val_fraction)
         names = ", ".join(map(str, train_inputs))
-        atomic_write_bytes(target, train_sentencepiece(texts, size, max_bytes=sample_bytes, threads=threads,
-                                                       source=names))
+        atomic_write_bytes(target, train_sentencepiece(texts, size, max_bytes=sample_bytes, source=names))
     meta = write_tokenizer_meta(target)
     return {"file": DATA_DIR_TOKENIZER, "meta": meta.name, "meta_sha256": sha256_file(meta),
             "source": str(tokenizer) if tokenizer is not None else None,
@@ -156,7 +155,7 @@ def _prepare_into(data_dir: Path, inputs: list[Path], val_inputs: list[Path] | N
     from .tokenizer import BOS_ID, DATA_DIR_TOKENIZER
 
     tokenizer_info = _install_tokenizer(data_dir, tokenizer, vocab_size, inputs, val_fraction,
-                                        tokenizer_sample_bytes, workers)
+                                        tokenizer_sample_bytes)
     writers = {split: SplitWriter(data_dir, split, shard_tokens) for split in SPLITS}
     total_bytes = sum(p.stat().st_size for p in inputs + (val_inputs or []))
     read_so_far: dict[str, int] = {}
