@@ -5,9 +5,12 @@
 #                  budget), export, quantize (GPTQ, rans): WORK/model.ptz, WORK/data
 #   PHASE=measure  eval --stride 64, eval-ttt, eval-ttt --method lora (and each of LORA_VARIANTS,
 #                  "name:flags;name:flags") -> LOG_DIR/*.json and LOG_DIR/ttt_h200.json
-#   (no PHASE: both). METHODS (default "sliding chunks lora") chooses the first three. MODEL names the model in the JSON (default record_240s). Without
-#   WORK/data, measure prepares the validation split (and one training file) first.
+#   (no PHASE: both). METHODS (default "sliding chunks lora") chooses the first three. MODEL
+#   names the model in the JSON (default record_240s). Without its data, measure prepares the
+#   validation split (and one training file) with the sp1024 tokenizer first.
 #   PTZ: measure this .ptz (e.g. one carried from an earlier machine) instead of WORK/model.ptz;
+#   DATA: score on this prepared data (e.g. bench/frontier.sh's WORK/data_sp8192 for a frontier
+#   model) instead of WORK/data;
 #   KEEP_PTZ=1: train also copies WORK/model.ptz into LOG_DIR (so that it outlives the machine).
 #   DEADLINE_S: a LoRA run starts only while its estimate (LORA_ESTIMATE_S, default 240) fits
 #   before DEADLINE_S seconds from the script's start (a device call's limit), so that no run
@@ -29,8 +32,9 @@ if [ "$phase" != train ]; then
     cp "$PTZ" "$work/model.ptz" || exit 1
   fi
   [ -f "$work/model.ptz" ] || { echo "no $work/model.ptz: run PHASE=train first (or give PTZ)"; exit 1; }
-  if [ ! -d "$work/data" ]; then  # a .ptz brought from elsewhere: the validation split is what is scored
-    prepare_blogs "$work/data" "$shared/data/blogs/train_00.jsonl.xz" || exit 1
+  data=${DATA:-$work/data}
+  if [ ! -d "$data" ]; then  # a .ptz brought from elsewhere: the validation split is what is scored
+    prepare_blogs "$data" "$shared/data/blogs/train_00.jsonl.xz" || exit 1
   fi
   run() {  # NAME ARGS...: one scoring command's JSON report, its log beside it
     local name=$1; shift
@@ -43,13 +47,13 @@ if [ "$phase" != train ]; then
       "$logs/$name.json" "$name"
   }
   methods=" ${METHODS:-sliding chunks lora} "
-  [[ $methods == *" sliding "* ]] && run sliding eval "$work/model.ptz" --data "$work/data" --stride 64
-  [[ $methods == *" chunks "* ]] && run chunks eval-ttt "$work/model.ptz" --data "$work/data" --method chunks
-  [[ $methods == *" lora "* ]] && run lora eval-ttt "$work/model.ptz" --data "$work/data" --method lora
+  [[ $methods == *" sliding "* ]] && run sliding eval "$work/model.ptz" --data "$data" --stride 64
+  [[ $methods == *" chunks "* ]] && run chunks eval-ttt "$work/model.ptz" --data "$data" --method chunks
+  [[ $methods == *" lora "* ]] && run lora eval-ttt "$work/model.ptz" --data "$data" --method lora
   IFS=';' read -ra variants <<< "${LORA_VARIANTS:-}"
   for variant in "${variants[@]}"; do
     # shellcheck disable=SC2086  # the flags split into words
-    run "lora_${variant%%:*}" eval-ttt "$work/model.ptz" --data "$work/data" --method lora ${variant#*:}
+    run "lora_${variant%%:*}" eval-ttt "$work/model.ptz" --data "$data" --method lora ${variant#*:}
   done
   python3 "$repo/bench/ttt_results.py" "$logs" --model "$model" --out "$logs/ttt_h200.json"
 fi
