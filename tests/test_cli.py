@@ -149,6 +149,21 @@ def test_dry_run_checks_what_the_settings_need(tiny_data_dir, monkeypatch):
                                                       "install 'windowgpt[tensorboard]'")
 
 
+def test_training_out_of_memory_is_one_line_with_what_to_lower(tiny_data_dir, tmp_path, monkeypatch):
+    from windowgpt_cli.train import run
+
+    def runs_out(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(run, "_train_locked", runs_out)
+    result = run_cli("train", "--preset", "tiny", "--data", tiny_data_dir, "--out", tmp_path / "run")
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0] == (
+        "error: cpu ran out of memory while training (MemoryError); lower --train-batch-tokens, raise "
+        "--grad-accum-steps, or train a smaller model; the last checkpoint, if any, is unchanged"), result.stderr
+
+
 def test_the_default_preset_on_a_cpu_says_how_slow_and_what_instead(tiny_data_dir):
     from windowgpt_cli.config import apply_overrides
     from windowgpt_cli.train.run import cpu_slowness

@@ -149,6 +149,25 @@ def test_data_without_validation_shards(eval_run_dir, eval_data_dir):
     assert_one_line_error(run_cli("eval-ttt", eval_run_dir, "--data", eval_data_dir), "fineweb_val_000000.bin")
 
 
+def _runs_out_of_memory(*args, **kwargs):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore lines")
+
+
+@pytest.mark.parametrize("stage,scorer,remedy", [
+    ("eval", "evaluate_sliding", "lower --batch-seqs"),
+    ("eval-ttt", "evaluate_ttt", "lower --ttt-batch-seqs or --batch-seqs"),
+    ("eval-ttt --method lora", "evaluate_lora_ttt", "lower --ttt-lora-batch-docs"),
+])
+def test_running_out_of_memory_is_one_line_with_what_to_lower(eval_run_dir, eval_data_dir, monkeypatch, stage,
+                                                              scorer, remedy):
+    from windowgpt_cli.eval import evaluate
+
+    monkeypatch.setattr(evaluate, scorer, _runs_out_of_memory)
+    result = run_cli(*stage.split(), eval_run_dir, "--data", eval_data_dir)
+    assert_one_line_error(result, "cpu ran out of memory while scoring",
+                          "(CUDA out of memory. Tried to allocate 2.00 GiB)", remedy)
+
+
 def test_data_without_a_manifest_says_how_to_make_one(eval_run_dir, eval_data_dir):
     (eval_data_dir / "manifest.json").unlink()
     for stage in ("eval", "eval-ttt"):

@@ -192,5 +192,18 @@ def _meminfo_kib(path: str, key: str) -> int | None:
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """An allocation that failed: CUDA's out-of-memory error, or the CPU allocator's."""
-    return isinstance(exc, torch.OutOfMemoryError) or (
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
         isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
+
+@contextlib.contextmanager
+def out_of_memory_as_error(device: torch.device, doing: str, remedy: str) -> Iterator[None]:
+    """A failed allocation inside the block as one ConfigError line: what ran out, while
+    doing what, and what to lower (remedy), instead of a traceback."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as exc:
+        if not is_out_of_memory(exc):
+            raise
+        cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
+        raise ConfigError(f"{device} ran out of memory while {doing} ({cause}); {remedy}") from None

@@ -29,7 +29,7 @@ from ..data.tokenizer import ByteLuts, has_byte_fallback, load_byte_luts, load_s
 from ..distributed import DistContext, init_distributed, shutdown
 from ..errors import SettingError
 from ..model.gpt import GPT
-from ..runtime import compiled, enable_fast_math, use_cpu_threads
+from ..runtime import compiled, enable_fast_math, out_of_memory_as_error, use_cpu_threads
 from ..timing import Phases
 from .scoring import (
     BatchProgress,
@@ -145,7 +145,8 @@ def evaluate_artifact(artifact: Path, data_dir: Path, *, settings: Settings | No
         compile_model = should_compile(compile_model, ctx.device)
         compiling = compile_model or (not standard and should_fuse(fused, ctx.device))
         display = progress if progress is not None and ctx.is_main else _no_display
-        with display("eval", compiling) as progress:
+        with display("eval", compiling) as progress, out_of_memory_as_error(
+                ctx.device, "scoring", "lower --batch-seqs (0 fits itself to the free memory)"):
             if standard:
                 loss_fn = compiled(inputs.model, compile_model, autotune=False)
                 batch = batch_windows(batch_seqs, cfg.model, seq_len, ctx.device, full_logits=True)
@@ -201,7 +202,8 @@ def ttt_evaluate_artifact(artifact: Path, data_dir: Path, *, settings: Settings 
         compiling = not lora and (should_fuse(fused, ctx.device) or should_compile(compile_model, ctx.device))
         display = progress if progress is not None and ctx.is_main else \
             functools.partial(_chunk_lines, echo, unit="ttt_lora_batch" if lora else "ttt_chunk")
-        with display(compiling) as on_chunk:
+        remedy = "lower --ttt-lora-batch-docs" if lora else "lower --ttt-batch-seqs or --batch-seqs"
+        with display(compiling) as on_chunk, out_of_memory_as_error(ctx.device, "scoring and training", remedy):
             if lora:
                 result = evaluate_lora_ttt(inputs.model, val_tokens, inputs.luts, ttt, seq_len=seq_len,
                                            device=ctx.device, rank=ctx.rank, world_size=ctx.world_size,

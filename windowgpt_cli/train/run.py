@@ -29,7 +29,7 @@ from ..config import RunConfig, parameter_estimate
 from ..distributed import init_distributed, shutdown
 from ..errors import ArtifactError, ConfigError, DataError
 from ..model.attention import resolve_backend
-from ..runtime import is_out_of_memory, resolve_device, use_cpu_threads
+from ..runtime import out_of_memory_as_error, resolve_device, use_cpu_threads
 from ..storage.files import atomic_write_json
 from ..storage.outputs import check_apart, claim_dir
 from ..storage.runlock import run_lock
@@ -146,14 +146,10 @@ def train_and_report(cfg: RunConfig, out_dir: Path, *, resume: bool = False, for
                 raise
             if ctx.is_main:
                 atomic_write_json(out_dir / RUN_CONFIG, cfg.to_dict())
-            try:
+            with out_of_memory_as_error(ctx.device, "training", "lower --train-batch-tokens, raise "
+                                        "--grad-accum-steps, or train a smaller model; the last checkpoint, if any, "
+                                        "is unchanged"):
                 return _train_locked(cfg, ctx, setup, ckpt, out_dir, stop_at_step, progress, echo, phases)
-            except (RuntimeError, MemoryError) as exc:
-                if not is_out_of_memory(exc) and not isinstance(exc, MemoryError):
-                    raise
-                raise ConfigError(f"{ctx.device} ran out of memory while training ({str(exc).splitlines()[0][:120]}); "
-                                  "lower --train-batch-tokens, raise --grad-accum-steps, or train a smaller model; "
-                                  "the last checkpoint, if any, is unchanged") from None
     finally:
         shutdown()
 
