@@ -162,8 +162,8 @@ def test_demo_corpus_trains_a_tokenizer_and_prepares(tmp_path, data_demo_corpus)
 
 
 def test_a_trained_tokenizer_does_not_depend_on_the_machine(tmp_path, data_demo_corpus, monkeypatch):
-    """The same prepare on machines of 1 and 8 cores (all of them encoding) trains the same
-    tokenizer, so data prepared elsewhere scores a model trained on this machine's."""
+    """The same prepare on machines of 1 and 8 cores (all of them encoding) writes the same
+    tokenizer file, so data prepared elsewhere scores a model trained on this machine's."""
     shas = []
     for cores in (1, 8):
         monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)

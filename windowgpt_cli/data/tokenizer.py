@@ -115,9 +115,10 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, *,
                         max_bytes: int = DEFAULT_TRAIN_SAMPLE_BYTES, source: str = "corpus") -> bytes:
     """A serialized BPE model trained with the Parameter Golf recipe on a bounded sample.
 
-    The whole sample is used (no random subsampling) on one thread: SentencePiece's BPE
-    merges depend on its thread count, so a tokenizer trained on more threads would differ
-    from machine to machine (the default 4 MB sample trains in about 2 s).
+    The whole sample is used (no random subsampling), so the pieces are deterministic. It
+    trains on one thread: the model file records the thread count, and stages identify a
+    tokenizer by its file's sha256, so a thread per core wrote another file on each machine
+    (the default 4 MB sample trains in about 2 s).
     """
     check_vocab_fits(vocab_size, source)
     sentences = _training_sentences(texts, max_bytes)
