@@ -168,6 +168,22 @@ def test_running_out_of_memory_is_one_line_with_what_to_lower(eval_run_dir, eval
                           "(CUDA out of memory. Tried to allocate 2.00 GiB)", remedy)
 
 
+@pytest.mark.parametrize("module,function,args,message", [
+    ("windowgpt_cli.quant.quantize", "quantize_state_dict", ["quantize", "{run}", "--out", "{tmp}/m.ptz"],
+     "cpu ran out of memory while quantizing"),
+    ("windowgpt_cli.generate.text", "generate", ["generate", "{run}", "--tokenizer", "{tok}", "--prompt", "Once"],
+     "cpu ran out of memory while generating"),
+])
+def test_quantize_and_generate_out_of_memory_are_one_line(eval_run_dir, eval_tokenizer, tmp_path, monkeypatch, module,
+                                                          function, args, message):
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module(module), function, _runs_out_of_memory)
+    result = run_cli(*[a.format(run=eval_run_dir, tok=eval_tokenizer, tmp=tmp_path) for a in args])
+    assert_one_line_error(result, message, "(CUDA out of memory. Tried to allocate 2.00 GiB)")
+    assert not (tmp_path / "m.ptz").exists()
+
+
 def test_data_without_a_manifest_says_how_to_make_one(eval_run_dir, eval_data_dir):
     (eval_data_dir / "manifest.json").unlink()
     for stage in ("eval", "eval-ttt"):

@@ -8,7 +8,7 @@ from typing import Any
 from ..artifacts import weights as model_io
 from ..config import check_settings
 from ..data.tokenizer import BOS_ID, load_sentencepiece
-from ..runtime import resolve_device, use_cpu_threads
+from ..runtime import out_of_memory_as_error, resolve_device, use_cpu_threads
 from .decoding import OnTokens, continuation, generate
 
 
@@ -30,9 +30,10 @@ def generate_text(artifact: Path, prompt: str, *, max_new_tokens: int = 64, num_
     sp = load_sentencepiece(tokenizer_path)
     prompt_ids = [BOS_ID, *sp.encode(prompt)]  # every training document starts with BOS
     on_tokens = _streamed(sp, prompt_ids, num_samples, on_text) if on_text is not None else None
-    out = generate(model, prompt_ids, max_new_tokens, num_samples=num_samples, temperature=temperature, top_k=top_k,
-                   seed=seed, use_cache=use_cache, stop_token=BOS_ID,  # BOS starts the next document
-                   compile_step=dev.type == "cuda" if compile_step is None else compile_step, on_tokens=on_tokens)
+    with out_of_memory_as_error(dev, "generating", "ask for fewer --num-samples"):
+        out = generate(model, prompt_ids, max_new_tokens, num_samples=num_samples, temperature=temperature,
+                       top_k=top_k, seed=seed, use_cache=use_cache, stop_token=BOS_ID,  # BOS starts the next document
+                       compile_step=dev.type == "cuda" if compile_step is None else compile_step, on_tokens=on_tokens)
     completions = [continuation(sp, prompt_ids, sample) for sample in out.samples]
     return {
         "prompt": prompt, "completion": completions[0], "completions": completions, "samples": num_samples,

@@ -29,7 +29,7 @@ from ..errors import ArtifactError, ConfigError
 from ..model.gpt import build_model
 from ..model.state_dict import GROUPS, tensor_group, unbank_state_dict
 from ..record import codesize
-from ..runtime import resolve_device, synchronize, use_cpu_threads
+from ..runtime import out_of_memory_as_error, resolve_device, synchronize, use_cpu_threads
 from ..storage.files import atomic_write_bytes, atomic_write_json, read_json, sha256_bytes, tensors_sha256
 from ..storage.outputs import check_apart, claim_file
 from .calibration import Calibration, calibrate, load_hessians
@@ -83,7 +83,8 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
     if cfg.quant.use_gptq:
         t0 = time.perf_counter()
         asked = calib_batches if calib_batches is not None else (settings or {}).get("gptq_calib_samples")
-        calibration, where = run_calibration(weights, cfg, asked, data_dir, dev, recalibrate, progress)
+        with out_of_memory_as_error(dev, "calibrating", "calibrate on the CPU (--device cpu)"):
+            calibration, where = run_calibration(weights, cfg, asked, data_dir, dev, recalibrate, progress)
         cfg = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, gptq_calib_samples=calibration.batches))
         hessians = calibration.hessians
         synchronize(dev)
@@ -98,8 +99,9 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
     if plan.gptq_embed and hessians is not None and not any("tok_emb.weight" in names for names in hessians):
         raise ConfigError("quant_gptq_embed needs the output layer's Hessian, which these Hessians lack (collected "
                           "without it): --recalibrate --data DATA")
-    tensors = quantize_state_dict(sd, None, hessians, q.gptq_block_size, q.gptq_percdamp, device=dev,
-                                  on_progress=advance, timings=phases, plan=plan)
+    with out_of_memory_as_error(dev, "quantizing", "quantize on the CPU (--device cpu)"):
+        tensors = quantize_state_dict(sd, None, hessians, q.gptq_block_size, q.gptq_percdamp, device=dev,
+                                      on_progress=advance, timings=phases, plan=plan)
     timings["quantize"] = time.perf_counter() - t0
     if cfg.quant.use_gptq:
         timings["gptq"] = phases["gptq"]
