@@ -58,7 +58,8 @@ def resolve_backend(name: str, device: torch.device) -> str:
     if name == "fa3" and (device.type != "cuda" or not fa3_available()):
         raise ConfigError("attention backend fa3 needs CUDA and the flash_attn_interface package (FlashAttention-3)")
     if name == "fa4" and (device.type != "cuda" or not fa4_available()):
-        raise ConfigError("attention backend fa4 needs CUDA and the flash-attn-4 package (pip install 'windowgpt[fa4]')")
+        raise ConfigError("attention backend fa4 needs CUDA and the flash-attn-4 package "
+                          "(pip install 'windowgpt[fa4]')")
     if name == "triton" and not triton_available(device):
         raise ConfigError("attention backend triton needs CUDA and the triton package")
     return name
