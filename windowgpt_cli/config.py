@@ -282,13 +282,14 @@ class TTTConfig:
     ttt_lora_targets: str = setting("q,k,v,o,up,down,head", "lora: the matrices adapted (comma-separated: q, k, v, "
                                                             "o, up, down of every block, head: the output layer).")
     ttt_lora_lr: float = setting(3e-4, "lora: the adapters' AdamW learning rate.")
-    ttt_lora_beta1: float = setting(0.9, "lora: AdamW beta1.")
+    ttt_lora_beta1: float = setting(0.0, "lora: AdamW beta1 (0: each step follows its own chunk's gradient "
+                                               "alone, as the final records' adapters do).")
     ttt_lora_beta2: float = setting(0.99, "lora: AdamW beta2.")
     ttt_lora_weight_decay: float = setting(0.5, "lora: AdamW weight decay (decoupled).")
     ttt_lora_context: str = setting("stream", "lora: what a chunk's window reads: document = the document's "
                                                 "own tokens only; stream = the tokens before it in the stream, "
                                                 "earlier documents too, as sliding evaluation reads them.")
-    ttt_lora_chunk_tokens: int = setting(48, "lora: tokens of a document scored before each adapter step.")
+    ttt_lora_chunk_tokens: int = setting(32, "lora: tokens of a document scored before each adapter step.")
     ttt_lora_train_span: str = setting("chunk", "lora: what an adapter step trains on: chunk = the chunk just "
                                                 "scored; window = every target of the document that the chunk's "
                                                 "window holds (all scored already), so earlier chunks count again.")
