@@ -305,6 +305,38 @@ def test_auto_codes_each_group_with_its_smallest_codec_and_layout():
     assert len(auto) < whole
 
 
+def _encodings(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """(codec, bytes in) of every codecs.encode call from now on."""
+    calls: list[tuple[str, int]] = []
+    encode = codecs.encode
+    monkeypatch.setattr(codecs, "encode", lambda codec, data: calls.append((codec, len(data))) or encode(codec, data))
+    return calls
+
+
+def test_on_a_large_section_slow_codecs_code_only_a_sample_unless_it_says_they_may_win(
+        monkeypatch: pytest.MonkeyPatch):
+    """Independent codes of low entropy (which the slow codecs code 3-14% above rANS): lzma,
+    brotli and zstd code samples of 16 pieces, never the whole section; codes with long repeats: the slow codec the sample favours
+    codes the whole section and is kept, as the exhaustive search keeps it."""
+    monkeypatch.setattr(grouped, "SAMPLE_MIN_BYTES", 256 * 1024)
+    monkeypatch.setattr(grouped, "SAMPLE_CHUNK", 8 * 1024)
+    noisy = tensorfile.dumps({"blocks.0.mlp.fc.weight.q": _codes(1024, 1024, 1, 5)})
+    calls = _encodings(monkeypatch)
+    stream, sections = grouped.compress(noisy)
+    section = sections[0]
+    assert section.codec in ("rans", "rans_rows") and grouped.decompress(stream, len(noisy)) == noisy
+    slow = [size for codec, size in calls if codec in grouped.SLOW_CODECS and size > 1024]  # not the map's
+    assert slow and all(size == 16 * 8 * 1024 for size in slow), calls
+
+    phrase = _codes(1, 2048, 6, 6).flatten()  # 2,048 random codes, then again and again
+    payload = tensorfile.dumps({"blocks.0.mlp.fc.weight.q": phrase.repeat(256).reshape(512, 1024)})
+    calls.clear()
+    stream, (section,) = grouped.compress(payload)
+    _, (best,) = grouped.compress(payload, exhaustive=True)
+    assert section.codec in grouped.SLOW_CODECS and (section.codec, section.raw_bytes) in calls
+    assert len(section.body) <= 1.01 * len(best.body) and grouped.decompress(stream, len(payload)) == payload
+
+
 def _as_rans_v1(coded: bytes) -> bytes:
     """A 1024-lane stream of compressor id 3 rewritten as compressor id 2, the first rans
     format (the same stream without the lane count in its header)."""
