@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The default preset (the record's windows) against --preset frontier and the frontier preset
 # without each of its three largest ideas, at an equal budget on the blog corpus: TRAIN_SECONDS
-# (default 240) of training and GPTQ calibration, quantize --gptq (rans unless COMPRESSOR),
-# eval --stride 64. Each preset reads its own tokenizer's data: the shared sp1024 for default
-# and frontier_sp1024, one trained by `prepare --vocab-size 8192` on the training split for
-# the others (bits per byte compare across tokenizers).
+# (default 240) of training and GPTQ calibration, quantize --gptq (auto unless COMPRESSOR:
+# the artifact one would submit), eval --stride 64. Each preset reads its own tokenizer's
+# data: the shared sp1024 for default and frontier_sp1024, one trained by `prepare
+# --vocab-size 8192` on the training split for the others (bits per byte compare across
+# tokenizers).
 #   RUNS (default: all, in this order)  default frontier frontier_sp1024 frontier_no_recur
 #                                       frontier_no_parallel
 #   TRAIN_FLAGS                         more train flags for every run (a smaller model to
@@ -63,7 +64,7 @@ measure() {  # NAME: train, export, quantize and evaluate one run
   grep -hE "graphs_after_warmup|recurrence:|stopping_early|post_ema" "$out/train.log"
   cp "$dir/run/summary.json" "$dir/run/config.json" "$out/"
   step "$out/export.log" export "$dir/run" --out "$dir/export" || return 1
-  step "$out/quantize.json" quantize "$dir/export" --out "$dir/model.ptz" --gptq --compressor "${COMPRESSOR:-rans}" \
+  step "$out/quantize.json" quantize "$dir/export" --out "$dir/model.ptz" --gptq --compressor "${COMPRESSOR:-auto}" \
     --budget 100000000 --json || return 1
   step "$out/eval.json" eval "$dir/model.ptz" --data "$data" --stride 64 --json || return 1
   if [ -n "${SLIDING_UNQUANTIZED:-}" ]; then  # what quantization costs, both sliding
