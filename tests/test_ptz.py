@@ -316,8 +316,9 @@ def _encodings(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
 def test_on_a_large_section_slow_codecs_code_only_a_sample_unless_it_says_they_may_win(
         monkeypatch: pytest.MonkeyPatch):
     """Independent codes of low entropy (which the slow codecs code 3-14% above rANS): lzma,
-    brotli and zstd code samples of 16 pieces, never the whole section; codes with long repeats: the slow codec the sample favours
-    codes the whole section and is kept, as the exhaustive search keeps it."""
+    brotli and zstd code samples of 16 pieces, never the whole section; codes with long
+    repeats: the slow codec the sample favours codes the whole section and is kept, as the
+    exhaustive search keeps it."""
     monkeypatch.setattr(grouped, "SAMPLE_MIN_BYTES", 256 * 1024)
     monkeypatch.setattr(grouped, "SAMPLE_CHUNK", 8 * 1024)
     noisy = tensorfile.dumps({"blocks.0.mlp.fc.weight.q": _codes(1024, 1024, 1, 5)})

@@ -19,9 +19,9 @@ with every available codec and keeps the smallest (the work runs in threads: the
 release the GIL). On a large section the slow codecs (lzma, brotli, zstd: seconds a
 megabyte) first code a sample, and code the whole section only where the sample says they
 may come within SAMPLE_MARGIN of rANS's best. `exhaustive=True` codes every layout with
-every codec; `compress(payload, codecs=..., transforms=...)` restricts the search. Everything else (the safetensors header,
-the tensors too small to be worth a section) goes, with the map of the sections, into the
-first section, coded by lzma.
+every codec; `compress(payload, codecs=..., transforms=...)` restricts the search.
+Everything else (the safetensors header, the tensors too small to be worth a section) goes,
+with the map of the sections, into the first section, coded by lzma.
 
 Stream (compressor id 4): _HEADER (the map's compressed and raw length, the payload's
 crc32), the map section, then each section's bytes. The map: the section count; per
@@ -197,6 +197,17 @@ def _order_bytes(section: Section, transform: str) -> int:
 PROXY_LEVEL = 6
 
 
+# Sections of at least SAMPLE_MIN_BYTES judge the slow codecs by a sample: SAMPLE_CHUNK-byte
+# pieces evenly spaced over the section, an eighth of it (at least SAMPLE_MIN_BYTES / 2). A
+# codec's size is estimated as the section's rANS size times the codec's size over rANS's on
+# the sample: the ratio to the order-0 coder barely depends on which matrices the sample
+# reaches, where a sample's own size does (within 1% on trained int6 codes, against 2-10%).
+SLOW_CODECS = ("lzma", "brotli", "zstd")
+SAMPLE_MIN_BYTES = 4 << 20
+SAMPLE_CHUNK = 1 << 16
+SAMPLE_MARGIN = 0.01
+
+
 def compress(payload: bytes, codecs_tried: Iterable[str] | None = None,
              transforms: Iterable[str] | None = None, workers: int = 8,
              exhaustive: bool = False) -> tuple[bytes, list[Section]]:
@@ -227,17 +238,6 @@ def compress(payload: bytes, codecs_tried: Iterable[str] | None = None,
     return _stream(payload, sections), sections
 
 
-# Sections of at least SAMPLE_MIN_BYTES judge the slow codecs by a sample: SAMPLE_CHUNK-byte
-# pieces evenly spaced over the section, an eighth of it (at least SAMPLE_MIN_BYTES / 2). A
-# codec's size is estimated as the section's rANS size times the codec's size over rANS's on
-# the sample: the ratio to the order-0 coder barely depends on which matrices the sample
-# reaches, where a sample's own size does (within 1% on trained int6 codes, against 2-10%).
-SLOW_CODECS = ("lzma", "brotli", "zstd")
-SAMPLE_MIN_BYTES = 4 << 20
-SAMPLE_CHUNK = 1 << 16
-SAMPLE_MARGIN = 0.01
-
-
 def _smallest(section: Section, jobs: list[tuple[str, str, Future]]) -> tuple[str, str, bytes]:
     """(transform, codec, body) of the smallest coding, permutations counted; the first of equals."""
     best = None
@@ -262,7 +262,7 @@ def _whole_codings(pool: ThreadPoolExecutor, section: Section, layouts: list[tup
     return jobs
 
 
-def sample_of(laid: bytes) -> bytes:
+def _sample_of(laid: bytes) -> bytes:
     """Evenly spaced SAMPLE_CHUNK-byte pieces of laid, an eighth of it or SAMPLE_MIN_BYTES / 2."""
     pieces = max(len(laid) // 8, SAMPLE_MIN_BYTES // 2) // SAMPLE_CHUNK
     if pieces * SAMPLE_CHUNK >= len(laid):
@@ -276,7 +276,7 @@ def _sample_codings(pool: ThreadPoolExecutor, layouts: list[tuple[str, bytes]],
     """Per layout: the layout, and the futures of its sample's size under rANS and each slow codec."""
     found = []
     for transform, laid in layouts:
-        sample = sample_of(laid)
+        sample = _sample_of(laid)
         sizes = {codec: pool.submit(lambda c, b: len(codecs.encode(c, b)), codec, sample)
                  for codec in ("rans", *(c for c in tried if c in SLOW_CODECS))}
         found.append((transform, laid, sizes))
