@@ -179,6 +179,41 @@ def test_fa4_op_stays_in_one_compiled_graph(fake_fa4):
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
+def test_triton_fa4_runs_windowed_layers_on_the_triton_kernels_and_full_ones_on_fa4(fake_fa4, monkeypatch):
+    calls = []
+    monkeypatch.setattr(attention, "_triton_window", lambda q, k, v, window, sinks: calls.append(("triton", window))
+                        or attention._sdpa(q, k, v, mask=attention.window_mask(q.shape[1], window, sinks, q.device)))
+    fa4 = attention._fa4
+    monkeypatch.setattr(attention, "_fa4",
+                        lambda q, k, v, window: calls.append(("fa4", window)) or fa4(q, k, v, window))
+    q, k, v = _qkv(24)
+    full = attention.attention(q, k, v, 0, 0, "triton_fa4")
+    windowed = attention.attention(q, k, v, 5, 3, "triton_fa4")
+    assert calls == [("fa4", None), ("triton", 5)]
+    assert torch.allclose(full.double(), naive_attention(q, k, v, 0, 0), atol=1e-5)
+    assert torch.allclose(windowed.double(), naive_attention(q, k, v, 5, 3), atol=1e-5)
+    assert attention.runs_window_kernels("triton_fa4", eager_on_cuda=False)
+
+
+def test_the_configuration_offers_every_attention_backend():
+    from windowgpt_cli.config import CHOICES
+
+    assert CHOICES["attn_backend"] == attention.BACKENDS
+
+
+def test_triton_fa4_needs_both_packages(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(attention, "triton_available", lambda device: True)
+    monkeypatch.setattr(attention, "fa4_available", lambda: False)
+    with pytest.raises(ConfigError, match="triton_fa4 needs CUDA and the flash-attn-4"):
+        attention.resolve_backend("triton_fa4", cuda)
+    monkeypatch.setattr(attention, "fa4_available", lambda: True)
+    assert attention.resolve_backend("triton_fa4", cuda) == "triton_fa4"
+    monkeypatch.setattr(attention, "triton_available", lambda device: False)
+    with pytest.raises(ConfigError, match="triton_fa4 needs CUDA and the triton"):
+        attention.resolve_backend("triton_fa4", cuda)
+
+
 def test_fa4_needs_cuda_and_the_package(monkeypatch):
     monkeypatch.setattr(attention, "fa4_available", lambda: False)
     with pytest.raises(ConfigError, match="flash-attn-4"):

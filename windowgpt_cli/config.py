@@ -194,7 +194,8 @@ class TrainConfig:
                                   "generate); 0 = torch's choice, one per core. A small model runs faster on "
                                   "one (threads contend on a busy machine), and CPU results depend on the "
                                   "count in their last digits.")
-    attn_backend: str = setting("auto", "Attention kernels: auto, fa3, fa4, flex, triton or sdpa.")
+    attn_backend: str = setting("auto", "Attention kernels: auto, fa3, fa4, flex, triton, triton_fa4 (Triton for "
+                                        "windowed layers, FlashAttention-4 for full ones) or sdpa.")
     compile: bool = setting(True, "torch.compile the model (on CUDA only).")
     compile_tuning: str = setting("default", "What torch.compile tunes in the training step: default (its "
                                              "element-wise kernels), gemm (also Triton matrix-product templates "
@@ -688,7 +689,7 @@ BOUNDS.update({
 EXCLUSIVE = {"val_fraction"}  # bounds that the value may not equal
 CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "cuda"),
-    "attn_backend": ("auto", "fa3", "fa4", "flex", "triton", "sdpa"),
+    "attn_backend": ("auto", "fa3", "fa4", "flex", "triton", "triton_fa4", "sdpa"),
     "logger": ("none", "tensorboard", "wandb"),
     "muon_ns_coefficients": ("reference", "polar_express"),
     "ttt_method": ("chunks", "lora"),
