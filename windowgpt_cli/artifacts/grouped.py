@@ -271,13 +271,17 @@ def _sample_of(laid: bytes) -> bytes:
     return b"".join(laid[i * step:i * step + SAMPLE_CHUNK] for i in range(pieces))
 
 
+def _coded_size(codec: str, data: bytes) -> int:
+    return len(codecs.encode(codec, data))
+
+
 def _sample_codings(pool: ThreadPoolExecutor, layouts: list[tuple[str, bytes]],
                     tried: tuple[str, ...]) -> list[tuple[str, bytes, dict[str, Future]]]:
     """Per layout: the layout, and the futures of its sample's size under rANS and each slow codec."""
     found = []
     for transform, laid in layouts:
         sample = _sample_of(laid)
-        sizes = {codec: pool.submit(lambda c, b: len(codecs.encode(c, b)), codec, sample)
+        sizes = {codec: pool.submit(_coded_size, codec, sample)
                  for codec in ("rans", *(c for c in tried if c in SLOW_CODECS))}
         found.append((transform, laid, sizes))
     return found

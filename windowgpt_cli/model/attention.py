@@ -36,6 +36,8 @@ from ..errors import ConfigError
 from ..runtime import triton_available
 
 BACKENDS = ("auto", "fa3", "fa4", "flex", "triton", "triton_fa4", "sdpa")
+FA4_FULL_LAYERS = ("fa4", "triton_fa4")  # backends whose full causal layers run FA4
+TRITON_WINDOWS = ("triton", "triton_fa4")  # backends whose windowed layers always run the Triton kernels
 
 
 def fa3_available() -> bool:
@@ -60,10 +62,10 @@ def resolve_backend(name: str, device: torch.device) -> str:
         return "triton" if triton_available(device) else "flex"
     if name == "fa3" and (device.type != "cuda" or not fa3_available()):
         raise ConfigError("attention backend fa3 needs CUDA and the flash_attn_interface package (FlashAttention-3)")
-    if name in ("fa4", "triton_fa4") and (device.type != "cuda" or not fa4_available()):
+    if name in FA4_FULL_LAYERS and (device.type != "cuda" or not fa4_available()):
         raise ConfigError(f"attention backend {name} needs CUDA and the flash-attn-4 package "
                           "(pip install 'windowgpt[fa4]')")
-    if name in ("triton", "triton_fa4") and not triton_available(device):
+    if name in TRITON_WINDOWS and not triton_available(device):
         raise ConfigError(f"attention backend {name} needs CUDA and the triton package")
     return name
 
@@ -76,7 +78,7 @@ def covers_everything(seq_len: int, window: int) -> bool:
 def attention(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, backend: str) -> Tensor:
     seq_len = q.shape[1]
     if covers_everything(seq_len, window):
-        if backend in ("fa4", "triton_fa4"):
+        if backend in FA4_FULL_LAYERS:
             return _fa4(q, k, v, window=None)[0]
         return _fa3(q, k, v) if backend == "fa3" else _sdpa(q, k, v, mask=None)
     if backend == "fa3":
@@ -120,7 +122,7 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
 def runs_window_kernels(backend: str, eager_on_cuda: bool) -> bool:
     """Whether windowed layers on this backend run `window_attention`'s Triton kernels:
     always on `triton` and `triton_fa4`; on `flex` where it is called eagerly on CUDA."""
-    return backend in ("triton", "triton_fa4") or (backend == "flex" and eager_on_cuda)
+    return backend in TRITON_WINDOWS or (backend == "flex" and eager_on_cuda)
 
 
 def _eager_on_cuda(q: Tensor) -> bool:
