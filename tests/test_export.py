@@ -187,3 +187,18 @@ def test_quantize_settings_reach_the_report_the_table_and_inspect(quant_run_dir:
     assert described["sections"] == report["sections"]
     table = runner.invoke(app, ["inspect", str(artifact)], env=WIDE)
     assert "rel. error" in table.output and "compressed" in table.output and "sections" in table.output
+
+
+def test_bits_follow_the_clip_range(quant_run_dir: Path, tmp_path: Path):
+    """int6 codes within a clip range of 15 span 31 levels: the report and `inspect` say 5 bits
+    for the matrices (the embedding stays int8), not the scheme's name."""
+    runner = CliRunner()
+    artifact = tmp_path / "m.ptz"
+    result = runner.invoke(app, ["quantize", str(quant_run_dir), "--out", str(artifact), "--clip-range", "15"],
+                           env=WIDE)
+    assert result.exit_code == 0, result.output
+    groups = json.loads(report_path(artifact).read_text())["groups"]
+    described = json.loads(runner.invoke(app, ["inspect", str(artifact), "--json"], env=WIDE).stdout)["groups"]
+    for rows in (groups, described):
+        assert rows["mlp"]["bits"] == [5] and rows["embed"]["bits"] == [8]
+        assert 5 in rows["attn"]["bits"] and 6 not in rows["attn"]["bits"]  # beside small kept tensors

@@ -13,7 +13,7 @@ from ..model.state_dict import GROUPS, tensor_group, unbank_state_dict
 from ..storage.files import sha256_file
 from ..storage.tensorfile import ITEM_SIZES
 from . import ptz
-from .quantized import CONTROL, scheme_bits
+from .quantized import CONTROL, code_bits
 from .checkpoint import FILENAME as CHECKPOINT_FILENAME
 from .checkpoint import describe_checkpoint
 from .export import EXPORT_INFO, EXPORT_VERSION, EXPORT_WEIGHTS, describe_export
@@ -112,7 +112,7 @@ def _read_ptz(path: Path) -> ArtifactInfo:
     groups = _group_sizes({name: (_numel(t.shape), t.stored_bytes, t.scheme + (f"_{t.method}" if t.method else ""))
                            for name, t in artifact.tensors.items()})
     for name, row in quality_rows({n: (_numel(t.shape), t.scheme, t.lqer_rank > 0, t.error)
-                                   for n, t in artifact.tensors.items()}).items():
+                                   for n, t in artifact.tensors.items()}, artifact.clip_range).items():
         groups[name].quality = row
     report = read_json(path.with_name(path.name + ".json"))
     lineage = dict(artifact.source)
@@ -125,16 +125,18 @@ def _read_ptz(path: Path) -> ArtifactInfo:
                         sections=ptz.sections_of(path.read_bytes()))
 
 
-def quality_rows(tensors: dict[str, tuple[int, str, bool, float | None]]) -> dict[str, dict[str, Any]]:
+def quality_rows(tensors: dict[str, tuple[int, str, bool, float | None]],
+                 clip_range: int) -> dict[str, dict[str, Any]]:
     """Per tensor group, from each tensor's (parameters, scheme, corrected by LQER, relative
-    squared error): the code widths, the LQER corrections, and the round trip's relative
-    squared error averaged over the group's parameters (where the errors are recorded)."""
+    squared error): the code widths (int6 codes by the clip range's levels), the LQER
+    corrections, and the round trip's relative squared error averaged over the group's
+    parameters (where the errors are recorded)."""
     rows: dict[str, dict[str, Any]] = {}
     weighted: dict[str, list[float]] = {}
     for name, (numel, scheme, corrected, error) in tensors.items():
         group = tensor_group(name)
         row = rows.setdefault(group, {"bits": [], "lqer": 0})
-        bits = scheme_bits(scheme) or (32 if scheme == CONTROL else 16)
+        bits = code_bits(scheme, clip_range) or (32 if scheme == CONTROL else 16)
         row["bits"] = sorted(set(row["bits"]) | {bits})
         row["lqer"] += corrected
         if error is not None:

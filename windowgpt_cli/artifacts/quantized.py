@@ -27,6 +27,13 @@ def scheme_bits(scheme: str) -> int | None:
     return int(scheme[3:]) if scheme in INT_SCHEMES else None
 
 
+def code_bits(scheme: str, clip_range: int) -> int | None:
+    """The bits an integer scheme's codes span: int6 codes within a clip range of 15 take 31
+    levels, 5 bits (None for kept tensors)."""
+    bits = scheme_bits(scheme)
+    return (2 * clip_range).bit_length() if scheme == INT6 else bits
+
+
 def code_limit(scheme: str, clip_range: int) -> int:
     """The largest |code| a scheme allows: the artifact's clip range for int6."""
     bits = scheme_bits(scheme)

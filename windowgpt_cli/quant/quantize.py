@@ -195,8 +195,8 @@ def relative_error(weight: torch.Tensor, qt: QuantizedTensor) -> float:
     return float((w - qt.dequantize().float()).pow(2).sum()) / norm if norm > 0 else 0.0
 
 
-def group_rows(sd: dict[str, torch.Tensor], tensors: dict[str, QuantizedTensor],
-               errors: dict[str, float]) -> dict[str, dict[str, Any]]:
+def group_rows(sd: dict[str, torch.Tensor], tensors: dict[str, QuantizedTensor], errors: dict[str, float],
+               clip_range: int) -> dict[str, dict[str, Any]]:
     """Per tensor group: tensors, parameters, bytes before and after quantization, and
     (`info.quality_rows`) the code widths, LQER corrections and round-trip error."""
     groups = {g: {"tensors": 0, "params": 0, "raw_bytes": 0, "quantized_bytes": 0} for g in GROUPS}
@@ -207,7 +207,7 @@ def group_rows(sd: dict[str, torch.Tensor], tensors: dict[str, QuantizedTensor],
         row["raw_bytes"] += sd[name].numel() * sd[name].element_size()
         row["quantized_bytes"] += qt.stored_bytes
     quality = quality_rows({name: (sd[name].numel(), qt.scheme, qt.correction is not None, errors.get(name))
-                            for name, qt in tensors.items()})
+                            for name, qt in tensors.items()}, clip_range)
     for group, row in quality.items():
         groups[group].update(row)
     return groups
@@ -217,7 +217,7 @@ def _report(out: Path, data: bytes, payload: bytes, sd: dict[str, torch.Tensor],
             errors: dict[str, float], cfg: RunConfig, compressor: str, budget: int, dev: torch.device,
             timings: dict[str, float], source: dict[str, Any]) -> dict[str, Any]:
 
-    groups = group_rows(sd, tensors, errors)
+    groups = group_rows(sd, tensors, errors, cfg.quant.quant_clip_range)
     schemes: dict[str, int] = {}
     for qt in tensors.values():
         label = f"{qt.scheme}_{qt.method}" if qt.method else qt.scheme
