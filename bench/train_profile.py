@@ -68,7 +68,9 @@ PHASE_CATEGORIES = {PHASES.data: "data_h2d", PHASES.grad_clip: "grad_clip", PHAS
                     PHASES.adam: "adamw", PHASES.muon: "muon", PHASES.ema: "ema"}
 
 ATTENTION = re.compile(r"flash|fmha|flex|attention|sdpa|triton_tem_(?!.*mm)", re.I)
-MATMUL = re.compile(r"gemm|gemv|cutlass|cublas|xmma|nvjet|splitk|triton_tem_.*mm", re.I)
+# windowgpt's fused products (`_..._matmul_kernel`: a product with an element-wise epilogue)
+# count as matrix products.
+MATMUL = re.compile(r"gemm|gemv|cutlass|cublas|xmma|nvjet|splitk|triton_tem_.*mm|^_\w+_matmul_kernel$", re.I)
 CROSS_ENTROPY = re.compile(r"cross_entropy|nll_loss|log_softmax|logsumexp", re.I)
 # Inductor's fused kernels, ATen's element-wise and reduction kernels, and windowgpt's own
 # Triton kernels (named after their Python functions, all element-wise or norm fusions).

@@ -127,6 +127,8 @@ def test_the_reference_seed_hashes_the_train_shard_paths_as_given(tmp_path):
     ("triton_poi_fused_add_mul_rms_norm_3", PHASES.forward, "kernel", "elementwise_norm"),
     ("_stream_norm_kernel", PHASES.forward, "kernel", "elementwise_norm"),
     ("_leaky_square_kernel", PHASES.backward, "kernel", "elementwise_norm"),
+    ("_leaky_square_matmul_kernel", PHASES.forward, "kernel", "matmul"),
+    ("_leaky_square_grad_matmul_kernel", PHASES.backward, "kernel", "matmul"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", PHASES.backward,
      "kernel", "elementwise_norm"),
     ("Memset (Device)", PHASES.backward, "memset", "elementwise_norm"),

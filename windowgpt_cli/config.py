@@ -174,6 +174,10 @@ class TrainConfig:
     fused_cross_entropy: bool = setting(False, "The training loss's soft cap and cross-entropy as one Triton "
                                                 "kernel forward and one backward (CUDA), each reading the logits "
                                                 "once; off: as torch.compile fuses them.")
+    fused_mlp: bool = setting(False, "The MLP's LeakyReLU² in the epilogues of the training step's products "
+                                     "(Triton; Hopper or later): the activation as the up product is stored, "
+                                     "its derivative as the gradient comes back through the down product; off: "
+                                     "cuBLAS's products and the compiler's element-wise kernels.")
     qat_start_fraction: float = setting(0.0, "Quantization-aware training: once this fraction of the iterations, "
                                               "or of the wallclock budget under a cap, has passed, each training "
                                               "forward rounds the int6 matrices to the grid quantize will use (the "

@@ -242,11 +242,13 @@ def _leaky_square_kernel(h_ptr, out_ptr, numel, negative_slope, BLOCK: tl.conste
 
 
 @triton.jit(do_not_specialize=["rows"])
-def _leaky_square_matmul_kernel(x_desc, w_desc, out_desc, rows, cols, depth, negative_slope, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr):
+def _leaky_square_matmul_kernel(x_desc, w_desc, out_desc, product_desc, rows, cols, depth, negative_slope,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                PROGRAMS: tl.constexpr, STORE_PRODUCT: tl.constexpr):
     """out = leaky_square(x @ w.T) for x [rows, depth], w [cols, depth] and out [rows, cols]
     given by TMA descriptors (cols a multiple of BLOCK_N, depth of BLOCK_K): the product
-    rounded to bf16, as a stored product is, then the activation in float32 and one store.
+    rounded to bf16, as a stored product is, then the activation in float32 and one store;
+    with STORE_PRODUCT the bf16 product too (training's backward reads it).
     Persistent: PROGRAMS programs (one per multiprocessor) walk the output tiles, so that
     the next tile's loads start while this one's epilogue runs."""
     col_tiles = cols // BLOCK_N
@@ -256,8 +258,10 @@ def _leaky_square_matmul_kernel(x_desc, w_desc, out_desc, rows, cols, depth, neg
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, depth, BLOCK_K):
             acc = tl.dot(x_desc.load([row0, k]), w_desc.load([col0, k]).T, acc)
-        h = _leaky_square_values(acc.to(tl.bfloat16).to(tl.float32), negative_slope)
-        out_desc.store([row0, col0], h.to(tl.bfloat16))
+        product = acc.to(tl.bfloat16)
+        if STORE_PRODUCT:
+            product_desc.store([row0, col0], product)
+        out_desc.store([row0, col0], _leaky_square_values(product.to(tl.float32), negative_slope).to(tl.bfloat16))
 
 
 # --- Launchers ---------------------------------------------------------------------------
@@ -280,13 +284,25 @@ def _fits(x: Tensor, weight: Tensor, tiles: MatmulTiles) -> bool:
     """Whether `_leaky_square_matmul_kernel` takes this product: bf16 operands (autocast's),
     whole tiles of columns and depth, and a GPU with TMA (Hopper or later; Triton's
     interpreter on the CPU)."""
+    return (product_fits(x, weight, tiles) and x.data_ptr() % 16 == 0
+            and weight.data_ptr() % 16 == 0)  # TMA reads from 16-byte boundaries
+
+
+def product_fits(x: Tensor, weight: Tensor, tiles: MatmulTiles) -> bool:
+    """`_fits` but for where the tensors lie (what a traced function can ask of its inputs):
+    bf16 operands, x [..., depth] and weight [cols, depth] in whole tiles, a GPU with TMA."""
     return (x.dtype == weight.dtype == torch.bfloat16 and weight.dim() == 2 and x.size(-1) == weight.size(1)
             and weight.size(0) % tiles.block_n == 0 and weight.size(1) % tiles.block_k == 0
-            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0  # TMA reads from 16-byte boundaries
             and (x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (9, 0)))
 
 
-def _programs(device: torch.device) -> int:
+def tma_ready(t: Tensor) -> Tensor:
+    """t contiguous and starting on a 16-byte boundary, as TMA reads it (copied if not)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def programs_for(device: torch.device) -> int:
     """A persistent kernel's programs: one per multiprocessor (two in the interpreter, which
     then runs several tiles per program too)."""
     if device.type != "cuda":
@@ -415,16 +431,30 @@ def leaky_square_matmul(x: Tensor, w: Tensor, negative_slope: float, tiles: Matm
     where the product does not fit the kernel (`_fits`)."""
     if not _fits(x, w, tiles):
         return None
-    x2 = x.reshape(-1, x.size(-1)).contiguous()
-    w = w.contiguous()
+    out, _ = _launch_leaky_square_matmul(x.reshape(-1, x.size(-1)).contiguous(), w.contiguous(), negative_slope,
+                                         tiles, keep_product=False)
+    return out.view(*x.shape[:-1], w.size(0))
+
+
+def leaky_square_matmul_with_product(x: Tensor, w: Tensor, negative_slope: float,
+                                     tiles: MatmulTiles) -> tuple[Tensor, Tensor]:
+    """(leaky_square(x @ w.T), x @ w.T), both bf16 from one kernel, for x [rows, depth] and
+    w [cols, depth] that `product_fits`."""
+    return _launch_leaky_square_matmul(tma_ready(x), tma_ready(w), negative_slope, tiles, keep_product=True)
+
+
+def _launch_leaky_square_matmul(x2: Tensor, w: Tensor, negative_slope: float, tiles: MatmulTiles,
+                                keep_product: bool) -> tuple[Tensor, Tensor | None]:
     rows, depth = x2.shape
     cols = w.size(0)
-    out = torch.empty(rows, cols, device=x.device, dtype=torch.bfloat16)
-    programs = _programs(x.device)
+    out = torch.empty(rows, cols, device=x2.device, dtype=torch.bfloat16)
+    product = torch.empty_like(out) if keep_product else None
+    programs = programs_for(x2.device)
+    out_desc = TensorDescriptor.from_tensor(out, [tiles.block_m, tiles.block_n])
     _leaky_square_matmul_kernel[(programs,)](
         TensorDescriptor.from_tensor(x2, [tiles.block_m, tiles.block_k]),
-        TensorDescriptor.from_tensor(w, [tiles.block_n, tiles.block_k]),
-        TensorDescriptor.from_tensor(out, [tiles.block_m, tiles.block_n]), rows, cols, depth, negative_slope,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PROGRAMS=programs,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    return out.view(*x.shape[:-1], cols)
+        TensorDescriptor.from_tensor(w, [tiles.block_n, tiles.block_k]), out_desc,
+        TensorDescriptor.from_tensor(product, [tiles.block_m, tiles.block_n]) if keep_product else out_desc,
+        rows, cols, depth, negative_slope, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        PROGRAMS=programs, STORE_PRODUCT=keep_product, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out, product

@@ -1,7 +1,8 @@
 """The backward kernels of the fused steps that eager training steps differentiate
 (Triton): the per-head norm, rotation and gain of queries and keys (after
-`elementwise._head_prep_kernel`), and the MLP's LeakyReLU². `model.fused_train_ops` wraps
-them in autograd functions.
+`elementwise._head_prep_kernel`), and the MLP's LeakyReLU², alone or as the epilogue of
+the product that brings the gradient back through the down projection. `model.fused_train_ops`
+and `fused_mlp` wrap them in autograd functions.
 
 Backwards compute in float32 from the stored inputs and round once, to the input's dtype.
 Importing this module imports Triton.
@@ -12,17 +13,21 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .elementwise import (
     ELEMENTS,
     FLOAT32_EPS,
     HEAD_POSITIONS,
     HEAD_WARPS,
+    MatmulTiles,
     float32_values,
     head_positions,
     head_table_strides,
     pair_partners,
+    programs_for,
     rotary_at,
+    tma_ready,
 )
 
 # --- Kernels -----------------------------------------------------------------------------
@@ -67,14 +72,39 @@ def _rotated(x, partner, cos, sin, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constex
 
 
 @triton.jit
+def _leaky_square_derivative(h, grad, negative_slope):
+    """d/dh of leaky_relu(h)^2 times grad, in float32: 2 h where h > 0, else 2 slope^2 h."""
+    slope = tl.where(h > 0, 1.0, negative_slope)
+    return grad * 2.0 * h * slope * slope
+
+
+@triton.jit
 def _leaky_square_backward_kernel(h_ptr, grad_ptr, dh_ptr, numel, negative_slope, BLOCK: tl.constexpr):
-    """d/dh of leaky_relu(h)^2 times grad: 2 h where h > 0, else 2 slope^2 h."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     h = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    slope = tl.where(h > 0, 1.0, negative_slope)
-    tl.store(dh_ptr + offsets, grad * 2.0 * h * slope * slope, mask=mask)
+    tl.store(dh_ptr + offsets, _leaky_square_derivative(h, grad, negative_slope), mask=mask)
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _leaky_square_grad_matmul_kernel(g_desc, w_desc, h_desc, out_desc, rows, cols, depth, negative_slope,
+                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                     PROGRAMS: tl.constexpr):
+    """out = leaky_square'(h) * (g @ w) for g [rows, depth], w [depth, cols] and h, out
+    [rows, cols] given by TMA descriptors (cols a multiple of BLOCK_N, depth of BLOCK_K):
+    the product rounded to bf16, as a stored gradient is, then the derivative in float32.
+    Persistent, as `elementwise._leaky_square_matmul_kernel`."""
+    col_tiles = cols // BLOCK_N
+    tiles = tl.cdiv(rows, BLOCK_M) * col_tiles
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
+        row0, col0 = (tile // col_tiles) * BLOCK_M, (tile % col_tiles) * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, depth, BLOCK_K):
+            acc = tl.dot(g_desc.load([row0, k]), w_desc.load([k, col0]), acc)
+        h = h_desc.load([row0, col0]).to(tl.float32)
+        grad = acc.to(tl.bfloat16).to(tl.float32)
+        out_desc.store([row0, col0], _leaky_square_derivative(h, grad, negative_slope).to(tl.bfloat16))
 
 
 # --- Launches ----------------------------------------------------------------------------
@@ -99,3 +129,21 @@ def leaky_square_backward(grad: Tensor, h: Tensor, negative_slope: float) -> Ten
     return dh
 
 
+def leaky_square_grad_matmul(grad: Tensor, w: Tensor, h: Tensor, negative_slope: float,
+                             tiles: MatmulTiles) -> Tensor:
+    """The gradient at the MLP's product h [rows, cols] from the gradient at its output,
+    grad [rows, depth], through the down projection w [depth, cols]: leaky_square'(h) *
+    (grad @ w), bf16, in one kernel (cols a multiple of tiles.block_n, depth of block_k)."""
+    grad, w, h = tma_ready(grad), tma_ready(w), tma_ready(h)
+    rows, depth = grad.shape
+    cols = w.size(1)
+    out = torch.empty(rows, cols, device=grad.device, dtype=torch.bfloat16)
+    programs = programs_for(grad.device)
+    _leaky_square_grad_matmul_kernel[(programs,)](
+        TensorDescriptor.from_tensor(grad, [tiles.block_m, tiles.block_k]),
+        TensorDescriptor.from_tensor(w, [tiles.block_k, tiles.block_n]),
+        TensorDescriptor.from_tensor(h, [tiles.block_m, tiles.block_n]),
+        TensorDescriptor.from_tensor(out, [tiles.block_m, tiles.block_n]), rows, cols, depth, negative_slope,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PROGRAMS=programs,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out

@@ -5,8 +5,11 @@ Test-time training runs its steps eagerly: compiling a backward graph costs more
 few hundred small steps it would speed up. Eagerly, torch runs each element-wise step as
 several kernels, and autograd as several more, so those kernels, not the matrix products,
 fill most of a step. `TrainingOps` runs the per-head norm, rotation and gain of queries and
-keys, and the MLP's LeakyReLU², as one kernel forward and one backward. Importing this
-module imports Triton.
+keys, and the MLP's LeakyReLU², as one kernel forward and one backward.
+
+`ProductEpilogueOps` is the compiled training step's (`train --fused-mlp`): torch's steps,
+which the compiler fuses, but the MLP's activation and its derivative in the epilogues of the
+products around it (`kernels.fused_mlp`). Importing this module imports Triton.
 """
 from __future__ import annotations
 
@@ -16,8 +19,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ..kernels.elementwise import head_prep, head_tables, leaky_square, powers_of_two, rotated_half
+from ..kernels.elementwise import MatmulTiles, head_prep, head_tables, leaky_square, powers_of_two, rotated_half
 from ..kernels.elementwise_backward import head_prep_backward, leaky_square_backward
+from ..kernels.fused_mlp import leaky_square_mlp, mlp_fits
 from .gpt import GPT
 from .ops import TorchOps
 
@@ -82,3 +86,20 @@ class TrainingOps(TorchOps):
             builds += [lambda: head_prep(q, table, table, gain, q.dtype),
                        lambda: head_prep_backward(q, q, table, table, gain)]
         return builds
+
+
+class ProductEpilogueOps(TorchOps):
+    """`TorchOps` with the MLP as `kernels.fused_mlp.leaky_square_mlp` where its operands,
+    cast as autocast casts them, fit its tiles (the rest as torch's, for the compiler)."""
+
+    def __init__(self, tiles: MatmulTiles = MatmulTiles()):
+        self.tiles = tiles
+
+    def mlp(self, x: Tensor, up_w: Tensor, down_w: Tensor, negative_slope: float) -> Tensor:
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            x, up_w, down_w = x.to(dtype), up_w.to(dtype), down_w.to(dtype)
+        if mlp_fits(x, up_w, down_w, self.tiles):
+            return leaky_square_mlp(x, up_w, down_w, negative_slope, self.tiles)
+        return super().mlp(x, up_w, down_w, negative_slope)

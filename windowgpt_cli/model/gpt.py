@@ -201,6 +201,8 @@ class MLP(nn.Module):
         self.adapter: LinearAdapter | None = None
 
     def forward(self, x: Tensor, up_w: Tensor, down_w: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
+        if self.adapter is None and self.observer is None:
+            return ops.mlp(x, up_w, down_w, self.negative_slope)
         self._observe("fc", x)
         if self.adapter is None:
             hidden = ops.mlp_hidden(x, up_w, self.negative_slope)
@@ -387,6 +389,7 @@ class GPT(nn.Module):
         self.weight_grids: tuple[RowGrid | None, ...] | None = None
         self.rounding_weights = False
         self.fused_loss = False  # the training loss through kernels.cross_entropy (training sets it)
+        self.train_ops: TorchOps | None = None  # the training forward's steps, if not torch's (training sets it)
         self.qo_bank = nn.Parameter(torch.empty(2 * n, dim, dim))
         self.kv_bank = nn.Parameter(torch.empty(2 * n, cfg.kv_dim, dim))
         self.mlp_up_bank = nn.Parameter(torch.empty(n, cfg.mlp_dim, dim))
@@ -673,7 +676,10 @@ class GPT(nn.Module):
 
     def forward(self, input_ids: Tensor, target_ids: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
         """Mean cross-entropy, as the reference's training forward (with fused_loss, the soft
-        cap and the cross-entropy as one kernel each way: `kernels.cross_entropy`)."""
+        cap and the cross-entropy as one kernel each way: `kernels.cross_entropy`; with
+        train_ops, its steps run through those ops)."""
+        if ops is TORCH_OPS and self.train_ops is not None:
+            ops = self.train_ops
         hidden = self.hidden_states(input_ids, ops=ops).flatten(0, 1)
         if self.fused_loss:
             from ..kernels.cross_entropy import softcap_cross_entropy  # imports Triton: only when used

@@ -156,6 +156,10 @@ class TorchOps:
         """The MLP's hidden layer: `leaky_square` of x's product with up_w."""
         return self.leaky_square(F.linear(x, up_w), negative_slope)
 
+    def mlp(self, x: Tensor, up_w: Tensor, down_w: Tensor, negative_slope: float) -> Tensor:
+        """The MLP: its hidden layer's product with down_w."""
+        return F.linear(self.mlp_hidden(x, up_w, negative_slope), down_w)
+
     def softcap(self, logits: Tensor, cap: float) -> Tensor:
         return cap * torch.tanh(logits / cap)
 

@@ -222,6 +222,13 @@ def fused_loss_on(cfg: RunConfig, device: torch.device) -> bool:
     return cfg.train.fused_cross_entropy and triton_available(device)
 
 
+def fused_mlp_on(cfg: RunConfig, device: torch.device) -> bool:
+    """Whether the training step runs the MLP's fused products: asked for, and on a GPU with
+    TMA (Hopper or later) with Triton."""
+    return (cfg.train.fused_mlp and triton_available(device)
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
 def micro_batches_per_pass_for(cfg: RunConfig, world_size: int, accum: int, device: torch.device) -> int:
     """How many of a step's micro-batches run as one forward and backward: the setting, or
     for 0 on CUDA the most (a divisor of accum) whose activations fit in
@@ -322,6 +329,10 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     model = build_model(cfg.model, ctx.device)
     model.set_attention_backend(cfg.train.attn_backend, ctx.device)
     model.fused_loss = fused_loss_on(cfg, ctx.device)
+    if fused_mlp_on(cfg, ctx.device):
+        from ..model.fused_train_ops import ProductEpilogueOps  # imports Triton: only when used
+
+        model.train_ops = ProductEpilogueOps()
     if cfg.train.qat_start_fraction > 0:  # the grids quantize will round the matrices to
         grids = bank_grids(QuantPlan.from_config(cfg.quant), dict(model.named_parameters()), cfg.model.num_layers)
         model.weight_grids = grids if any(grids) else None
@@ -596,6 +607,8 @@ class Trainer:
             self.log.line(qat_text(s.model.weight_grids))
         if t.fused_cross_entropy and not s.model.fused_loss:
             self.log.line("fused_cross_entropy: off on this device (its kernels need CUDA and Triton)")
+        if t.fused_mlp and s.model.train_ops is None:
+            self.log.line("fused_mlp: off on this device (its kernels need Triton and a GPU with TMA, Hopper or later)")
         self._set_switches(self.training_time_ms, quiet=True)  # where training stands (a resumed run may be past them)
         self.graphs_before_loop = compiled_graphs()
         try:
