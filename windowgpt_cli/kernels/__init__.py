@@ -1,7 +1,8 @@
 """Triton kernels: the window attention with sink tokens, forward and backward
 (`window_attention`), the fused element-wise steps of scoring (`elementwise`), the
-backward kernels of test-time training's fused steps (`elementwise_backward`) and the
-soft-capped cross-entropy of training (`cross_entropy`), each with the functions that
+backward kernels of test-time training's fused steps (`elementwise_backward`), the
+soft-capped cross-entropy of training (`cross_entropy`) and the training step's MLP with
+LeakyReLU² in its products' epilogues (`fused_mlp`), each with the functions that
 launch it on plain tensors; and FlashAttention-4's attention as a torch custom op
 (`flash4`, the `fa4` extra). Nothing here knows the model. Importing a Triton kernel's
 module imports Triton: they are imported only where a GPU path runs.
