@@ -59,9 +59,11 @@ def outputs_and_grads(fn, q, k, v, grad):
 # (batch, T, H, Hkv, window, sinks, tuning): full causal; sinks 0; sinks outside and inside
 # the window with T not a multiple of the blocks; sinks over two key blocks; a window longer
 # than the sequence; windows wide enough for blocks that need no mask. GQA groups of 2 and 1.
+# Sinks over several sequences and kv heads: the dK/dV kernel launches their sink blocks first.
 CASES = [
     (2, 40, 2, 1, 0, 0, TINY),
     (1, 40, 2, 2, 5, 0, TINY),
+    (2, 37, 4, 2, 9, 3, TINY),
     (1, 37, 2, 1, 9, 3, TINY),
     (1, 37, 2, 1, 12, 20, TINY),
     (1, 40, 2, 1, 100, 2, TINY),
