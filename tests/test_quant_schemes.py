@@ -271,9 +271,9 @@ def test_every_codec_and_layout_restores_the_payload(codec: str, transform: str)
     payload = _payload()
     stream, sections = grouped.compress(payload, [codec], [transform])
     assert grouped.decompress(stream, len(payload)) == payload
-    # rANS of bytes comes with its by-rows variant, for int8 matrices laid out as stored:
-    # only where the search leaves them that layout
-    by_rows = codec == "rans" and transform in ("none", "shuffle")
+    # rANS of bytes comes with its by-rows variant, for int8 matrices laid out as stored or
+    # transposed: only where the search leaves them one of those layouts
+    by_rows = codec == "rans" and transform in ("none", "shuffle", "transpose")
     used = {s.codec for s in sections}
     assert codec in used and used <= ({codec, "rans_rows"} if by_rows else {codec})
     assert all(s.transform in (transform, "none") for s in sections)
@@ -322,6 +322,29 @@ def test_rans_by_rows_codes_each_class_of_rows_with_its_own_table():
     stream, sections = grouped.compress(payload, ["lzma", "rans"])
     assert {s.name: s.codec for s in sections}["mlp/codes"] == "rans_rows"
     assert grouped.decompress(stream, len(payload)) == payload
+
+
+def test_rans_by_rows_of_the_transposed_codes_takes_classes_of_columns():
+    """Codes whose columns spread unequally (each input channel its own scale, as trained
+    codes are): the compressor codes them by rows of the transposed layout, and restores them."""
+    rng = np.random.default_rng(2)
+    mats = [np.clip(np.round(rng.normal(size=(64, 96)) * np.linspace(0.3, 6, 96)[rng.permutation(96)]),
+                    -31, 31).astype(np.int8) for _ in range(3)]
+    payload = tensorfile.dumps({f"blocks.{i}.mlp.fc.weight.q": torch.from_numpy(m) for i, m in enumerate(mats)}, {})
+    stream, sections = grouped.compress(payload, ["lzma", "rans"])
+    mlp = {s.name: s for s in sections}["mlp/codes"]
+    assert (mlp.codec, mlp.transform) == ("rans_rows", "transpose")
+    as_stored = rans_rows.encode(b"".join(m.tobytes() for m in mats), [m.shape for m in mats])
+    assert len(mlp.body) < 0.95 * len(as_stored)
+    assert grouped.decompress(stream, len(payload)) == payload
+
+
+def test_rans_by_rows_codes_more_matrices_than_tables_fit_a_byte():
+    """Over 64 matrices make more than 256 tables (four classes each): each symbol still
+    finds its own."""
+    mats = [np.full((3, 5), i % 7 - 3, np.int8) for i in range(70)]
+    data, shapes = b"".join(m.tobytes() for m in mats), [m.shape for m in mats]
+    assert rans_rows.decode(rans_rows.encode(data, shapes), shapes, len(data)) == data
 
 
 def test_corrupt_rans_by_rows_sections_are_refused_as_corrupt_payloads():

@@ -12,8 +12,10 @@ tensor group (attention, MLP, embeddings, other, control), laid out by one trans
 - shuffle: the bytes of multi-byte values as planes (every first byte, then every second).
 
 Each section is then coded by a codec of `codecs`, or, when it holds int8 matrices laid
-out as stored, by `rans_rows` (a table per matrix and class of rows; the map gives it the
-matrices' shapes). `compress(payload)` lays each section out every way that applies, keeps
+out as stored or transposed, by `rans_rows` (a table per matrix and class of rows, or of
+columns when transposed; the map gives it the matrices' shapes). The columns of trained
+codes differ in spread more than their rows (each input channel's weights have their own
+scale), so classes of columns code them smaller. `compress(payload)` lays each section out every way that applies, keeps
 the layout a fast stand-in codec (zlib) codes smallest, codes it and the bytes as stored
 with every available codec and keeps the smallest (the work runs in threads: the codecs
 release the GIL). On a large section the slow codecs (lzma, brotli, zstd: seconds a
@@ -46,8 +48,10 @@ from .rans import CorruptPayload
 
 TRANSFORMS = ("none", "transpose", "sort", "sort_transpose", "shuffle")
 _TRANSFORM_IDS = {name: i for i, name in enumerate(TRANSFORMS)}
-# A section's codec: one of `codecs`' byte codecs, or rans_rows (int8 matrices as stored,
-# a table per matrix and class of rows), which needs the matrices' shapes from the map.
+# A section's codec: one of `codecs`' byte codecs, or rans_rows (int8 matrices as stored or
+# transposed, a table per matrix and class of rows), which needs the matrices' shapes from
+# the map.
+BY_ROWS_LAYOUTS = ("none", "transpose")
 SECTION_CODEC_IDS = {**codecs.CODEC_IDS, "rans_rows": 5}
 SECTION_CODEC_NAMES = {i: name for name, i in SECTION_CODEC_IDS.items()}
 RANS_ROWS_MAX_MATRICES = 1024  # bounds the decoder's tables (ROW_CLASSES rows of 256 a matrix)
@@ -224,11 +228,13 @@ def compress(payload: bytes, codecs_tried: Iterable[str] | None = None,
         layouts = {id(section): [(t, _laid_out(payload, section, t)) for t in section.transforms
                                  if t in allowed or t == "none" and not set(allowed) & set(section.transforms)]
                    for section in sections}
+        by_rows = {id(s): [(t, laid) for t, laid in layouts[id(s)] if t in BY_ROWS_LAYOUTS] for s in sections}
         if not exhaustive:
             layouts = {key: _proxy_choice(pool, options, section)
                        for section in sections for key, options in [(id(section), layouts[id(section)])]}
         sampled = {id(s) for s in sections if not exhaustive and "rans" in tried and s.raw_bytes >= SAMPLE_MIN_BYTES}
-        jobs = {id(s): _whole_codings(pool, s, layouts[id(s)], tried, id(s) in sampled) for s in sections}
+        jobs = {id(s): _whole_codings(pool, s, layouts[id(s)], tried, id(s) in sampled, by_rows[id(s)])
+                for s in sections}
         samples = {id(s): _sample_codings(pool, layouts[id(s)], tried) for s in sections if id(s) in sampled}
         for section in sections:
             if id(section) in samples:
@@ -250,15 +256,16 @@ def _smallest(section: Section, jobs: list[tuple[str, str, Future]]) -> tuple[st
 
 
 def _whole_codings(pool: ThreadPoolExecutor, section: Section, layouts: list[tuple[str, bytes]],
-                   tried: tuple[str, ...], sampled: bool) -> list[tuple[str, str, Future]]:
+                   tried: tuple[str, ...], sampled: bool,
+                   by_rows: list[tuple[str, bytes]]) -> list[tuple[str, str, Future]]:
     """(transform, codec, future body) of each coding of the whole section to try outright:
     every codec on every layout, less the slow codecs where they are judged by a sample; and
-    rans_rows on the bytes as stored where it applies."""
+    rans_rows on the by_rows layouts (as stored, transposed) where it applies."""
     jobs = [(transform, codec, pool.submit(codecs.encode, codec, laid)) for transform, laid in layouts
             for codec in tried if not (sampled and codec in SLOW_CODECS)]
     if "rans" in tried and _by_rows(section):
-        jobs += [("none", "rans_rows", pool.submit(rans_rows.encode, laid, _shapes(section)))
-                 for transform, laid in layouts if transform == "none"]
+        jobs += [(transform, "rans_rows", pool.submit(rans_rows.encode, laid, _shapes(section, transform)))
+                 for transform, laid in by_rows]
     return jobs
 
 
@@ -308,8 +315,9 @@ def _by_rows(section: Section) -> bool:
     return "transpose" in section.transforms and len(section.ranges) <= RANS_ROWS_MAX_MATRICES
 
 
-def _shapes(section: Section) -> list[tuple[int, int]]:
-    return [(r.rows, r.cols) for r in section.ranges]
+def _shapes(section: Section, transform: str) -> list[tuple[int, int]]:
+    """The section's matrices' shapes as laid out by transform (none or transpose)."""
+    return [(r.cols, r.rows) if transform == "transpose" else (r.rows, r.cols) for r in section.ranges]
 
 
 def _proxy_choice(pool: ThreadPoolExecutor, options: list[tuple[str, bytes]],
@@ -433,9 +441,10 @@ def decompress(data: bytes, limit: int) -> bytes:
 def _decode_section(s: Section, body: bytes) -> bytes:
     if s.codec != "rans_rows":
         return codecs.decode(codecs.CODEC_IDS[s.codec], body, s.raw_bytes)
-    if s.transform != "none" or len(s.ranges) > RANS_ROWS_MAX_MATRICES or any(r.itemsize != 1 for r in s.ranges):
-        raise CorruptPayload("a rANS-by-rows section that is not int8 matrices as stored")
-    return rans_rows.decode(body, _shapes(s), s.raw_bytes)
+    if (s.transform not in BY_ROWS_LAYOUTS or len(s.ranges) > RANS_ROWS_MAX_MATRICES
+            or any(r.itemsize != 1 for r in s.ranges)):
+        raise CorruptPayload("a rANS-by-rows section that is not int8 matrices as stored or transposed")
+    return rans_rows.decode(body, _shapes(s, s.transform), s.raw_bytes)
 
 
 def _interleave(rest: bytes, pieces: list[tuple[int, bytes]], limit: int) -> bytes:

@@ -55,7 +55,7 @@ def encode(data: bytes, shapes: Sequence[tuple[int, int]]) -> bytes:
             side.append(_SPAN.pack(int(nonzero[0]), int(nonzero[-1]) + 1) + freq[nonzero[0]:nonzero[-1] + 1]
                         .astype("<u2").tobytes())
             tables.append(freq)
-        table_of.append(np.repeat((len(tables) - ROW_CLASSES + classes).astype(np.int32), cols))
+        table_of.append(np.repeat(len(tables) - ROW_CLASSES + classes.astype(np.int32), cols))
     freq = np.stack(tables) if tables else np.zeros((0, 256), np.int64)
     cum = np.cumsum(freq, axis=1) - freq
     ids = np.concatenate(table_of) if table_of else np.zeros(0, np.int32)
@@ -106,7 +106,7 @@ def _parse_side(side: bytes, shapes: Sequence[tuple[int, int]]) -> tuple[np.ndar
                 if freq.sum() != 1 << RANS_SCALE_BITS:
                     raise ValueError("frequencies that do not sum to the scale")
                 tables.append(freq)
-            table_of.append(np.repeat((len(tables) - ROW_CLASSES + classes).astype(np.int32), cols))
+            table_of.append(np.repeat(len(tables) - ROW_CLASSES + classes.astype(np.int32), cols))
         if at != len(side):
             raise ValueError("unexpected bytes after the tables")
     except (struct.error, ValueError) as exc:
