@@ -19,6 +19,7 @@
 # record_131k run of its own, record_131k's step time is read from the parity run (the same
 # model and batch, over steps 11..PARITY_ITERS). CONFIGS (comma-separated) picks the runs,
 # default record_786k,full_786k,parity, so that a long session can be split over calls.
+# OURS_FLAGS: more `windowgpt train` flags for every windowgpt run (e.g. "--fused-mlp").
 # STOP_AFTER_TRAINING=1 (default) stops each process once its log holds what is compared
 # (the last step's train_loss, or for parity the final validation), skipping the reference's
 # quantization and evaluation that follow training.
@@ -42,6 +43,8 @@ record_ref=(WINDOW_ATTN_SIZE=512 NUM_SINK_TOKENS=4 WINDOW_ATTN_LAYERS=2,4,6,8,10
 record_ours=(--window-attn-size 512 --num-sink-tokens 4 --window-attn-layers 2,4,6,8,10)
 # The reference's EMA has no warm-up; windowgpt's only departure in an uncapped run.
 common_ours=(--val-loss-every 0 --max-wallclock-seconds 0 --no-ema-warmup)
+read -r -a extra_ours <<< "${OURS_FLAGS:-}"
+common_ours+=("${extra_ours[@]}")
 
 wanted() { [[ ",$CONFIGS," == *",$1,"* ]]; }
 
