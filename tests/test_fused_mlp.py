@@ -94,6 +94,21 @@ def test_inside_a_compiled_function_the_op_stays_one_graph():
     assert all(close(got, expected, 2 ** -5) for got, expected in zip(grads, want_grads))
 
 
+def test_the_ops_mlp_under_autocast_compiles_into_one_graph():
+    """`ProductEpilogueOps.mlp` as the compiled training step calls it: float32 operands that
+    autocast casts to bf16, one graph, the fused op's output."""
+    from torch._dynamo.testing import CompileCounter
+
+    x, up_w, down_w = (t.float() for t in operands(rows=20))
+    ops, counter = ProductEpilogueOps(SMALL), CompileCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, u, d: ops.mlp(a, u, d, SLOPE), backend=counter, fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(x, up_w, down_w)
+    assert counter.frame_count == 1 and out.dtype == torch.bfloat16
+    assert close(out, leaky_square_mlp(x.bfloat16(), up_w.bfloat16(), down_w.bfloat16(), SLOPE, SMALL), 0)
+
+
 def test_operands_outside_the_tiles_run_torchs_mlp():
     x, up_w, down_w = operands(hidden=40)  # 40 columns: no whole tiles
     assert not mlp_fits(x, up_w, down_w, SMALL)

@@ -15,10 +15,10 @@ Each section is then coded by a codec of `codecs`, or, when it holds int8 matric
 out as stored or transposed, by `rans_rows` (a table per matrix and class of rows, or of
 columns when transposed; the map gives it the matrices' shapes). The columns of trained
 codes differ in spread more than their rows (each input channel's weights have their own
-scale), so classes of columns code them smaller. `compress(payload)` lays each section out every way that applies, keeps
-the layout a fast stand-in codec (zlib) codes smallest, codes it and the bytes as stored
-with every available codec and keeps the smallest (the work runs in threads: the codecs
-release the GIL). On a large section the slow codecs (lzma, brotli, zstd: seconds a
+scale), so classes of columns code them smaller. `compress(payload)` lays each section out
+every way that applies, keeps the layout a fast stand-in codec (zlib) codes smallest, codes
+it and the bytes as stored with every available codec and keeps the smallest (the work runs
+in threads: the codecs release the GIL). On a large section the slow codecs (lzma, brotli, zstd: seconds a
 megabyte) first code a sample, and code the whole section only where the sample says they
 may come within SAMPLE_MARGIN of rANS's best. `exhaustive=True` codes every layout with
 every codec; `compress(payload, codecs=..., transforms=...)` restricts the search.

@@ -1,8 +1,8 @@
 """The backward kernels of the fused steps that eager training steps differentiate
 (Triton): the per-head norm, rotation and gain of queries and keys (after
 `elementwise._head_prep_kernel`), and the MLP's LeakyReLU², alone or as the epilogue of
-the product that brings the gradient back through the down projection. `model.fused_train_ops`
-and `fused_mlp` wrap them in autograd functions.
+the product that brings the gradient back through the down projection.
+`model.fused_train_ops` and `fused_mlp` wrap them in autograd functions.
 
 Backwards compute in float32 from the stored inputs and round once, to the input's dtype.
 Importing this module imports Triton.

@@ -77,4 +77,3 @@ def leaky_square_mlp(x: Tensor, up_w: Tensor, down_w: Tensor, negative_slope: fl
     operands that `mlp_fits`; x [..., dim]."""
     out = _mlp_op(x.reshape(-1, x.size(-1)), up_w, down_w, negative_slope, list(dataclasses.astuple(tiles)))[0]
     return out.view(*x.shape[:-1], down_w.size(0))
-

@@ -403,8 +403,8 @@ def _key_grads(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta
     sink_blocks = min(triton.cdiv(sinks, tuning.bwd_block_own), key_blocks)
     _attention_dkdv_kernel[(b * kv_heads * key_blocks,)](
         q, k, v, grad, lse, delta, dk, dv, *strides, *sizes, kv_heads, *rule, key_blocks, sink_blocks,
-        BLOCK_M=tuning.bwd_block_loop,
-        BLOCK_N=tuning.bwd_block_own, HEAD_DIM=d, num_warps=tuning.bwd_warps, num_stages=tuning.bwd_stages)
+        BLOCK_M=tuning.bwd_block_loop, BLOCK_N=tuning.bwd_block_own, HEAD_DIM=d, num_warps=tuning.bwd_warps,
+        num_stages=tuning.bwd_stages)
     return dk, dv
 
 
