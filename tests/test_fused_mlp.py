@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import interpret_kernels_without_cuda
+from test_loss_kernel import compiled_step_on_cuda
 from test_model import perturbed_tiny
 
 interpret_kernels_without_cuda()
@@ -149,45 +150,15 @@ def test_the_models_training_forward_runs_the_fused_mlp(monkeypatch):
         assert close(fused_grads[name], plain_grads[name], 2 ** -4), name
 
 
-def test_training_says_the_fused_mlp_is_off_without_a_gpu(tiny_data_dir, tmp_path):
-    from typer.testing import CliRunner
-
-    from windowgpt_cli.cli.app import app
-
-    result = CliRunner().invoke(app, ["train", "--preset", "tiny", "--data", str(tiny_data_dir), "--out",
-                                      str(tmp_path / "run"), "--iterations", "2", "--fused-mlp"])
-    assert result.exit_code == 0, result.output
-    log = (tmp_path / "run" / "train.log").read_text()
-    assert ("fused_mlp: off on this device" in log) == (not torch.cuda.is_available())
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_compiled_step_with_the_fused_mlp_gives_the_same_loss_and_gradients():
     """The full-size model's compiled training loss in bf16 autocast, at a micro-batch of 8
     sequences, with the default tiles: the loss within 1e-3 of the compiler's steps', the MLP
     banks' gradients within 2% of their size."""
-    from windowgpt_cli.config import RunConfig
-    from windowgpt_cli.model.gpt import build_model
-
-    device = torch.device("cuda")
-    torch.manual_seed(0)
-    model = build_model(RunConfig().model, device)
-    model.set_attention_backend("auto", device)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randint(0, 1024, (8, 2048), device="cuda", generator=g)
-    y = torch.randint(0, 1024, (8, 2048), device="cuda", generator=g)
-    step = torch.compile(model, dynamic=False, fullgraph=True)
-    results = []
-    for ops in (None, ProductEpilogueOps()):
-        model.train_ops = ops
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = step(x, y)
-        loss.backward()
-        banks = (model.mlp_up_bank, model.mlp_down_bank)
-        results.append((loss.item(), [bank.grad.float().clone() for bank in banks]))
-    (plain, plain_grads), (fused, fused_grads) = results
+    (plain, plain_grads), (fused, fused_grads) = compiled_step_on_cuda(
+        [lambda model, ops=ops: setattr(model, "train_ops", ops) for ops in (None, ProductEpilogueOps())],
+        lambda model: [model.mlp_up_bank.grad, model.mlp_down_bank.grad])
     assert abs(plain - fused) < 1e-3
     for got, want in zip(fused_grads, plain_grads):
         assert (got - want).abs().max() <= 0.02 * want.abs().max()

@@ -88,24 +88,23 @@ def test_the_op_refuses_misshapen_inputs():
         softcap_cross_entropy(torch.zeros(2, 3, 5), torch.zeros(2, dtype=torch.long), CAP)
 
 
-def test_training_says_the_fused_loss_is_off_without_cuda(tiny_data_dir, tmp_path):
+@pytest.mark.parametrize("flag,setting", [("--fused-cross-entropy", "fused_cross_entropy"),
+                                          ("--fused-mlp", "fused_mlp")])
+def test_training_says_a_fused_kernel_is_off_where_it_cannot_run(tiny_data_dir, tmp_path, flag, setting):
     from typer.testing import CliRunner
 
     from windowgpt_cli.cli.app import app
 
     result = CliRunner().invoke(app, ["train", "--preset", "tiny", "--data", str(tiny_data_dir), "--out",
-                                      str(tmp_path / "run"), "--iterations", "2", "--fused-cross-entropy"])
+                                      str(tmp_path / "run"), "--iterations", "2", flag])
     assert result.exit_code == 0, result.output
     log = (tmp_path / "run" / "train.log").read_text()
-    assert ("fused_cross_entropy: off on this device" in log) == (not torch.cuda.is_available())
+    assert (f"{setting}: off on this device" in log) == (not torch.cuda.is_available())
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_the_compiled_step_with_the_fused_loss_gives_the_same_loss_and_gradients():
-    """The full-size model's compiled training loss in bf16 autocast, at a micro-batch of 8
-    sequences: the fused kernels' loss within 1e-3 of Inductor's, the output layer's gradient
-    within 1% of its size."""
+def compiled_step_on_cuda(variants, grads_of) -> list[tuple[float, list[torch.Tensor]]]:
+    """The full-size model's compiled training loss in bf16 autocast at a micro-batch of 8
+    sequences, once per variant (a function that sets the model up): (loss, grads_of(model))."""
     from windowgpt_cli.config import RunConfig
     from windowgpt_cli.model.gpt import build_model
 
@@ -118,13 +117,24 @@ def test_on_cuda_the_compiled_step_with_the_fused_loss_gives_the_same_loss_and_g
     y = torch.randint(0, 1024, (8, 2048), device="cuda", generator=g)
     step = torch.compile(model, dynamic=False, fullgraph=True)
     results = []
-    for fused in (False, True):
-        model.fused_loss = fused
+    for variant in variants:
+        variant(model)
         model.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = step(x, y)
         loss.backward()
-        results.append((loss.item(), model.tok_emb.weight.grad.float().clone()))
-    (plain, plain_grad), (fused, fused_grad) = results
-    assert abs(plain - fused) < 1e-3
+        results.append((loss.item(), [grad.float().clone() for grad in grads_of(model)]))
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_compiled_step_with_the_fused_loss_gives_the_same_loss_and_gradients():
+    """The full-size model's compiled training loss in bf16 autocast, at a micro-batch of 8
+    sequences: the fused kernels' loss within 1e-3 of Inductor's, the output layer's gradient
+    within 1% of its size."""
+    (plain, [plain_grad]), (fused_loss, [fused_grad]) = compiled_step_on_cuda(
+        [lambda model, on=on: setattr(model, "fused_loss", on) for on in (False, True)],
+        lambda model: [model.tok_emb.weight.grad])
+    assert abs(plain - fused_loss) < 1e-3
     assert (fused_grad - plain_grad).abs().max() <= 0.01 * plain_grad.abs().max()

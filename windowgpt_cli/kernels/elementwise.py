@@ -241,6 +241,22 @@ def _leaky_square_kernel(h_ptr, out_ptr, numel, negative_slope, BLOCK: tl.conste
     tl.store(out_ptr + offsets, _leaky_square_values(h, negative_slope).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def product_tile(x_desc, w_desc, tile, col_tiles, depth, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, W_BY_COLUMNS: tl.constexpr):
+    """(row0, col0, float32 tile) of output tile `tile` of x @ w, tiles taken row by row:
+    x [rows, depth] by a descriptor of BLOCK_M x BLOCK_K blocks; w [cols, depth] (W_BY_COLUMNS,
+    the product is x @ w.T) or [depth, cols]."""
+    row0, col0 = (tile // col_tiles) * BLOCK_M, (tile % col_tiles) * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, depth, BLOCK_K):
+        if W_BY_COLUMNS:
+            acc = tl.dot(x_desc.load([row0, k]), w_desc.load([col0, k]).T, acc)
+        else:
+            acc = tl.dot(x_desc.load([row0, k]), w_desc.load([k, col0]), acc)
+    return row0, col0, acc
+
+
 @triton.jit(do_not_specialize=["rows"])
 def _leaky_square_matmul_kernel(x_desc, w_desc, out_desc, product_desc, rows, cols, depth, negative_slope,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -254,10 +270,7 @@ def _leaky_square_matmul_kernel(x_desc, w_desc, out_desc, product_desc, rows, co
     col_tiles = cols // BLOCK_N
     tiles = tl.cdiv(rows, BLOCK_M) * col_tiles
     for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
-        row0, col0 = (tile // col_tiles) * BLOCK_M, (tile % col_tiles) * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, depth, BLOCK_K):
-            acc = tl.dot(x_desc.load([row0, k]), w_desc.load([col0, k]).T, acc)
+        row0, col0, acc = product_tile(x_desc, w_desc, tile, col_tiles, depth, BLOCK_M, BLOCK_N, BLOCK_K, True)
         product = acc.to(tl.bfloat16)
         if STORE_PRODUCT:
             product_desc.store([row0, col0], product)

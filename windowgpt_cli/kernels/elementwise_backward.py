@@ -25,6 +25,7 @@ from .elementwise import (
     head_positions,
     head_table_strides,
     pair_partners,
+    product_tile,
     programs_for,
     rotary_at,
     tma_ready,
@@ -98,10 +99,7 @@ def _leaky_square_grad_matmul_kernel(g_desc, w_desc, h_desc, out_desc, rows, col
     col_tiles = cols // BLOCK_N
     tiles = tl.cdiv(rows, BLOCK_M) * col_tiles
     for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
-        row0, col0 = (tile // col_tiles) * BLOCK_M, (tile % col_tiles) * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, depth, BLOCK_K):
-            acc = tl.dot(g_desc.load([row0, k]), w_desc.load([k, col0]), acc)
+        row0, col0, acc = product_tile(g_desc, w_desc, tile, col_tiles, depth, BLOCK_M, BLOCK_N, BLOCK_K, False)
         h = h_desc.load([row0, col0]).to(tl.float32)
         grad = acc.to(tl.bfloat16).to(tl.float32)
         out_desc.store([row0, col0], _leaky_square_derivative(h, grad, negative_slope).to(tl.bfloat16))
