@@ -14,6 +14,7 @@ sys.path.insert(0, str(BENCH))
 import compare_logs  # noqa: E402
 import reference_seed  # noqa: E402
 import train_profile  # noqa: E402
+import train_variants  # noqa: E402
 from windowgpt_cli.train.trainer import PHASES  # noqa: E402
 
 
@@ -208,3 +209,21 @@ def test_a_profiled_tiny_run_on_the_cpu_marks_every_phase(tiny_data_dir, tmp_pat
     assert {PHASES.data, PHASES.forward, PHASES.backward, PHASES.grad_clip, PHASES.grad_sync, PHASES.adam,
             PHASES.muon, PHASES.ema, train_profile.STEP_RANGE} <= names
     assert "host gaps" in run.output
+
+
+def test_the_variants_table_sets_profiles_side_by_side(tmp_path):
+    import os
+
+    for i, (name, wall, matmul, elementwise) in enumerate([("base", 100.0, 50.0, 30.0), ("fused", 80.0, 52.0, 9.0)]):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"step_wall_ms": wall, "categories_ms": {"matmul": matmul,
+                                                                           "elementwise_norm": elementwise}}))
+        os.utime(path, (1000 + i, 1000 + i))  # written in this order
+    (tmp_path / "other.json").write_text("{}")  # not a profile
+    rows = train_variants.table(train_variants.profiles(tmp_path)).splitlines()
+    assert rows[0].startswith("| variant | step ms | ratio | matmul | elementwise_norm |") and len(rows) == 4
+    assert rows[2] == "| base | 100.0 | 1.000 | 50.0 | 30.0 |"
+    assert rows[3] == "| fused | 80.0 | 0.800 | 52.0 | 9.0 |"
+    against_fused = train_variants.table(train_variants.profiles(tmp_path), "fused").splitlines()
+    assert against_fused[2] == "| base | 100.0 | 1.250 | 50.0 | 30.0 |"
+
