@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..kernels.elementwise import MatmulTiles, head_prep, head_tables, leaky_square, powers_of_two, rotated_half
 from ..kernels.elementwise_backward import head_prep_backward, leaky_square_backward
-from ..kernels.fused_mlp import leaky_square_mlp, mlp_fits
+from ..kernels.fused_mlp import TRAINING_TILES, leaky_square_mlp, mlp_fits
 from .gpt import GPT
 from .ops import TorchOps
 
@@ -92,7 +92,7 @@ class ProductEpilogueOps(TorchOps):
     """`TorchOps` with the MLP as `kernels.fused_mlp.leaky_square_mlp` where its operands,
     cast as autocast casts them, fit its tiles (the rest as torch's, for the compiler)."""
 
-    def __init__(self, tiles: MatmulTiles = MatmulTiles()):
+    def __init__(self, tiles: MatmulTiles = TRAINING_TILES):
         self.tiles = tiles
 
     def mlp(self, x: Tensor, up_w: Tensor, down_w: Tensor, negative_slope: float) -> Tensor:
