@@ -244,22 +244,21 @@ def _attention_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_p
                            stride_vb, stride_vt, stride_vh, stride_vd,
                            stride_dob, stride_dot, stride_doh, stride_dod,
                            seq_len, num_heads, num_kv_heads, group, window, sinks, qk_scale, sm_scale,
-                           key_blocks, sink_blocks,
+                           sink_programs, sink_span, other_blocks, sink_blocks,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """dK and dV of one block of keys of one kv head: the sum over the kv head's query
     heads and over every query block that sees the keys. dk and dv are k's layout, contiguous.
 
     One program per (kv head of a sequence, key block), in launch order: first the
-    sink_blocks first key blocks of every kv head (those holding sink keys, which every
-    later query sees: several times a window's work), so that none of them starts in the
-    last wave; then each kv head's other key blocks in turn, neighbours together (they
-    read mostly the same queries)."""
+    sink_blocks first key blocks of every kv head (sink_programs programs: the blocks
+    holding sink keys, which every later query sees, several times a window's work), so
+    that none of them starts in the last wave; then each kv head's other_blocks key blocks
+    in turn, neighbours together (they read mostly the same queries). sink_span and
+    other_blocks are at least 1, so that neither division is by zero."""
     program = tl.program_id(0)
-    sink_programs = (tl.num_programs(0) // key_blocks) * sink_blocks
     rest = program - sink_programs
-    other_blocks = tl.maximum(key_blocks - sink_blocks, 1)
-    column = tl.where(rest < 0, program // tl.maximum(sink_blocks, 1), rest // other_blocks)
-    k_start = tl.where(rest < 0, program % tl.maximum(sink_blocks, 1), sink_blocks + rest % other_blocks) * BLOCK_N
+    column = tl.where(rest < 0, program // sink_span, rest // other_blocks)
+    k_start = tl.where(rest < 0, program % sink_span, sink_blocks + rest % other_blocks) * BLOCK_N
     batch = (column // num_kv_heads).to(tl.int64)
     kv_head = column % num_kv_heads
     cols = k_start + tl.arange(0, BLOCK_N)
@@ -401,8 +400,9 @@ def _key_grads(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta
     strides, sizes, rule = _gradient_arguments(grad, q, k, v, window, sinks)
     key_blocks = triton.cdiv(t, tuning.bwd_block_own)
     sink_blocks = min(triton.cdiv(sinks, tuning.bwd_block_own), key_blocks)
+    order = (b * kv_heads * sink_blocks, max(sink_blocks, 1), max(key_blocks - sink_blocks, 1), sink_blocks)
     _attention_dkdv_kernel[(b * kv_heads * key_blocks,)](
-        q, k, v, grad, lse, delta, dk, dv, *strides, *sizes, kv_heads, *rule, key_blocks, sink_blocks,
+        q, k, v, grad, lse, delta, dk, dv, *strides, *sizes, kv_heads, *rule, *order,
         BLOCK_M=tuning.bwd_block_loop, BLOCK_N=tuning.bwd_block_own, HEAD_DIM=d, num_warps=tuning.bwd_warps,
         num_stages=tuning.bwd_stages)
     return dk, dv
