@@ -1,0 +1,88 @@
+"""The Triton kernels with the largest tiles build for a Hopper GPU on any machine: each is
+compiled for sm_90 by Triton (ptxas included) in a fresh process (the other CPU tests run the
+kernels in Triton's interpreter, which builds nothing) and must fit a Hopper
+multiprocessor's shared memory. A kernel that needs more fails at its first launch on the
+GPU; this finds it without one."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HOPPER_SHARED_BYTES = 232_448  # 227 KB: the most shared memory one block may take on an H100 or H200
+
+BUILDS = r'''
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from windowgpt_cli.kernels import elementwise, elementwise_backward, fused_mlp, window_attention
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def build(kernel, types, constants, warps, stages):
+    signature = {name: "constexpr" if name in constants else types(name) for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, constants), target=TARGET,
+                              options={"num_warps": warps, "num_stages": stages})
+    return compiled.metadata.shared
+
+
+def product_types(blocks):
+    return lambda name: (f"tensordesc<bf16[{blocks[name][0]},{blocks[name][1]}]>" if name in blocks
+                         else "fp32" if name == "negative_slope" else "i32")
+
+
+def up_product(tiles, store_product):
+    m, n, k = tiles.block_m, tiles.block_n, tiles.block_k
+    blocks = {"x_desc": (m, k), "w_desc": (n, k), "out_desc": (m, n), "product_desc": (m, n)}
+    constants = {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "PROGRAMS": 132, "STORE_PRODUCT": store_product}
+    return build(elementwise._leaky_square_matmul_kernel, product_types(blocks), constants, tiles.num_warps,
+                 tiles.num_stages)
+
+
+def gradient_product(tiles):
+    m, n, k = tiles.block_m, tiles.block_n, tiles.block_k
+    blocks = {"g_desc": (m, k), "w_desc": (k, n), "h_desc": (m, n), "out_desc": (m, n)}
+    constants = {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "PROGRAMS": 132}
+    return build(elementwise_backward._leaky_square_grad_matmul_kernel, product_types(blocks), constants,
+                 tiles.num_warps, tiles.num_stages)
+
+
+def key_gradients(tuning):
+    def types(name):
+        if name.endswith("_ptr"):
+            return "*fp32" if name in ("lse_ptr", "delta_ptr") else "*bf16"
+        return "fp32" if name in ("qk_scale", "sm_scale") else "i32"
+    constants = {"BLOCK_M": tuning.bwd_block_loop, "BLOCK_N": tuning.bwd_block_own, "HEAD_DIM": 64}
+    return build(window_attention._attention_dkdv_kernel, types, constants, tuning.bwd_warps, tuning.bwd_stages)
+
+
+print(json.dumps({
+    "scoring_up_product": up_product(elementwise.MatmulTiles(), False),
+    "training_up_product": up_product(fused_mlp.TRAINING_TILES, True),
+    "training_gradient_product": gradient_product(fused_mlp.TRAINING_TILES),
+    "window_key_gradients": key_gradients(window_attention.DEFAULT_TUNING),
+}))
+'''
+
+
+@pytest.mark.slow
+def test_the_largest_tiles_fit_a_hopper_multiprocessors_shared_memory():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run([sys.executable, "-c", BUILDS], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    if done.returncode != 0 and "ptxas" in done.stderr.lower() and "not found" in done.stderr.lower():
+        pytest.skip("Triton's ptxas is missing here")
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(shared) == 4 and all(0 < size <= HOPPER_SHARED_BYTES for size in shared.values()), shared
