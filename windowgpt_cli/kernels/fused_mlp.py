@@ -22,10 +22,10 @@ from .elementwise_backward import leaky_square_grad_matmul
 
 
 # Tiles of 128 x 128 (the scoring kernel's are 128 x 256): a persistent kernel loads the next
-# tile's operands (3 stages of 32 KB here) while this tile's epilogue moves two more tiles
-# through shared memory (the product and the activation stored, or the product read and the
-# gradient stored), 64 KB at this size, 128 KB at the scoring kernel's: over a Hopper
-# multiprocessor's 227 KB with its 144 KB of stages.
+# tile's operands while this tile's epilogue moves two more tiles through shared memory (the
+# product and the activation stored, or the product read and the gradient stored). At 128 x
+# 256 the gradient's kernel would need 278,568 bytes of it, over a Hopper block's 232,448
+# (tests/test_hopper_builds.py builds them for sm_90).
 TRAINING_TILES = MatmulTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
