@@ -93,7 +93,8 @@ def test_quantize_writes_the_artifact_and_its_budget_report(quant_run_dir: Path,
     assert report["total_bytes"] == report["model_bytes"] + report["code_bytes"]
     assert report["within_budget"] and report["headroom_bytes"] == 16_000_000 - report["total_bytes"]
     groups = report["groups"]
-    assert sum(g["params"] for g in groups.values()) == json.loads((out_dir / "export.json").read_text())["parameter_count"]
+    parameters = json.loads((out_dir / "export.json").read_text())["parameter_count"]
+    assert sum(g["params"] for g in groups.values()) == parameters
     assert groups["attn"]["quantized_bytes"] < groups["attn"]["raw_bytes"] / 3  # int6 in int8 bytes vs float32
     assert groups["control"]["tensors"] > 0 and report["schemes"]["int6_rtn"] == 12 and report["schemes"]["int8"] == 1
     assert set(report["timings_s"]) >= {"load", "quantize", "compress", "total"}

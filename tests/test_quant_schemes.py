@@ -56,7 +56,8 @@ def test_the_default_plan_quantizes_an_old_export_exactly_as_its_ptz():
         before = old.tensors[name]
         assert (qt.scheme, qt.method, qt.values.dtype) == (before.scheme, before.method, before.values.dtype), name
         assert torch.equal(qt.values, before.values), name
-        assert (qt.scale is None) == (before.scale is None) and (qt.scale is None or torch.equal(qt.scale, before.scale))
+        assert (qt.scale is None) == (before.scale is None)
+        assert qt.scale is None or torch.equal(qt.scale, before.scale)
 
 
 def test_k_sigma_clipping_scales_each_row_by_its_spread():
@@ -169,7 +170,8 @@ def test_every_scheme_survives_the_ptz_round_trip(tmp_path: Path):
             assert torch.equal(back.tensors[name].dequantize(), qt.dequantize()), name
             assert (back.tensors[name].correction is None) == (qt.correction is None)
         described = ptz.describe(path)
-        assert {n for n, t in described.tensors.items() if t.lqer_rank} == {n for n, q in tensors.items() if q.correction}
+        corrected = {n for n, q in tensors.items() if q.correction}
+        assert {n for n, t in described.tensors.items() if t.lqer_rank} == corrected
         assert all(t.error == 0.01 for t in described.tensors.values())
 
 

@@ -147,7 +147,8 @@ class TrainConfig:
     data_seed: int = setting(-1, "Seed of the batch sampler; -1 = seed.")
     iterations: int = setting(20000, "Optimizer steps the schedule is planned for.")
     warmdown_iters: int = setting(3500, "Steps of linear learning-rate decay at the end of the schedule.")
-    warmup_steps: int = setting(20, "Compile/warm-up steps (one micro-batch each) whose updates are then undone; 0 = none.")
+    warmup_steps: int = setting(20, "Compile/warm-up steps (one micro-batch each) whose updates are then undone; "
+                                    "0 = none.")
     train_batch_tokens: int = setting(786_432, "Global tokens per optimizer step.")
     train_seq_len: int = setting(2048, "Tokens per training sequence.")
     train_seq_len_long: int = setting(0, "Sequence length of the last num_gpus_long ranks; 0 = every rank trains "
