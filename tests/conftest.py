@@ -69,6 +69,33 @@ def interpret_kernels_without_cuda() -> None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+def compiled_step_on_cuda(variants, grads_of) -> list[tuple[float, list]]:
+    """The full-size model's compiled training loss in bf16 autocast at a micro-batch of 8
+    sequences, once per variant (a function that sets the model up): (loss, grads_of(model))."""
+    import torch
+
+    from windowgpt_cli.config import RunConfig
+    from windowgpt_cli.model.gpt import build_model
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = build_model(RunConfig().model, device)
+    model.set_attention_backend("auto", device)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randint(0, 1024, (8, 2048), device="cuda", generator=g)
+    y = torch.randint(0, 1024, (8, 2048), device="cuda", generator=g)
+    step = torch.compile(model, dynamic=False, fullgraph=True)
+    results = []
+    for variant in variants:
+        variant(model)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step(x, y)
+        loss.backward()
+        results.append((loss.item(), [grad.float().clone() for grad in grads_of(model)]))
+    return results
+
+
 @pytest.fixture
 def interpreter_fixes(monkeypatch):
     """Two gaps of Triton's interpreter that the compiled kernels do not have. It holds a

@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import interpret_kernels_without_cuda
-from test_loss_kernel import compiled_step_on_cuda
+from conftest import compiled_step_on_cuda, interpret_kernels_without_cuda
 from test_model import perturbed_tiny
 
 interpret_kernels_without_cuda()

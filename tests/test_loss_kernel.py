@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import interpret_kernels_without_cuda
+from conftest import compiled_step_on_cuda, interpret_kernels_without_cuda
 from test_model import perturbed_tiny
 
 interpret_kernels_without_cuda()
@@ -100,31 +100,6 @@ def test_training_says_a_fused_kernel_is_off_where_it_cannot_run(tiny_data_dir, 
     assert result.exit_code == 0, result.output
     log = (tmp_path / "run" / "train.log").read_text()
     assert (f"{setting}: off on this device" in log) == (not torch.cuda.is_available())
-
-
-def compiled_step_on_cuda(variants, grads_of) -> list[tuple[float, list[torch.Tensor]]]:
-    """The full-size model's compiled training loss in bf16 autocast at a micro-batch of 8
-    sequences, once per variant (a function that sets the model up): (loss, grads_of(model))."""
-    from windowgpt_cli.config import RunConfig
-    from windowgpt_cli.model.gpt import build_model
-
-    device = torch.device("cuda")
-    torch.manual_seed(0)
-    model = build_model(RunConfig().model, device)
-    model.set_attention_backend("auto", device)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randint(0, 1024, (8, 2048), device="cuda", generator=g)
-    y = torch.randint(0, 1024, (8, 2048), device="cuda", generator=g)
-    step = torch.compile(model, dynamic=False, fullgraph=True)
-    results = []
-    for variant in variants:
-        variant(model)
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = step(x, y)
-        loss.backward()
-        results.append((loss.item(), [grad.float().clone() for grad in grads_of(model)]))
-    return results
 
 
 @pytest.mark.gpu
