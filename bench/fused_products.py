@@ -4,6 +4,7 @@ cuBLAS's product followed by the activation kernel.
 
     python bench/fused_products.py [--rows 1048576] [--windows 512] [--repeats 10] [--rounds 4]
         [--full-attention] [--json PATH]
+    python bench/fused_products.py --training [--rows 98304] [--json PATH]
 
 Part 1 times the hidden layer alone at `rows` rows (a scoring batch of 512 windows of 2048)
 for several tile shapes (the first is the default), each checked against the unfused pair
@@ -12,6 +13,14 @@ last 64 positions of each of `windows` windows, of the record model or with --fu
 the default one) with the product fused and not, in turns, and compares the logits. Random
 weights: speed does not depend on them. Prints one JSON object per line; --json writes them
 all to one file.
+
+--training times the training step's MLP instead (`kernels.fused_mlp.leaky_square_mlp`, what
+`train --fused-mlp` runs), at `rows` rows (default: a micro-batch of 48 sequences of 2048),
+for each of TRAINING_TILE_CHOICES (the first is the default): its forward kernel (the
+product stored as well) against cuBLAS's product and torch's activation run eagerly (two
+kernels), its gradient kernel against cuBLAS's product and the derivative's kernel, and the
+whole MLP forward and backward against torch's under torch.compile (what the training step
+runs without the flag: the fair comparison).
 """
 from __future__ import annotations
 
@@ -30,13 +39,21 @@ sys.path.insert(0, str(REPO))
 
 from windowgpt_cli.challenge import RECORD_WINDOWS  # noqa: E402
 from windowgpt_cli.config import RunConfig  # noqa: E402
-from windowgpt_cli.model.fused_ops import FusedOps
-from windowgpt_cli.kernels.elementwise import MatmulTiles  # noqa: E402
+from windowgpt_cli.model.fused_ops import FusedOps  # noqa: E402
+from windowgpt_cli.kernels.elementwise import MatmulTiles, leaky_square_matmul_with_product  # noqa: E402
+from windowgpt_cli.kernels.elementwise_backward import leaky_square_backward, leaky_square_grad_matmul  # noqa: E402
+from windowgpt_cli.kernels.fused_mlp import TRAINING_TILES, leaky_square_mlp  # noqa: E402
+from windowgpt_cli.model.ops import TorchOps  # noqa: E402
 from windowgpt_cli.model.gpt import build_model  # noqa: E402
 from windowgpt_cli.runtime import enable_fast_math  # noqa: E402
 
 TILES = [MatmulTiles(128, 256, 64, 8, 3), MatmulTiles(256, 128, 64, 8, 3), MatmulTiles(128, 128, 64, 4, 4),
          MatmulTiles(128, 128, 64, 8, 3), MatmulTiles(128, 128, 32, 4, 4)]
+# The training kernels move one more tile through shared memory in their epilogue than the
+# scoring kernel (tests/test_hopper_builds.py): these fit a Hopper block or fail to build.
+TRAINING_TILE_CHOICES = [TRAINING_TILES, MatmulTiles(128, 128, 64, 8, 4), MatmulTiles(128, 128, 64, 4, 4),
+                         MatmulTiles(128, 128, 128, 8, 2), MatmulTiles(128, 256, 64, 8, 2),
+                         MatmulTiles(256, 128, 64, 8, 2), MatmulTiles(64, 256, 64, 4, 3), MatmulTiles(128, 64, 64, 4, 4)]
 
 
 def milliseconds(fn: Callable[[], object], repeats: int) -> float:
@@ -84,6 +101,61 @@ def product_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
     return rows
 
 
+def _timed_variant(name: str, call: Callable[[], object], repeats: int, base_ms: float,
+                   check: Callable[[object], float] | None = None) -> dict:
+    """One row: the variant's median time and its ratio to base_ms, or the error a tile shape
+    this GPU cannot take gives."""
+    try:
+        out = call()
+        ms = milliseconds(call, repeats)
+    except Exception as exc:
+        return {"variant": name, "error": str(exc).splitlines()[0][:160]}
+    row = {"variant": name, "ms": round(ms, 3), "ratio": round(ms / base_ms, 3)}
+    if check is not None:
+        row["max_bf16_steps"] = round(check(out), 2)
+    return row
+
+
+def training_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
+    """The training MLP's kernels and its whole forward and backward, per tile shape, against
+    cuBLAS's products with the element-wise kernels between them."""
+    torch.manual_seed(0)
+    dim, hidden, slope = cfg.model_dim, cfg.mlp_dim, cfg.negative_slope
+    x = torch.randn(a.rows, dim, device=device).bfloat16()
+    up_w = (torch.randn(hidden, dim, device=device) * dim ** -0.5).bfloat16()
+    down_w = (torch.randn(dim, hidden, device=device) * hidden ** -0.5).bfloat16()
+    grad = torch.randn(a.rows, dim, device=device).bfloat16()
+    torch_ops = TorchOps()
+    rows = []
+    with torch.no_grad():
+        product = torch.nn.functional.linear(x, up_w)
+        activation = torch_ops.leaky_square(product, slope)
+        grad_product = leaky_square_backward(grad @ down_w, product, slope)
+        base_ms = milliseconds(lambda: torch_ops.leaky_square(torch.nn.functional.linear(x, up_w), slope), a.repeats)
+        rows.append({"variant": "forward: cuBLAS product, then the activation", "ms": round(base_ms, 3)})
+        for t in TRAINING_TILE_CHOICES:
+            rows.append(_timed_variant(f"forward: fused {t}", lambda t=t: leaky_square_matmul_with_product(
+                x, up_w, slope, t)[0], a.repeats, base_ms, lambda out: bf16_steps(out, activation)))
+        base_ms = milliseconds(lambda: leaky_square_backward(grad @ down_w, product, slope), a.repeats)
+        rows.append({"variant": "gradient: cuBLAS product, then the derivative", "ms": round(base_ms, 3)})
+        for t in TRAINING_TILE_CHOICES:
+            rows.append(_timed_variant(f"gradient: fused {t}", lambda t=t: leaky_square_grad_matmul(
+                grad, down_w, product, slope, t), a.repeats, base_ms, lambda out: bf16_steps(out, grad_product)))
+    params = [p.detach().clone().requires_grad_(True) for p in (x, up_w, down_w)]
+
+    def step(mlp: Callable[..., torch.Tensor]) -> Callable[[], object]:
+        def run() -> None:
+            mlp(*params, slope).backward(grad)
+        return run
+    compiled = torch.compile(torch_ops.mlp)
+    base_ms = milliseconds(step(compiled), a.repeats)
+    rows.append({"variant": "MLP forward and backward: torch, compiled", "ms": round(base_ms, 3)})
+    for t in TRAINING_TILE_CHOICES:
+        rows.append(_timed_variant(f"MLP forward and backward: fused {t}",
+                                   step(lambda *args, t=t: leaky_square_mlp(*args, tiles=t)), a.repeats, base_ms))
+    return rows
+
+
 def forward_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
     """Each variant timed in turn, `rounds` times over (so that none is always measured on a
     GPU warmer than the others), its median over the rounds reported."""
@@ -115,14 +187,19 @@ def forward_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=512 * 2048)
+    parser.add_argument("--rows", type=int, help="rows of the products (default: 512 x 2048, or with "
+                        "--training 48 x 2048)")
     parser.add_argument("--windows", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=4, help="turns of the forward variants")
     parser.add_argument("--full-attention", action="store_true",
                         help="the default model (full attention on every layer) instead of the record's")
+    parser.add_argument("--training", action="store_true",
+                        help="the training step's MLP (train --fused-mlp) instead of the scoring forward")
     parser.add_argument("--json", type=Path)
     a = parser.parse_args()
+    if a.rows is None:
+        a.rows = (48 if a.training else 512) * 2048
     if not torch.cuda.is_available():
         sys.exit("bench/fused_products.py needs a CUDA GPU")
     device = torch.device("cuda")
@@ -130,7 +207,10 @@ def main() -> None:
     cfg = RunConfig().model
     if not a.full_attention:  # the record model: windows of 512 with 4 sink tokens on layers 2,4,6,8,10
         cfg = dataclasses.replace(cfg, **RECORD_WINDOWS)
-    rows = product_rows(a, cfg, device) + forward_rows(a, cfg, device)
+    if a.training:
+        rows = training_rows(a, cfg, device)
+    else:
+        rows = product_rows(a, cfg, device) + forward_rows(a, cfg, device)
     for row in rows:
         print(json.dumps(row))
     if a.json:
