@@ -4,7 +4,7 @@ cuBLAS's product followed by the activation kernel.
 
     python bench/fused_products.py [--rows 1048576] [--windows 512] [--repeats 10] [--rounds 4]
         [--full-attention] [--json PATH]
-    python bench/fused_products.py --training [--rows 98304] [--json PATH]
+    python bench/fused_products.py --training [--rows 98304] [--tiles default] [--tuning gemm] [--json PATH]
 
 Part 1 times the hidden layer alone at `rows` rows (a scoring batch of 512 windows of 2048)
 for several tile shapes (the first is the default), each checked against the unfused pair
@@ -20,7 +20,10 @@ for each of TRAINING_TILE_CHOICES (the first is the default): its forward kernel
 product stored as well) against cuBLAS's product and torch's activation run eagerly (two
 kernels), its gradient kernel against cuBLAS's product and the derivative's kernel, and the
 whole MLP forward and backward against torch's under torch.compile (what the training step
-runs without the flag: the fair comparison).
+runs without the flag: the fair comparison). --tiles default times the default tiles only;
+--tuning NAME adds torch's MLP compiled with `train --compile-tuning NAME`'s Inductor settings
+(Triton templates benchmarked against cuBLAS for each product, the element-wise work fused
+into a chosen template's epilogue; the autotuning takes a minute or more).
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ from windowgpt_cli.kernels.elementwise import MatmulTiles, leaky_square_matmul_w
 from windowgpt_cli.kernels.elementwise_backward import leaky_square_backward, leaky_square_grad_matmul  # noqa: E402
 from windowgpt_cli.kernels.fused_mlp import TRAINING_TILES, leaky_square_mlp  # noqa: E402
 from windowgpt_cli.model.ops import TorchOps  # noqa: E402
+from windowgpt_cli.runtime import TUNING_OPTIONS  # noqa: E402
 from windowgpt_cli.model.gpt import build_model  # noqa: E402
 from windowgpt_cli.runtime import enable_fast_math  # noqa: E402
 
@@ -126,6 +130,7 @@ def training_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
     down_w = (torch.randn(dim, hidden, device=device) * hidden ** -0.5).bfloat16()
     grad = torch.randn(a.rows, dim, device=device).bfloat16()
     torch_ops = TorchOps()
+    tile_choices = TRAINING_TILE_CHOICES if a.tiles == "all" else TRAINING_TILE_CHOICES[:1]
     rows = []
     with torch.no_grad():
         product = torch.nn.functional.linear(x, up_w)
@@ -133,12 +138,12 @@ def training_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
         grad_product = leaky_square_backward(grad @ down_w, product, slope)
         base_ms = milliseconds(lambda: torch_ops.leaky_square(torch.nn.functional.linear(x, up_w), slope), a.repeats)
         rows.append({"variant": "forward: cuBLAS product, then the activation", "ms": round(base_ms, 3)})
-        for t in TRAINING_TILE_CHOICES:
+        for t in tile_choices:
             rows.append(_timed_variant(f"forward: fused {t}", lambda t=t: leaky_square_matmul_with_product(
                 x, up_w, slope, t)[0], a.repeats, base_ms, lambda out: bf16_steps(out, activation)))
         base_ms = milliseconds(lambda: leaky_square_backward(grad @ down_w, product, slope), a.repeats)
         rows.append({"variant": "gradient: cuBLAS product, then the derivative", "ms": round(base_ms, 3)})
-        for t in TRAINING_TILE_CHOICES:
+        for t in tile_choices:
             rows.append(_timed_variant(f"gradient: fused {t}", lambda t=t: leaky_square_grad_matmul(
                 grad, down_w, product, slope, t), a.repeats, base_ms, lambda out: bf16_steps(out, grad_product)))
     params = [p.detach().clone().requires_grad_(True) for p in (x, up_w, down_w)]
@@ -150,7 +155,11 @@ def training_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
     compiled = torch.compile(torch_ops.mlp)
     base_ms = milliseconds(step(compiled), a.repeats)
     rows.append({"variant": "MLP forward and backward: torch, compiled", "ms": round(base_ms, 3)})
-    for t in TRAINING_TILE_CHOICES:
+    if a.tuning is not None:
+        tuned = torch.compile(torch_ops.mlp, options=TUNING_OPTIONS[a.tuning])
+        rows.append(_timed_variant(f"MLP forward and backward: torch, compiled with --compile-tuning {a.tuning}",
+                                   step(tuned), a.repeats, base_ms))
+    for t in tile_choices:
         rows.append(_timed_variant(f"MLP forward and backward: fused {t}",
                                    step(lambda *args, t=t: leaky_square_mlp(*args, tiles=t)), a.repeats, base_ms))
     return rows
@@ -196,6 +205,10 @@ def main() -> None:
                         help="the default model (full attention on every layer) instead of the record's")
     parser.add_argument("--training", action="store_true",
                         help="the training step's MLP (train --fused-mlp) instead of the scoring forward")
+    parser.add_argument("--tiles", choices=("all", "default"), default="all",
+                        help="--training: every tile shape of TRAINING_TILE_CHOICES, or the default's only")
+    parser.add_argument("--tuning", choices=[name for name, options in TUNING_OPTIONS.items() if options],
+                        help="--training: also torch's MLP compiled with these Inductor settings")
     parser.add_argument("--json", type=Path)
     a = parser.parse_args()
     if a.rows is None:
