@@ -57,7 +57,8 @@ TILES = [MatmulTiles(128, 256, 64, 8, 3), MatmulTiles(256, 128, 64, 8, 3), Matmu
 # scoring kernel (tests/test_hopper_builds.py): these fit a Hopper block or fail to build.
 TRAINING_TILE_CHOICES = [TRAINING_TILES, MatmulTiles(128, 128, 64, 8, 4), MatmulTiles(128, 128, 64, 4, 4),
                          MatmulTiles(128, 128, 128, 8, 2), MatmulTiles(128, 256, 64, 8, 2),
-                         MatmulTiles(256, 128, 64, 8, 2), MatmulTiles(64, 256, 64, 4, 3), MatmulTiles(128, 64, 64, 4, 4)]
+                         MatmulTiles(256, 128, 64, 8, 2), MatmulTiles(64, 256, 64, 4, 3),
+                         MatmulTiles(128, 64, 64, 4, 4)]
 
 
 def milliseconds(fn: Callable[[], object], repeats: int) -> float:

@@ -146,7 +146,8 @@ def bench_gptq(model: Path, data: Path, calib: int, device: str, reference, laye
         result["layers"][name] = row
         console.print(f"{name}: reference CPU GPTQ {t_ref:.2f}s; H-weighted error ours/reference "
                       f"{row['ours']['h_weighted'] / row['reference']['h_weighted']:.5f}, MSE ratio "
-                      f"{row['ours']['mse'] / row['reference']['mse']:.5f}, codes equal {row['codes_equal_fraction']:.4f}")
+                      f"{row['ours']['mse'] / row['reference']['mse']:.5f}, "
+                      f"codes equal {row['codes_equal_fraction']:.4f}")
     return result
 
 

@@ -12,7 +12,8 @@ from windowgpt_cli.storage.files import atomic_write_json, sha256_file  # noqa: 
 from windowgpt_cli.config import RunConfig  # noqa: E402
 from windowgpt_cli.model.gpt import GPT
 from windowgpt_cli.model.state_dict import unbank_state_dict  # noqa: E402
-from windowgpt_cli.artifacts.export import EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_INFO, EXPORT_VERSION, EXPORT_WEIGHTS  # noqa: E402
+from windowgpt_cli.artifacts.export import (  # noqa: E402
+    EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_INFO, EXPORT_VERSION, EXPORT_WEIGHTS)
 
 
 def main(state_path: Path, out: Path, tokenizer: Path | None) -> None:

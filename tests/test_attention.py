@@ -66,7 +66,8 @@ class _FakeFA3:
 
 @pytest.mark.parametrize("window,sinks", CASES)
 def test_fa3_path_combines_sinks_exactly(monkeypatch, window, sinks):
-    monkeypatch.setitem(sys.modules, "flash_attn_interface", types.SimpleNamespace(flash_attn_func=_FakeFA3.flash_attn_func))
+    fake = types.SimpleNamespace(flash_attn_func=_FakeFA3.flash_attn_func)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", fake)
     q, k, v = _qkv(100 + window + sinks)
     got = attention.attention(q, k, v, window, sinks, "fa3")
     want = naive_attention(q, k, v, window, sinks)

@@ -31,7 +31,8 @@ windowgpt()
 """
 
 
-def run_version(tmp_path: Path, *python_flags: str, ships: bool | None = False, **env: str) -> subprocess.CompletedProcess:
+def run_version(tmp_path: Path, *python_flags: str, ships: bool | None = False,
+                **env: str) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k not in {"PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX"}}
     environ.update(XDG_CACHE_HOME=str(tmp_path / "cache"), **env)
     done = subprocess.run([sys.executable, *python_flags, "-c", VERSION_PROBE.format(ships=ships)], env=environ,

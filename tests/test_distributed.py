@@ -39,7 +39,8 @@ TRAIN_FLAGS = ["--preset", "tiny", "--device", "cpu", "--iterations", "6", "--tr
 NO_CLIP = ["--grad-clip-norm", "0"]
 MIXED = ["--train-seq-len-long", "256", "--num-gpus-long", "1"]
 GPTQ = ["--use-gptq"]  # calibrates after training, each rank on its share
-RUN_FILES = {"config.json", "train.log", "metrics.jsonl", "checkpoint.pt", "summary.json", "hessians.safetensors", ".lock"}
+RUN_FILES = {"config.json", "train.log", "metrics.jsonl", "checkpoint.pt", "summary.json", "hessians.safetensors",
+             ".lock"}
 
 
 # --- Launching ---------------------------------------------------------------------------

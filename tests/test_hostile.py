@@ -184,7 +184,8 @@ def world(tmp_path_factory, tiny_data_dir: Path, tiny_run_dir: Path, eval_tokeni
         change(meta["tensors"][next(iter(meta["tensors"]))])
         return ptz.compress_payload(tensorfile.dumps(tensors, {ptz.METADATA_KEY: json.dumps(meta)}))
 
-    for name, change in (("vast_shape", lambda t: t.update(shape=[2**70, 0])), ("int_shape", lambda t: t.update(shape=5)),
+    for name, change in (("vast_shape", lambda t: t.update(shape=[2**70, 0])),
+                         ("int_shape", lambda t: t.update(shape=5)),
                          ("list_dtype", lambda t: t.update(dtype=["float32"]))):
         w[name] = root / f"{name}.ptz"
         w[name].write_bytes(ptz_with(change))
@@ -230,7 +231,8 @@ CASES = [
     ("train --preset tiny --data {data} --out " + NEW + " --stop-at-step -1", 1, "--stop-at-step -1"),
     ("train --preset tiny --data {data} --out " + NEW + " --train-seq-len 0", 1, "--train-seq-len 0"),
     ("train --preset tiny --data {data} --out " + NEW + " --device tpu", 2, "--device"),
-    ("quantize {export} --gptq --gptq-calib-samples 99999999 --out " + NEW + ".ptz", 1, "--gptq-calib-samples 99999999"),
+    ("quantize {export} --gptq --gptq-calib-samples 99999999 --out " + NEW + ".ptz", 1,
+     "--gptq-calib-samples 99999999"),
     ("quantize {export} --gptq-percdamp nan --out " + NEW + ".ptz", 1, "--gptq-percdamp nan"),
     ("quantize {export} --budget 0 --out " + NEW + ".ptz", 1, "--budget 0"),
     ("generate {ptz} --data {data} --temperature nan", 1, "--temperature nan"),

@@ -20,7 +20,8 @@ from windowgpt_cli.quant.quantize import quantize
 def test_packing_is_reproducible_and_holds_exactly_the_record_modules(tmp_path: Path):
     first, second = pack(tmp_path / "a" / "code.pyz"), pack(tmp_path / "b.pyz")
     data = (tmp_path / "a" / "code.pyz").read_bytes()
-    assert data == (tmp_path / "b.pyz").read_bytes() and first.sha256 == second.sha256 == sha256_file(tmp_path / "b.pyz")
+    assert data == (tmp_path / "b.pyz").read_bytes()
+    assert first.sha256 == second.sha256 == sha256_file(tmp_path / "b.pyz")
     assert [p.name for p in (tmp_path / "a").iterdir()] == ["code.pyz"]  # no temporary file left behind
     with zipfile.ZipFile(tmp_path / "b.pyz") as archive:
         members = archive.infolist()
@@ -28,7 +29,8 @@ def test_packing_is_reproducible_and_holds_exactly_the_record_modules(tmp_path: 
     names = [m.filename for m in members]
     assert names == first.files == [MAIN_MEMBER, *codesize.record_modules()]
     assert "windowgpt_cli/cli/record_app.py" in names and "windowgpt_cli/cli/train.py" in names
-    assert not {"windowgpt_cli/cli/app.py", "windowgpt_cli/cli/prepare.py", "windowgpt_cli/record/packing.py"} & set(names)
+    left_out = {"windowgpt_cli/cli/app.py", "windowgpt_cli/cli/prepare.py", "windowgpt_cli/record/packing.py"}
+    assert not left_out & set(names)
     assert all(m.compress_type == zipfile.ZIP_DEFLATED and m.date_time == FIXED_TIME for m in members)
     assert first.bytes == len(data) and first.source_bytes == sum(m.file_size for m in members)
     assert first.source_bytes == codesize.code_bytes() + len(MAIN_SOURCE) > 2 * first.bytes
@@ -80,7 +82,8 @@ def test_a_child_process_of_the_packed_code_finds_the_archive(tmp_path: Path):
     pack(archive)
     work = tmp_path / "elsewhere"
     work.mkdir()
-    script = (f"import subprocess, sys; sys.path.insert(0, {str(archive)!r}); from windowgpt_cli import bytecode as process; "
+    script = (f"import subprocess, sys; sys.path.insert(0, {str(archive)!r}); "
+              "from windowgpt_cli import bytecode as process; "
               "argv, env = process.module_process('windowgpt_cli.bytecode'); "
               "done = subprocess.run([argv[0], '-S', *argv[1:]], env=env, capture_output=True, text=True); "
               "print(process.__file__); print(done.returncode); print(done.stderr.splitlines()[0])")

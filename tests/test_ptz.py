@@ -247,7 +247,8 @@ def test_the_cli_refuses_a_planted_pickle_with_one_line(tmp_path: Path):
     marker = tmp_path / "marker"
     runner = CliRunner()
     for path in _planted_files(tmp_path, marker).values():
-        for args in (["eval", str(path), "--data", str(tmp_path)], ["quantize", str(path), "--out", str(tmp_path / "o.ptz")]):
+        for args in (["eval", str(path), "--data", str(tmp_path)],
+                     ["quantize", str(path), "--out", str(tmp_path / "o.ptz")]):
             result = runner.invoke(app, args, env=WIDE)
             assert result.exit_code == 1, result.output
             assert len([line for line in result.output.splitlines() if line.strip()]) == 1, result.output

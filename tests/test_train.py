@@ -140,8 +140,8 @@ def test_a_malformed_flag_value_is_a_one_line_error(tmp_path):
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "windowgpt_cli", "train", "--preset", "tiny", "--data", str(tmp_path),
-                             "--out", str(tmp_path / "r"), "--matrix-lr", "fast"],
+    result = subprocess.run([sys.executable, "-m", "windowgpt_cli", "train", "--preset", "tiny",
+                             "--data", str(tmp_path), "--out", str(tmp_path / "r"), "--matrix-lr", "fast"],
                             capture_output=True, text=True, env={"COLUMNS": "200", "PATH": ""})
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()

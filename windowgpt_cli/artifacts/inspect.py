@@ -31,8 +31,8 @@ def inspect_artifact(path: Path, budget: int = BUDGET_BYTES) -> dict[str, Any]:
     if info.kind == "ptz":
         code = code_bytes()
         total = info.file_bytes + code
-        record.update({"compressor": info.compressor, "sections": info.sections, "code_bytes": code, "total_bytes": total,
-                       "budget_bytes": budget, "within_budget": total <= budget})
+        record.update({"compressor": info.compressor, "sections": info.sections, "code_bytes": code,
+                       "total_bytes": total, "budget_bytes": budget, "within_budget": total <= budget})
     return record
 
 

@@ -326,7 +326,8 @@ def _parse_metadata(metadata: dict[str, str], source: str) -> dict[str, Any]:
         raise ArtifactError(f"{source}: {METADATA_KEY} metadata is not valid JSON") from None
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         version = meta.get("format_version") if isinstance(meta, dict) else None
-        raise ArtifactError(f"{source}: payload format version {version!r} is not supported (expected {FORMAT_VERSION})")
+        raise ArtifactError(f"{source}: payload format version {version!r} is not supported "
+                            f"(expected {FORMAT_VERSION})")
     if not isinstance(meta.get("config"), dict) or not isinstance(meta.get("tensors"), dict):
         raise ArtifactError(f"{source}: metadata lacks the config or the tensor list")
     return meta

@@ -49,8 +49,8 @@ def compare_table(result: dict[str, Any]) -> Table:
 
 @user_errors_exit_1
 def command(
-    artifacts: Annotated[list[Path], typer.Argument(metavar="ARTIFACT", help="Training run directories, exports or .ptz files.",
-                                                    show_default=False)],
+    artifacts: Annotated[list[Path], typer.Argument(
+        metavar="ARTIFACT", help="Training run directories, exports or .ptz files.", show_default=False)],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of a table.")] = False,
 ) -> None:
     """Compare runs: scores (with the eval results saved beside each artifact), speed, size and differing settings.

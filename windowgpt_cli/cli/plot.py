@@ -16,8 +16,9 @@ from .support import console, out_option, user_errors_exit_1
 
 @user_errors_exit_1
 def command(
-    runs: Annotated[list[Path], typer.Argument(metavar="RUN", help="Training run directories (or exports / .ptz files of "
-                                               "runs that can be found).", show_default=False)],
+    runs: Annotated[list[Path], typer.Argument(
+        metavar="RUN", help="Training run directories (or exports / .ptz files of runs that can be found).",
+        show_default=False)],
     out: Annotated[Path, out_option("The picture to write: FILE.png or FILE.html.", "a picture plot wrote")],
 ) -> None:
     """Plot train_loss and val_bpb against step and training time for one or more runs.

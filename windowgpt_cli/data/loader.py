@@ -105,7 +105,8 @@ class TokenStream:
 
     def _shard_probabilities(self, eligible: np.ndarray, seq_len: int, progress: float) -> np.ndarray:
         remaining = np.array([
-            float(max(self.cursors[s].remaining, 1)) if s in self.cursors else float((self.num_tokens[s] - 1) // seq_len)
+            float(max(self.cursors[s].remaining, 1)) if s in self.cursors
+            else float((self.num_tokens[s] - 1) // seq_len)
             for s in eligible.tolist()
         ])
         weights = np.power(remaining, 0.90 - 0.40 * progress)

@@ -245,8 +245,9 @@ def index_data(data_dir: Path, tokenizer: Path | None = None) -> dict[str, Any]:
             raise DataError(f"{data_dir}: the {split} shards hold token id {top}, outside the tokenizer's "
                             f"vocabulary of {vocab_size}: they were encoded with another tokenizer")
     tables = encode_tokenizer_meta(sp, DATA_DIR_TOKENIZER)
+    given = str(tokenizer) if tokenizer is not None else None
     manifest["tokenizer"].update({"meta": meta_path.name, "meta_sha256": sha256_bytes(tables),
-                                  "vocab_size": vocab_size, "source": str(tokenizer) if tokenizer is not None else None})
+                                  "vocab_size": vocab_size, "source": given})
     if tokenizer is not None and not target.exists():
         atomic_write_bytes(target, source.read_bytes())
     atomic_write_bytes(meta_path, tables)

@@ -161,7 +161,8 @@ def gptq_member(name: str, t: Tensor, h: Tensor, plan: QuantPlan) -> bool:
     return category in INT6_CATEGORIES and choose_scheme(name, t, plan) == INT6
 
 
-def plan_gptq(sd: Mapping[str, Tensor], hessians: Hessians, plan: QuantPlan = REFERENCE_PLAN) -> list[list[GPTQProblem]]:
+def plan_gptq(sd: Mapping[str, Tensor], hessians: Hessians,
+              plan: QuantPlan = REFERENCE_PLAN) -> list[list[GPTQProblem]]:
     """Group the matrices that have a Hessian into batches of identical shape and scheme."""
     batches: dict[tuple, list[GPTQProblem]] = {}
     for names, h in hessians.items():

@@ -288,7 +288,8 @@ def render_markdown(record: dict[str, Any]) -> str:
         "",
         "| result | value |",
         "| --- | --- |",
-        f"| val_bpb, sliding windows (stride {record['val_bpb']['sliding_stride']}) | {record['val_bpb']['sliding']:.8f} |",
+        f"| val_bpb, sliding windows (stride {record['val_bpb']['sliding_stride']}) "
+        f"| {record['val_bpb']['sliding']:.8f} |",
         f"| val_bpb, score-first TTT | {record['val_bpb']['ttt']:.8f} |",
         f"| compressed model | {b['model']:,} bytes |",
         f"| code: {b['code_counted']} | {_code_cell(b)} |",

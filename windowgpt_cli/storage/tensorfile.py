@@ -80,7 +80,8 @@ def dumps(tensors: Mapping[str, Tensor], metadata: Mapping[str, str] | None = No
     return _LENGTH.pack(len(text)) + text + b"".join(chunks)
 
 
-def loads(data: bytes | bytearray | memoryview, source: str = "tensor file") -> tuple[dict[str, Tensor], dict[str, str]]:
+def loads(data: bytes | bytearray | memoryview,
+          source: str = "tensor file") -> tuple[dict[str, Tensor], dict[str, str]]:
     """Parse safetensors bytes into (tensors in file order, metadata); ArtifactError if malformed."""
     import numpy as np
     import torch
@@ -145,7 +146,8 @@ def read_header(prefix: bytes, source: str = "tensor file") -> tuple[dict[str, E
     return entries, metadata
 
 
-def layout(data: bytes | bytearray | memoryview, source: str = "tensor file") -> tuple[dict[str, Entry], dict[str, str], int]:
+def layout(data: bytes | bytearray | memoryview,
+           source: str = "tensor file") -> tuple[dict[str, Entry], dict[str, str], int]:
     """Check a file's header and layout: (entries in file order, metadata, start of the data)."""
     view = memoryview(data)
     entries, metadata, data_start = _parse_header(view, source)
