@@ -47,9 +47,8 @@ from windowgpt_cli.kernels.elementwise import MatmulTiles, leaky_square_matmul_w
 from windowgpt_cli.kernels.elementwise_backward import leaky_square_backward, leaky_square_grad_matmul  # noqa: E402
 from windowgpt_cli.kernels.fused_mlp import TRAINING_TILES, leaky_square_mlp  # noqa: E402
 from windowgpt_cli.model.ops import TorchOps  # noqa: E402
-from windowgpt_cli.runtime import TUNING_OPTIONS  # noqa: E402
 from windowgpt_cli.model.gpt import build_model  # noqa: E402
-from windowgpt_cli.runtime import enable_fast_math  # noqa: E402
+from windowgpt_cli.runtime import TUNING_OPTIONS, enable_fast_math  # noqa: E402
 
 TILES = [MatmulTiles(128, 256, 64, 8, 3), MatmulTiles(256, 128, 64, 8, 3), MatmulTiles(128, 128, 64, 4, 4),
          MatmulTiles(128, 128, 64, 8, 3), MatmulTiles(128, 128, 32, 4, 4)]
@@ -81,31 +80,6 @@ def bf16_steps(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a - b).abs() / (torch.maximum(a.abs(), b.abs()) * 2 ** -8).clamp(min=1e-30)).max())
 
 
-def product_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
-    torch.manual_seed(0)
-    x = torch.randn(a.rows, cfg.model_dim, device=device).bfloat16()
-    up_w = (torch.randn(cfg.mlp_dim, cfg.model_dim, device=device) * cfg.model_dim ** -0.5).bfloat16()
-    slope = cfg.negative_slope
-    rows = []
-    with torch.inference_mode():
-        reference = FusedOps(tiles=None).mlp_hidden(x, up_w, slope)
-        base_ms = milliseconds(lambda: FusedOps(tiles=None).mlp_hidden(x, up_w, slope), a.repeats)
-        rows.append({"variant": "cuBLAS product, then the activation", "ms": round(base_ms, 3)})
-        product_ms = milliseconds(lambda: torch.nn.functional.linear(x, up_w), a.repeats)
-        rows.append({"variant": "cuBLAS product alone", "ms": round(product_ms, 3)})
-        variants = [(f"fused {t}", lambda t=t: FusedOps(tiles=t).mlp_hidden(x, up_w, slope)) for t in TILES]
-        for name, call in variants:
-            try:
-                out = call()
-                ms = milliseconds(call, a.repeats)
-            except Exception as exc:  # a tile shape this GPU cannot take
-                rows.append({"variant": name, "error": str(exc).splitlines()[0][:160]})
-                continue
-            rows.append({"variant": name, "ms": round(ms, 3), "ratio": round(ms / base_ms, 3),
-                         "max_bf16_steps": round(bf16_steps(out, reference), 2)})
-    return rows
-
-
 def _timed_variant(name: str, call: Callable[[], object], repeats: int, base_ms: float,
                    check: Callable[[object], float] | None = None) -> dict:
     """One row: the variant's median time and its ratio to base_ms, or the error a tile shape
@@ -119,6 +93,24 @@ def _timed_variant(name: str, call: Callable[[], object], repeats: int, base_ms:
     if check is not None:
         row["max_bf16_steps"] = round(check(out), 2)
     return row
+
+
+def product_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
+    torch.manual_seed(0)
+    x = torch.randn(a.rows, cfg.model_dim, device=device).bfloat16()
+    up_w = (torch.randn(cfg.mlp_dim, cfg.model_dim, device=device) * cfg.model_dim ** -0.5).bfloat16()
+    slope = cfg.negative_slope
+    rows = []
+    with torch.inference_mode():
+        reference = FusedOps(tiles=None).mlp_hidden(x, up_w, slope)
+        base_ms = milliseconds(lambda: FusedOps(tiles=None).mlp_hidden(x, up_w, slope), a.repeats)
+        rows.append({"variant": "cuBLAS product, then the activation", "ms": round(base_ms, 3)})
+        product_ms = milliseconds(lambda: torch.nn.functional.linear(x, up_w), a.repeats)
+        rows.append({"variant": "cuBLAS product alone", "ms": round(product_ms, 3)})
+        for t in TILES:
+            rows.append(_timed_variant(f"fused {t}", lambda t=t: FusedOps(tiles=t).mlp_hidden(x, up_w, slope),
+                                       a.repeats, base_ms, lambda out: bf16_steps(out, reference)))
+    return rows
 
 
 def training_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
