@@ -209,6 +209,7 @@ CASES = [
     ("prepare {corpus} --out ", 2, "is empty"),
     ("prepare --index {data} --tokenizer {other_tokenizer}", 1, "holds another tokenizer"),
     ("train --preset tiny --data {data} --out {notes}", 1, "holds files that are not a training run"),
+    ("train --preset tiny --data {data} --out {export}", 1, "holds files that are not a training run"),
     ("train --preset tiny --data {data} --out {data}", 1, "is the command's own input"),
     ("train --preset tiny --data {data} --out ", 2, "is empty"),
     ("export {run} --out {run}", 1, "is the command's own input"),

@@ -34,6 +34,7 @@ HESSIANS_FILENAME = "hessians.safetensors"  # GPTQ's Hessians, collected inside 
 SUMMARY = "summary.json"  # written when a run finishes
 REPORT_FILES = ("report.md", "report.json", "report.png")  # what `report` writes beside a run's files
 RUN_FILES = (RUN_CONFIG, TRAIN_LOG, METRICS, FILENAME, HESSIANS_FILENAME, SUMMARY, *REPORT_FILES)
+EXPORT_INFO = "export.json"  # what marks an export's directory (artifacts.export), which has a config.json too
 WEIGHT_CHOICES = ("ema", "swa", "last")
 
 
@@ -199,11 +200,12 @@ def _tensors(value: Any) -> dict[str, torch.Tensor]:
 
 def is_run_dir(path: Path) -> bool:
     """Whether a directory is a training run (train may go on in it, or with --force start
-    afresh there): it holds a checkpoint, the run lock, or a windowgpt configuration."""
+    afresh there): it holds a checkpoint, the run lock, or a windowgpt configuration that
+    is not an export's (an export holds the configuration too, beside its export.json)."""
     path = Path(path)
     if (path / FILENAME).is_file() or (path / LOCK_NAME).is_file():
         return True
-    return {"model", "train"} <= set(read_json(path / RUN_CONFIG) or {})
+    return not (path / EXPORT_INFO).exists() and {"model", "train"} <= set(read_json(path / RUN_CONFIG) or {})
 
 
 def state_sha256(state: Any) -> str:

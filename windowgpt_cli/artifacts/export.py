@@ -29,7 +29,8 @@ from ..storage.files import (
     sha256_file,
 )
 from ..storage.outputs import check_apart, claim_dir
-from .checkpoint import HESSIANS_FILENAME, REPORT_FILES, WEIGHT_CHOICES, Checkpoint, checkpoint_path, load_checkpoint
+from .checkpoint import (EXPORT_INFO, HESSIANS_FILENAME, REPORT_FILES, WEIGHT_CHOICES, Checkpoint, checkpoint_path,
+                         load_checkpoint)
 from .shapes import check_tensors, described
 
 if TYPE_CHECKING:
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 
 EXPORT_WEIGHTS = "model.safetensors"
 EXPORT_CONFIG = "config.json"
-EXPORT_INFO = "export.json"
 EXPORT_FORMAT = "windowgpt.export"
 EXPORT_VERSION = "1"
 # model.safetensors's metadata: "format: pt", as torch's safetensors files say (transformers
