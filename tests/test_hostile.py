@@ -218,7 +218,7 @@ CASES = [
     ("quantize {export} --out {export}/model.safetensors", 1, "lies inside the command's input"),
     ("quantize {run} --out {run}/checkpoint.pt", 1, "lies inside the command's input"),
     ("quantize {export} --out {notes}/photo.png", 1, "is not a .ptz windowgpt wrote"),
-    ("quantize {export} --out {notes}/model.ptz", 1, "is not a quantize report"),
+    ("quantize {export} --out {notes}/model.ptz", 1, "is not a quantize report windowgpt wrote; move it away"),
     ("tokenizer-meta {tokenizer} --out {notes}/photo.png", 1, "is not tokenizer byte tables"),
     ("plot {run} --out {notes}/photo.png", 1, "is not a plot"),
     ("pack --out {notes}/photo.png", 1, "is not packed code"),

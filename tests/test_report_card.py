@@ -62,7 +62,9 @@ def test_settings_that_differ_are_named_against_the_closest_preset(eval_run_dir:
 
 def test_a_users_file_where_the_card_goes_is_refused(eval_run_dir: Path):
     (eval_run_dir / "report.md").write_text("my notes")
-    with pytest.raises(OutputRefused):
+    with pytest.raises(OutputRefused) as refused:
         write_report_card(eval_run_dir)
+    # a file beside the run, not an option's: the remedy is to move it
+    assert str(refused.value).endswith("is not a report card windowgpt wrote; move it away")
     assert (eval_run_dir / "report.md").read_text() == "my notes"
     assert not (eval_run_dir / "report.json").exists()

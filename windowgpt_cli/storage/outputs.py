@@ -33,14 +33,16 @@ def check_apart(out: Path, inputs: Iterable[Path | None], flag: str = "--out") -
 
 
 def claim_file(path: Path, what: str, is_own: Recognizer, flag: str = "--out") -> Path:
-    """The path, when it names nothing yet or a file that is_own recognizes as `what`."""
+    """The path, when it names nothing yet or a file that is_own recognizes as `what`. flag
+    names the path in the message: the option that gave it, or (for a file a command
+    writes beside its output or input, such as "the report") what it is."""
     path = Path(path)
     if path.is_symlink() or path.exists():
         if path.is_dir() and not path.is_symlink():
             raise OutputRefused(f"{flag} {path} is a directory; give the name of the {what} to write")
         if not path.is_file() or not is_own(path):
-            raise OutputRefused(f"{flag} {path} exists and is not {what} windowgpt wrote; move it away or choose "
-                                f"another {flag}")
+            other = f" or choose another {flag}" if flag.startswith("-") else ""
+            raise OutputRefused(f"{flag} {path} exists and is not {what} windowgpt wrote; move it away{other}")
     return path
 
 
