@@ -215,6 +215,7 @@ CASES = [
     ("export {run} --out {run}", 1, "is the command's own input"),
     ("export {run} --out {notes}", 1, "holds files that are not an export"),
     ("export {run} --out {data}", 1, "holds files that are not an export"),
+    ("export {ptz} --out " + NEW, 1, "a quantized artifact (.ptz), not a training run's checkpoint"),
     ("quantize {export} --out {export}/model.safetensors", 1, "lies inside the command's input"),
     ("quantize {run} --out {run}/checkpoint.pt", 1, "lies inside the command's input"),
     ("quantize {export} --out {notes}/photo.png", 1, "is not a .ptz windowgpt wrote"),

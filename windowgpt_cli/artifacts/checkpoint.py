@@ -17,6 +17,7 @@ from ..errors import ArtifactError, ConfigError
 from ..storage.files import atomic_torch_save, atomic_write_bytes, is_sha256, read_json, tensors_sha256
 from ..storage.runlock import LOCK_NAME
 from ..storage.torchfile import TensorInfo, describe_torch_file
+from .ptz import is_ptz
 from .shapes import check_tensors, described
 
 if TYPE_CHECKING:  # the run directory's names and layout need no torch; its checkpoint does
@@ -119,6 +120,9 @@ def load_checkpoint(run_dir_or_file: Path, map_location: str | torch.device = "c
     try:
         raw = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # truncated zip, pickle refused by weights_only, ...
+        if is_ptz(path):
+            raise ArtifactError(f"{path}: a quantized artifact (.ptz), not a training run's checkpoint: give the run's "
+                                "directory") from None
         raise ArtifactError(f"{path}: not a readable windowgpt checkpoint ({type(exc).__name__})") from None
     _check_format(raw, path)
     try:
