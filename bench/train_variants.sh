@@ -6,17 +6,27 @@
 #              training step as is, with --fused-mlp, with --compile-tuning gemm, with both)
 #   FLAGS      more flags for every variant (e.g. "--train-batch-tokens 131072" or
 #              "--attn-backend triton_fa4")
+#   PROFILE_FLAGS  the model every variant profiles (default "--record": the record model's
+#              windows; "--preset frontier --recur-start-fraction 0" profiles the frontier
+#              preset's step with its loop on, as after 35% of a run)
+#   DATA       an existing data directory (default: WORK_DIR/data, the blog corpus encoded
+#              with sp1024 the first time; the frontier preset wants sp8192 data)
 # Each variant leaves LOG_DIR/NAME.json (train_profile.py's JSON) and LOG_DIR/NAME.log;
 # LOG_DIR/train_variants.md holds the table.
 # usage: [VARIANTS=...] [FLAGS=...] bench/train_variants.sh SHARED_DIR WORK_DIR LOG_DIR
 source "$(dirname "$0")/lib.sh"
 variants=${VARIANTS:-"base:;fused_mlp:--fused-mlp;gemm:--compile-tuning gemm;fused_mlp_gemm:--fused-mlp --compile-tuning gemm"}
-[ -d "$work/data" ] || prepare_blogs "$work/data" || exit 1
+if [ -n "${DATA:-}" ]; then
+  data=$DATA; [ -d "$data" ] || { echo "DATA $data: no such directory"; exit 1; }
+else
+  data=$work/data; [ -d "$data" ] || prepare_blogs "$data" || exit 1
+fi
+read -r -a profile_flags <<< "${PROFILE_FLAGS---record}"
 IFS=';' read -r -a entries <<< "$variants"
 for entry in "${entries[@]}"; do
   name=${entry%%:*} flags=${entry#*:}
   # shellcheck disable=SC2086  # the flags split into words
-  python3 "$repo/bench/train_profile.py" --data "$work/data" --record --top 12 --json "$logs/$name.json" \
+  python3 "$repo/bench/train_profile.py" --data "$data" "${profile_flags[@]}" --top 12 --json "$logs/$name.json" \
     ${FLAGS:-} $flags > "$logs/$name.log" 2>&1 || { echo "variant $name failed:"; tail -5 "$logs/$name.log"; }
 done
 python3 "$repo/bench/train_variants.py" "$logs" | tee "$logs/train_variants.md"
