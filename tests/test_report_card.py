@@ -68,3 +68,27 @@ def test_a_users_file_where_the_card_goes_is_refused(eval_run_dir: Path):
     assert str(refused.value).endswith("is not a report card windowgpt wrote; move it away")
     assert (eval_run_dir / "report.md").read_text() == "my notes"
     assert not (eval_run_dir / "report.json").exists()
+
+
+def test_a_users_picture_where_the_curves_go_is_refused_before_anything_is_written(eval_run_dir: Path):
+    pytest.importorskip("matplotlib")
+    (eval_run_dir / "metrics.jsonl").write_text("".join(  # so that the card draws the run's curves
+        json.dumps({"step": step, "train_loss": 7.0 - step, "train_time_ms": 100.0 * step}) + "\n" for step in (1, 2)))
+    (eval_run_dir / "report.png").write_bytes(b"\x89PNG\r\n\x1a\n my picture")
+    with pytest.raises(OutputRefused) as refused:
+        write_report_card(eval_run_dir)
+    assert str(refused.value).endswith("is not a plot windowgpt wrote; move it away")
+    assert (eval_run_dir / "report.png").read_bytes().endswith(b"my picture")
+    assert not (eval_run_dir / "report.md").exists() and not (eval_run_dir / "report.json").exists()
+
+
+def test_a_file_where_a_score_would_be_is_not_read_as_one(eval_run_dir: Path, tmp_path: Path):
+    export(eval_run_dir, tmp_path / "export")
+    (tmp_path / "export" / "eval-sliding.json").write_text('{"mine": 1}\n')
+    (tmp_path / "export" / "eval-standard.json").write_text('{"mode": "sliding", "val_bpb": 1.0}\n')  # not its mode
+    (tmp_path / "export" / "eval-ttt.json").write_text('{"mode": "ttt", "val_bpb": "low"}\n')
+    card = write_report_card(tmp_path / "export")
+    assert card["evaluations"] == {}
+    assert "| (none saved: run `windowgpt eval`) | | |" in (tmp_path / "export" / "report.md").read_text()
+    save_eval_result(tmp_path / "export", {"mode": "standard", "val_bpb": 2.25, "val_loss": 4.0, "seq_len": 128})
+    assert write_report_card(tmp_path / "export")["evaluations"]["standard"]["val_bpb"] == 2.25

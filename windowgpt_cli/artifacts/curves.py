@@ -118,9 +118,10 @@ def plot_runs(paths: list[Path], out: Path) -> Path:
     return write_plot([load_run_curves(p) for p in paths], out)
 
 
-def write_plot(runs: list[RunCurves], out: Path) -> Path:
-    """The runs' curves drawn into out (.png or .html), which may only replace a plot."""
-    claim_file(out, "a plot", is_plot)
+def write_plot(runs: list[RunCurves], out: Path, flag: str = "--out") -> Path:
+    """The runs' curves drawn into out (.png or .html), which may only replace a plot (flag
+    names out in the refusal, as `storage.outputs.claim_file`)."""
+    claim_file(out, "a plot", is_plot, flag=flag)
     fig = draw(runs)
     buffer = io.BytesIO()
     if out.suffix.lower() == ".png":

@@ -16,6 +16,7 @@ from ..challenge import BUDGET_BYTES
 from ..config import PRESETS, preset
 from ..storage.files import atomic_write_json, atomic_write_text, read_json, starts_with
 from ..storage.outputs import claim_file
+from .curves import is_plot, load_run_curves, write_plot
 from .info import flat_settings
 from .inspect import eval_windows_text, inspect_artifact
 
@@ -32,15 +33,22 @@ def card_paths(artifact: Path) -> dict[str, Path]:
 
 
 def write_report_card(artifact: Path, budget: int = BUDGET_BYTES) -> dict[str, Any]:
-    """Write the card's files beside the artifact; returns the JSON card (with `files`)."""
+    """Write the card's files beside the artifact; returns the JSON card (with `files`).
+    Each file is claimed and the card rendered before any is written."""
     paths = card_paths(artifact)
     claim_file(paths["md"], "a report card", is_card_markdown, flag="the report")
     claim_file(paths["json"], "a report card", is_card_json, flag="the report")
     card = build_card(artifact, budget)
+    run_dir = _curves_run(card)
+    if run_dir is not None:
+        claim_file(paths["png"], "a plot", is_plot, flag="the report")
     card["files"] = {"markdown": str(paths["md"]), "json": str(paths["json"]),
-                     "curves": _write_curves(card, paths["png"])}
+                     "curves": str(paths["png"]) if run_dir is not None else None}
+    markdown = render_card(card)
+    if run_dir is not None:
+        write_plot([load_run_curves(run_dir)], paths["png"], flag="the report")
     atomic_write_json(paths["json"], card)
-    atomic_write_text(paths["md"], render_card(card))
+    atomic_write_text(paths["md"], markdown)
     return card
 
 
@@ -72,17 +80,13 @@ def closest_preset(settings: dict[str, Any]) -> tuple[str, dict[str, dict[str, A
     return best
 
 
-def _write_curves(card: dict[str, Any], path: Path) -> str | None:
-    """The run's curves, where the run and matplotlib are there (the plot extra)."""
+def _curves_run(card: dict[str, Any]) -> Path | None:
+    """The run whose curves the card draws: where the run's metrics and matplotlib (the plot
+    extra) are there."""
     run_dir = card["run_dir"]
     if run_dir is None or not (Path(run_dir) / "metrics.jsonl").is_file():
         return None
-    if importlib.util.find_spec("matplotlib") is None:
-        return None
-    from .curves import load_run_curves, write_plot
-
-    write_plot([load_run_curves(Path(run_dir))], path)
-    return str(path)
+    return Path(run_dir) if importlib.util.find_spec("matplotlib") is not None else None
 
 
 def render_card(card: dict[str, Any]) -> str:

@@ -29,15 +29,25 @@ def save_eval_result(artifact: Path, record: dict[str, Any]) -> Path:
 
 
 def find_eval_results(artifact: Path) -> dict[str, dict[str, Any]]:
-    """The saved results of `eval` and `eval-ttt` on this artifact, by mode."""
+    """The saved results of `eval` and `eval-ttt` on this artifact, by mode (a file of
+    another kind where a score would be is not one)."""
     found = {mode: read_json(eval_result_path(artifact, mode)) for mode in EVAL_MODES}
-    return {mode: record for mode, record in found.items() if record is not None}
+    return {mode: record for mode, record in found.items() if _is_score(record, mode)}
+
+
+def _is_score(record: Any, mode: str | None = None) -> bool:
+    """Whether a JSON value is a score as `eval` and `eval-ttt` save it: its mode (the one
+    given, or any) and a val_bpb that is a number."""
+    if not isinstance(record, dict) or record.get("mode") not in ((mode,) if mode else EVAL_MODES):
+        return False
+    bpb = record.get("val_bpb")
+    return isinstance(bpb, (int, float)) and not isinstance(bpb, bool)
 
 
 def is_eval_result(path: Path) -> bool:
     """Whether a file is a score `eval` or `eval-ttt` saved (they may replace it)."""
-    record = read_json(Path(path)) if Path(path).name.endswith(".json") and "eval-" in Path(path).name else None
-    return record is not None and record.get("mode") in EVAL_MODES and "val_bpb" in record
+    path = Path(path)
+    return path.name.endswith(".json") and "eval-" in path.name and _is_score(read_json(path))
 
 
 def claim_eval_result(artifact: Path, mode: str) -> Path:
