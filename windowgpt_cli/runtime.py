@@ -106,6 +106,12 @@ def triton_available(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
+def has_tma(device: torch.device) -> bool:
+    """Whether a CUDA device has the tensor memory accelerator that the persistent product
+    kernels load through: compute capability 9.0 (Hopper) or later."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def run_in_threads(tasks: Iterable[Callable[[], object]], device: torch.device) -> None:
     """Run tasks in parallel threads on `device`, without autograd; for kernel builds, which
     mostly wait on compiler processes, so that their waits overlap. Re-raises a task's error."""

@@ -23,6 +23,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..runtime import has_tma
+
 FLOAT32_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's default epsilon for float32
 NORMALIZE_EPS = 1e-12  # F.normalize's
 # Rows per program: a program per row of a million-row batch would spend its time starting.
@@ -306,7 +308,7 @@ def product_fits(x: Tensor, weight: Tensor, tiles: MatmulTiles) -> bool:
     bf16 operands, x [..., depth] and weight [cols, depth] in whole tiles, a GPU with TMA."""
     return (x.dtype == weight.dtype == torch.bfloat16 and weight.dim() == 2 and x.size(-1) == weight.size(1)
             and weight.size(0) % tiles.block_n == 0 and weight.size(1) % tiles.block_k == 0
-            and (x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (9, 0)))
+            and (x.device.type != "cuda" or has_tma(x.device)))
 
 
 def tma_ready(t: Tensor) -> Tensor:

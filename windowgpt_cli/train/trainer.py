@@ -46,6 +46,7 @@ from ..runtime import (
     compiled,
     device_name,
     enable_fast_math,
+    has_tma,
     phase,
     seed_everything,
     synchronize,
@@ -225,8 +226,7 @@ def fused_loss_on(cfg: RunConfig, device: torch.device) -> bool:
 def fused_mlp_on(cfg: RunConfig, device: torch.device) -> bool:
     """Whether the training step runs the MLP's fused products: asked for, and on a GPU with
     TMA (Hopper or later) with Triton."""
-    return (cfg.train.fused_mlp and triton_available(device)
-            and torch.cuda.get_device_capability(device) >= (9, 0))
+    return cfg.train.fused_mlp and triton_available(device) and has_tma(device)
 
 
 def micro_batches_per_pass_for(cfg: RunConfig, world_size: int, accum: int, device: torch.device) -> int:
