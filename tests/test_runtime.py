@@ -8,6 +8,7 @@ import torch
 
 from windowgpt_cli.config import CHOICES
 from windowgpt_cli.runtime import (
+    MIX_ORDER_OFF,
     ONE_PASS_OPTIONS,
     TUNING_OPTIONS,
     compiled,
@@ -46,6 +47,20 @@ def test_each_compile_tuning_names_settings_inductor_has():
         for key in options:
             assert hasattr(inductor, key), key
     assert TUNING_OPTIONS["full"]["coordinate_descent_tuning"] is True
+
+
+def test_mix_order_off_joins_every_other_option_and_names_a_setting_inductor_has():
+    import torch._inductor.config as inductor
+
+    assert compiled(scaled_tanh_plus_square, mix_order=False).options == MIX_ORDER_OFF
+    gemm = compiled(scaled_tanh_plus_square, tuning="gemm", mix_order=False).options
+    assert gemm == {**TUNING_OPTIONS["gemm"], **MIX_ORDER_OFF}
+    assert compiled(scaled_tanh_plus_square, autotune=False, mix_order=False).options == {
+        **ONE_PASS_OPTIONS, **MIX_ORDER_OFF}
+    for key, value in MIX_ORDER_OFF.items():  # a dotted name: a setting of one of Inductor's sections
+        section, name = key.split(".")
+        assert isinstance(getattr(getattr(inductor, section), name), bool) and value is False
+    assert TUNING_OPTIONS["gemm"].keys().isdisjoint(MIX_ORDER_OFF)  # the shared dicts stay unchanged
 
 
 def test_the_device_starts_beside_the_block_and_its_failure_is_raised():

@@ -208,6 +208,11 @@ class TrainConfig:
                                              "work around a chosen template into it) or full (gemm, and "
                                              "coordinate-descent tuning of every kernel): a longer warm-up, "
                                              "possibly a faster step.")
+    compile_mix_order: bool = setting(True, "Let torch.compile fuse a reduction along each row (a norm's "
+                                            "backward) with the per-channel sums over the same rows (scale, mix "
+                                            "and gate gradients) into one kernel; off: the sums as kernels of "
+                                            "their own (where many tensors meet, as in the parallel lanes' "
+                                            "backward, the fused kernel can spill its registers).")
     sample_every: int = setting(0, "Log a short greedy sample every N steps; 0 = never.")
     sample_prompt: str = setting("The", "The prompt of those samples.")
     logger: str = setting("none", "Also send the metrics to: none, tensorboard or wandb.")
@@ -576,8 +581,8 @@ def grad_accum_steps_for(cfg: RunConfig, world_size: int) -> int:
 
 # Settings that a resumed run may change: where its data lies and how it runs, never what it computes.
 RESUMABLE_SETTINGS = ("data_path", "tokenizer_path", "tokenizer_meta_path", "device", "cpu_threads", "attn_backend",
-                      "compile", "compile_tuning", "micro_batches_per_pass", "sample_every", "sample_prompt", "logger",
-                      "keep_checkpoints")
+                      "compile", "compile_tuning", "compile_mix_order", "micro_batches_per_pass", "sample_every",
+                      "sample_prompt", "logger", "keep_checkpoints")
 
 
 # --- Presets ----------------------------------------------------------------------------

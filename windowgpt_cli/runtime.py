@@ -68,6 +68,13 @@ TUNING_OPTIONS: dict[str, dict | None] = {
              "coordinate_descent_tuning": True},
 }
 
+# Inductor fuses a reduction along each row (a norm's backward) with sums along the columns of
+# the same rows (per-channel gradients) into one "mix-order" kernel, each program walking its
+# rows one at a time. Where many tensors meet (the parallel lanes' backward), one such kernel
+# can read some thirty of them and spill its registers; off, the column sums get kernels of
+# their own.
+MIX_ORDER_OFF = {"triton.mix_order_reduction": False}
+
 
 class _Compiled:
     """fn compiled into one static graph, as the reference compiles its model. Should this
@@ -92,13 +99,17 @@ class _Compiled:
         return out
 
 
-def compiled(fn, enabled: bool = True, *, autotune: bool = True, tuning: str = "default"):
+def compiled(fn, enabled: bool = True, *, autotune: bool = True, tuning: str = "default", mix_order: bool = True):
     """torch.compile with static shapes (one graph per shape) when enabled, else fn.
     autotune=False suits a graph that runs over the data once (see ONE_PASS_OPTIONS);
-    tuning names TUNING_OPTIONS' settings, for graphs that run many times."""
+    tuning names TUNING_OPTIONS' settings, for graphs that run many times; mix_order=False
+    keeps Inductor from fusing a reduction along rows with one along columns (MIX_ORDER_OFF)."""
     if not enabled:
         return fn
-    return _Compiled(fn, TUNING_OPTIONS[tuning] if autotune else ONE_PASS_OPTIONS)
+    options = dict((TUNING_OPTIONS[tuning] if autotune else ONE_PASS_OPTIONS) or {})
+    if not mix_order:
+        options.update(MIX_ORDER_OFF)
+    return _Compiled(fn, options or None)
 
 
 def triton_available(device: torch.device) -> bool:
