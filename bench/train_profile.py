@@ -241,6 +241,8 @@ def profile_training(cfg, steps: int, timed_steps: int, trace: Path) -> tuple[fl
                     trainer.train_step(prefetcher.next, 1.0)
                 synchronize(ctx.device)
                 wall_ms = 1000.0 * (time.perf_counter() - t0) / max(timed_steps, 1)
+                print(f"warm-up {warm_up_s:.1f} s; step {wall_ms:.1f} ms over {timed_steps} steps; profiling",
+                      flush=True)
                 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
                 with profile(activities=activities) as prof:
                     for _ in range(steps):

@@ -12,6 +12,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import compare_logs  # noqa: E402
+import mix_order_kernels  # noqa: E402
 import reference_seed  # noqa: E402
 import train_profile  # noqa: E402
 import train_variants  # noqa: E402
@@ -227,3 +228,49 @@ def test_the_variants_table_sets_profiles_side_by_side(tmp_path):
     against_fused = train_variants.table(train_variants.profiles(tmp_path), "fused").splitlines()
     assert against_fused[2] == "| base | 100.0 | 1.250 | 50.0 | 30.0 |"
 
+
+
+# --- mix_order_kernels ------------------------------------------------------------------------
+
+def kernel_meta_line(name: str, grid: str, loads: int) -> str:
+    """One kernel's metadata line as TORCH_LOGS=output_code prints it, with the log's prefix."""
+    return (f"V1202 23:56:23.036000 745 torch/_inductor/graph.py:2552] [0/0] [__output_code]     "
+            f"inductor_meta={{'grid_type': '{grid}', 'autotune_hints': set(), 'kernel_name': '{name}', "
+            f"'mutated_arg_names': [], 'num_load': {loads}, 'num_store': 2}}\n")
+
+
+def kernel_event(name: str, us: float) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": 0.0, "dur": us}
+
+
+def test_the_mix_order_kernels_are_listed_with_their_loads_calls_and_time(tmp_path, capsys):
+    import gzip
+
+    code = tmp_path / "code.log"
+    code.write_text("def triton_per_fused_a(in_ptr0):\n"
+                    + kernel_meta_line("triton_per_fused_a", "MixOrderReductionGrid", 29)
+                    + kernel_meta_line("triton_per_fused_b", "MixOrderReductionGrid", 7)
+                    + kernel_meta_line("triton_poi_fused_c", "Grid1D", 3)
+                    + kernel_meta_line("triton_per_fused_unlaunched", "MixOrderReductionGrid", 5))
+    # two profiled steps: a twice per step at 17 ms, b four times at 0.3 ms, c (not mix-order) once
+    events = [kernel_event("triton_per_fused_a", 17_000.0) for _ in range(4)]
+    events += [kernel_event("triton_per_fused_b", 300.0) for _ in range(8)]
+    events += [kernel_event("triton_poi_fused_c", 5_000.0), {"ph": "X", "cat": "cuda_runtime", "name": "launch"}]
+    trace = tmp_path / "trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    out = tmp_path / "mix.json"
+    assert mix_order_kernels.main([str(code), str(trace), "--steps", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["steps"] == 2 and result["total_ms"] == pytest.approx(34.0 + 1.2)
+    assert result["kernels"] == [
+        {"name": "triton_per_fused_a", "loads": 29, "calls": 2, "ms": 34.0, "ms_per_call": 17.0},
+        {"name": "triton_per_fused_b", "loads": 7, "calls": 4, "ms": 1.2, "ms_per_call": 0.3}]
+    assert "2 mix-order kernels, 35.2 ms per step" in capsys.readouterr().out
+
+
+def test_the_mix_order_listing_says_which_file_is_missing(tmp_path, capsys):
+    code = tmp_path / "code.log"
+    code.write_text("")
+    assert mix_order_kernels.main([str(code), str(tmp_path / "trace.json")]) == 1
+    assert "trace.json: no such file" in capsys.readouterr().err
