@@ -13,6 +13,7 @@ from windowgpt_cli.runtime import (
     TUNING_OPTIONS,
     compiled,
     device_started_meanwhile,
+    inductor_has,
     threads_meanwhile,
 )
 
@@ -37,15 +38,13 @@ def test_one_pass_compilation_turns_autotuning_off_and_computes_the_same():
 def test_each_compile_tuning_names_settings_inductor_has():
     """The training step's --compile-tuning choices: default leaves Inductor's settings alone;
     the others set options that this torch's Inductor knows, so torch.compile accepts them."""
-    import torch._inductor.config as inductor
-
     assert set(TUNING_OPTIONS) == set(CHOICES["compile_tuning"])
     assert compiled(scaled_tanh_plus_square, tuning="default").options is None
     for name in ("gemm", "full"):
         options = compiled(scaled_tanh_plus_square, tuning=name).options
         assert options["max_autotune_gemm"] is True and "TRITON" in options["max_autotune_gemm_backends"]
         for key in options:
-            assert hasattr(inductor, key), key
+            assert inductor_has(key), key
     assert TUNING_OPTIONS["full"]["coordinate_descent_tuning"] is True
 
 
@@ -60,7 +59,19 @@ def test_mix_order_off_joins_every_other_option_and_names_a_setting_inductor_has
     for key, value in MIX_ORDER_OFF.items():  # a dotted name: a setting of one of Inductor's sections
         section, name = key.split(".")
         assert isinstance(getattr(getattr(inductor, section), name), bool) and value is False
+        assert inductor_has(key)
     assert TUNING_OPTIONS["gemm"].keys().isdisjoint(MIX_ORDER_OFF)  # the shared dicts stay unchanged
+    assert inductor_has("max_autotune_gemm") and not inductor_has("triton.no_such_setting")
+    assert not inductor_has("no_such_section.mix_order_reduction")
+
+
+def test_without_mix_order_reductions_in_inductor_turning_them_off_sets_nothing(monkeypatch):
+    """An older torch's Inductor has no such setting, and torch.compile would refuse it."""
+    from windowgpt_cli import runtime
+
+    monkeypatch.setattr(runtime, "inductor_has", lambda key: False)
+    assert compiled(scaled_tanh_plus_square, mix_order=False).options is None
+    assert compiled(scaled_tanh_plus_square, tuning="gemm", mix_order=False).options == TUNING_OPTIONS["gemm"]
 
 
 def test_the_device_starts_beside_the_block_and_its_failure_is_raised():

@@ -107,9 +107,20 @@ def compiled(fn, enabled: bool = True, *, autotune: bool = True, tuning: str = "
     if not enabled:
         return fn
     options = dict((TUNING_OPTIONS[tuning] if autotune else ONE_PASS_OPTIONS) or {})
-    if not mix_order:
-        options.update(MIX_ORDER_OFF)
+    if not mix_order:  # an older Inductor has no such setting, and fuses no such kernels
+        options.update({key: value for key, value in MIX_ORDER_OFF.items() if inductor_has(key)})
     return _Compiled(fn, options or None)
+
+
+def inductor_has(key: str) -> bool:
+    """Whether this torch's Inductor has the setting `key` ("section.name" or "name"), which
+    torch.compile's options may then set."""
+    import torch._inductor.config as inductor
+
+    *sections, name = key.split(".")
+    for section in sections:
+        inductor = getattr(inductor, section, None)
+    return inductor is not None and hasattr(inductor, name)
 
 
 def triton_available(device: torch.device) -> bool:
