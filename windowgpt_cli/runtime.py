@@ -70,9 +70,9 @@ TUNING_OPTIONS: dict[str, dict | None] = {
 
 # Inductor fuses a reduction along each row (a norm's backward) with sums along the columns of
 # the same rows (per-channel gradients) into one "mix-order" kernel, each program walking its
-# rows one at a time. Where many tensors meet (the parallel lanes' backward), one such kernel
-# can read some thirty of them and spill its registers; off, the column sums get kernels of
-# their own.
+# rows one at a time. Where many tensors meet (the parallel lanes' backward), torch 2.11 makes
+# one such kernel with some thirty loads, where later Inductors stop at ten because its
+# registers spill (pytorch/pytorch#179423); off, the column sums get kernels of their own.
 MIX_ORDER_OFF = {"triton.mix_order_reduction": False}
 
 
