@@ -16,7 +16,7 @@ Newton-Schulz's matrix products count as Muon), the kernel's name for forward an
 Prints, per step: each category's GPU time (ms and % of the step's wall time), the
 kernels' summed time, the GPU's busy time (the union of its kernels' intervals: streams may
 overlap) and the host gaps (wall time minus busy time), then the --top longest kernels of
-each category. --json PATH writes the same as JSON; --trace PATH keeps the profiler's
+each category with their calls per step. --json PATH writes the same as JSON; --trace PATH keeps the profiler's
 Chrome trace (open it in Perfetto). Run it on one GPU (CUDA_VISIBLE_DEVICES=0); the
 communication category is then empty.
 """
@@ -165,6 +165,7 @@ def breakdown(events: list[dict[str, Any]], step_wall_ms: float, top: int = 3) -
     phase_starts, step_starts = [p[0] for p in phases], [s[0] for s in steps]
     per_category: dict[str, float] = defaultdict(float)
     per_kernel: dict[tuple[str, str], float] = defaultdict(float)
+    launches: dict[tuple[str, str], int] = defaultdict(int)
     intervals = []
     for a in device_activities(events):
         if range_at(steps, step_starts, a.launched) is None:
@@ -172,6 +173,7 @@ def breakdown(events: list[dict[str, Any]], step_wall_ms: float, top: int = 3) -
         category = classify(a.name, range_at(phases, phase_starts, a.launched), a.kind)
         per_category[category] += a.duration
         per_kernel[(category, a.name)] += a.duration
+        launches[(category, a.name)] += 1
         intervals.append((a.start, a.start + a.duration))
     n = len(steps)
     busy_ms = busy_time(intervals) / 1000.0 / n
@@ -179,8 +181,8 @@ def breakdown(events: list[dict[str, Any]], step_wall_ms: float, top: int = 3) -
     categories[HOST_GAPS] = round(max(step_wall_ms - busy_ms, 0.0), 3)
     longest: dict[str, list[list[Any]]] = defaultdict(list)
     for (category, name), us in sorted(per_kernel.items(), key=lambda item: -item[1]):
-        if len(longest[category]) < top:
-            longest[category].append([name, round(us / 1000.0 / n, 3)])
+        if len(longest[category]) < top:  # a long time over few calls marks a slow kernel
+            longest[category].append([name, round(us / 1000.0 / n, 3), launches[(category, name)] / n])
     return {"steps_profiled": n, "step_wall_ms": round(step_wall_ms, 3), "gpu_busy_ms": round(busy_ms, 3),
             "kernel_sum_ms": round(sum(per_category.values()) / 1000.0 / n, 3),
             "categories_ms": categories, "top_kernels": dict(longest)}
@@ -198,8 +200,14 @@ def table(result: dict[str, Any]) -> str:
               f"{'kernels summed':<44} {result['kernel_sum_ms']:9.2f}"]
     for category, kernels in result["top_kernels"].items():
         lines.append(f"{category}:")
-        lines += [f"  {ms:8.3f} ms  {name[:110]}" for name, ms in kernels]
+        lines += [f"  {kernel[1]:8.3f} ms{_calls(kernel)}  {kernel[0][:100]}" for kernel in kernels]
     return "\n".join(lines)
+
+
+def _calls(kernel: list[Any]) -> str:
+    """ " in N calls" for a top kernel [name, ms, calls per step] (profiles written before
+    the count have none)."""
+    return f" in {kernel[2]:g} calls" if len(kernel) > 2 else ""
 
 
 # --- the run -----------------------------------------------------------------------------

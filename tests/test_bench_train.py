@@ -189,8 +189,11 @@ def test_the_breakdown_attributes_kernels_by_their_launch_phase():
     assert result["kernel_sum_ms"] == 0.455
     assert result["gpu_busy_ms"] == 0.415  # 20..800 and 1200..1250 µs, over 2 steps
     assert ms["host_gaps"] == pytest.approx(0.5 - 0.415)
-    assert result["top_kernels"]["matmul"] == [["nvjet_tst_128x256", 0.1]]
-    assert "host gaps" in train_profile.table(result)
+    assert result["top_kernels"]["matmul"] == [["nvjet_tst_128x256", 0.1, 0.5]]  # one call over two steps
+    text = train_profile.table(result)
+    assert "host gaps" in text and "0.100 ms in 0.5 calls  nvjet_tst_128x256" in text
+    result["top_kernels"]["matmul"] = [["nvjet_tst_128x256", 0.1]]  # as profiles written before the count
+    assert "0.100 ms  nvjet_tst_128x256" in train_profile.table(result)
 
 
 @pytest.mark.slow
