@@ -16,9 +16,9 @@ Newton-Schulz's matrix products count as Muon), the kernel's name for forward an
 Prints, per step: each category's GPU time (ms and % of the step's wall time), the
 kernels' summed time, the GPU's busy time (the union of its kernels' intervals: streams may
 overlap) and the host gaps (wall time minus busy time), then the --top longest kernels of
-each category with their calls per step. --json PATH writes the same as JSON; --trace PATH keeps the profiler's
-Chrome trace (open it in Perfetto). Run it on one GPU (CUDA_VISIBLE_DEVICES=0); the
-communication category is then empty.
+each category with their calls per step. --json PATH writes the same as JSON; --trace PATH
+keeps the profiler's Chrome trace (open it in Perfetto). Run it on one GPU
+(CUDA_VISIBLE_DEVICES=0); the communication category is then empty.
 """
 from __future__ import annotations
 
