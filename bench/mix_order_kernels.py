@@ -25,6 +25,12 @@ from pathlib import Path
 from typing import Any, Iterable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from train_profile import device_activities  # noqa: E402
+from windowgpt_cli.errors import OutputRefused  # noqa: E402
+from windowgpt_cli.storage.files import atomic_write_json  # noqa: E402
+from windowgpt_cli.storage.outputs import check_apart  # noqa: E402
 
 MIX_ORDER_GRID = "'grid_type': 'MixOrderReductionGrid'"
 KERNEL_NAME = re.compile(r"'kernel_name': '([^']+)'")
@@ -47,9 +53,9 @@ def mix_order_kernels(code_lines: Iterable[str]) -> dict[str, int]:
 def kernel_times(events: list[dict[str, Any]]) -> dict[str, list[float]]:
     """Each GPU kernel's durations (µs) in a Chrome trace's events."""
     times: dict[str, list[float]] = defaultdict(list)
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "kernel":
-            times[e["name"]].append(float(e.get("dur", 0.0)))
+    for activity in device_activities(events):
+        if activity.kind == "kernel":
+            times[activity.name].append(activity.duration)
     return times
 
 
@@ -98,13 +104,26 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     if args.steps < 1:
         parser.error("--steps must be at least 1")
-    with open_text(args.code_log) as f:
-        kernels = mix_order_kernels(f)
-    result = summary(kernels, kernel_times(read_trace(args.trace)), args.steps)
+    try:
+        if args.json:
+            check_apart(args.json, [args.code_log, args.trace], flag="--json")
+    except OutputRefused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        with open_text(args.code_log) as f:
+            kernels = mix_order_kernels(f)
+    except (OSError, EOFError):
+        print(f"error: {args.code_log}: not readable as text or its gzip", file=sys.stderr)
+        return 1
+    try:
+        events = read_trace(args.trace)
+    except (OSError, EOFError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        print(f"error: {args.trace}: not a profiler's Chrome trace (JSON with traceEvents)", file=sys.stderr)
+        return 1
+    result = summary(kernels, kernel_times(events), args.steps)
     print(table(result))
     if args.json:
-        from windowgpt_cli.storage.files import atomic_write_json
-
         atomic_write_json(args.json, result)
         print(f"wrote {args.json}")
     return 0

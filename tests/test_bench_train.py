@@ -272,8 +272,14 @@ def test_the_mix_order_kernels_are_listed_with_their_loads_calls_and_time(tmp_pa
     assert "2 mix-order kernels, 35.2 ms per step" in capsys.readouterr().out
 
 
-def test_the_mix_order_listing_says_which_file_is_missing(tmp_path, capsys):
-    code = tmp_path / "code.log"
+def test_the_mix_order_listing_refuses_a_missing_or_bad_input_and_its_input_as_output(tmp_path, capsys):
+    code, trace = tmp_path / "code.log", tmp_path / "trace.json"
     code.write_text("")
-    assert mix_order_kernels.main([str(code), str(tmp_path / "trace.json")]) == 1
+    assert mix_order_kernels.main([str(code), str(trace)]) == 1
     assert "trace.json: no such file" in capsys.readouterr().err
+    trace.write_text('{"traceEvents": [')  # cut short
+    assert mix_order_kernels.main([str(code), str(trace)]) == 1
+    assert "trace.json: not a profiler's Chrome trace" in capsys.readouterr().err
+    trace.write_text('{"traceEvents": []}')
+    assert mix_order_kernels.main([str(code), str(trace), "--json", str(trace)]) == 1
+    assert "--json" in capsys.readouterr().err and trace.read_text() == '{"traceEvents": []}'
