@@ -45,6 +45,20 @@ def test_the_kernels_give_torchs_losses_and_gradients(vocab, dtype):
     assert (grad.float() - want_grad.float()).abs().max() <= tol * want_grad.float().abs().max()
 
 
+def test_rows_with_an_ignored_target_add_no_loss_and_no_gradient():
+    """Targets of -100 (the rows that pad a batch) as F.cross_entropy's ignore_index: loss 0,
+    gradient 0, the other rows as before; no read outside the logits."""
+    g = torch.Generator().manual_seed(8)
+    logits = 40 * torch.randn(11, 1500, generator=g)
+    targets = torch.randint(0, 1500, (11,), generator=g)
+    targets[[0, 4, 10]] = -100
+    loss, grad = losses_and_grads(lambda x, t: softcap_cross_entropy(x, t, CAP), logits, targets)
+    want_loss, want_grad = losses_and_grads(torch_loss, logits, targets)
+    assert torch.equal(loss[[0, 4, 10]], torch.zeros(3)) and torch.equal(grad[[0, 4, 10]], torch.zeros(3, 1500))
+    assert torch.allclose(loss, want_loss, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(grad, want_grad, atol=1e-6)
+
+
 def test_inside_a_compiled_function_the_op_stays_one_graph():
     from torch._dynamo.testing import CompileCounter
 
@@ -60,13 +74,17 @@ def test_inside_a_compiled_function_the_op_stays_one_graph():
     assert torch.allclose(grad, want_grad, atol=1e-6)
 
 
-def test_the_models_fused_loss_trains_as_its_torch_loss():
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_models_fused_loss_trains_as_its_torch_loss(padded):
     """The model's training loss with fused_loss, compiled whole (one graph), against its
-    torch loss: the same loss and the same gradient for every parameter."""
+    torch loss: the same loss and the same gradient for every parameter; with a row of
+    ignored targets (padded), the mean over the others, as F.cross_entropy's."""
     from torch._dynamo.testing import CompileCounter
 
     x = torch.randint(0, 1024, (2, 40), generator=torch.Generator().manual_seed(5))
     y = torch.randint(0, 1024, (2, 40), generator=torch.Generator().manual_seed(6))
+    if padded:
+        y[1] = -100
     counter = CompileCounter()
     torch._dynamo.reset()
     results = []
@@ -81,6 +99,22 @@ def test_the_models_fused_loss_trains_as_its_torch_loss():
     assert torch.allclose(plain, fused, atol=1e-5) and plain_grads.keys() == fused_grads.keys()
     for name, grad in plain_grads.items():
         assert torch.allclose(fused_grads[name], grad, atol=1e-6, rtol=1e-4), name
+
+
+def test_a_training_graph_with_the_fused_loss_validates_as_one_without(eval_model, eval_val_tokens, eval_luts):
+    """Validation through the training forward pads its last batch with ignored targets:
+    with the fused loss it scores what the torch loss scores."""
+    from windowgpt_cli.eval.scoring import evaluate_standard
+
+    val = eval_val_tokens[: ((eval_val_tokens.numel() - 1) // 128) * 128 + 1]
+    results = []
+    for fused in (False, True):
+        eval_model.fused_loss = fused
+        results.append(evaluate_standard(eval_model, val, eval_luts, seq_len=128, batch_tokens=3 * 128,
+                                         device=torch.device("cpu"), training_graph=True))
+    plain, fused = results
+    assert (val.numel() - 1) // 128 % 3 != 0  # the last batch is padded
+    assert fused.tokens == plain.tokens and fused.val_bpb == pytest.approx(plain.val_bpb, rel=1e-5)
 
 
 def test_the_op_refuses_misshapen_inputs():

@@ -6,7 +6,9 @@ separate steps, the logits' rows are read and written several times (the cap, th
 log-sum-exp, the gradient); here the forward reads each row once (an online log-sum-exp over
 blocks of the vocabulary) and keeps only the loss and the log-sum-exp per row, and the
 backward reads each row once more and writes its gradient. Everything is computed in
-float32 from the stored logits; the gradient is rounded once, to the logits' dtype.
+float32 from the stored logits; the gradient is rounded once, to the logits' dtype. A row
+whose target is negative (F.cross_entropy's ignore_index, -100: the rows that pad a batch)
+is ignored as torch ignores it: loss 0, gradient 0.
 Importing this module imports Triton.
 """
 from __future__ import annotations
@@ -45,19 +47,21 @@ def _cross_entropy_forward_kernel(logits_ptr, targets_ptr, loss_ptr, lse_ptr, ro
     top = tl.max(running_max, axis=0)
     lse = top + tl.log(tl.sum(running_sum * tl.exp(running_max - top), axis=0))
     target = tl.load(targets_ptr + row)
-    z_target = _capped(tl.load(base + target).to(tl.float32), cap)
-    tl.store(loss_ptr + row, lse - z_target)
+    scored = target >= 0
+    z_target = _capped(tl.load(base + tl.where(scored, target, 0)).to(tl.float32), cap)
+    tl.store(loss_ptr + row, tl.where(scored, lse - z_target, 0.0))
     tl.store(lse_ptr + row, lse)
 
 
 @triton.jit
 def _cross_entropy_backward_kernel(grad_loss_ptr, logits_ptr, targets_ptr, lse_ptr, grad_ptr, row_stride,
                                    grad_row_stride, vocab, cap, BLOCK: tl.constexpr):
-    """d loss / d logits = g (softmax(z) - onehot(target)) (1 - (z / cap)^2), z the capped logits."""
+    """d loss / d logits = g (softmax(z) - onehot(target)) (1 - (z / cap)^2), z the capped
+    logits; 0 where the target is ignored."""
     row = tl.program_id(0).to(tl.int64)
-    g = tl.load(grad_loss_ptr + row)
     lse = tl.load(lse_ptr + row)
     target = tl.load(targets_ptr + row)
+    g = tl.where(target >= 0, tl.load(grad_loss_ptr + row), 0.0)
     for start in range(0, vocab, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         live = cols < vocab
@@ -132,7 +136,8 @@ _loss_op.register_autograd(_loss_grads, setup_context=_save_for_backward)
 
 def softcap_cross_entropy(logits: Tensor, targets: Tensor, cap: float) -> Tensor:
     """Per-row cross-entropy [N] (float32) of cap * tanh(logits / cap) for logits [N, V]
-    (any float dtype, rows contiguous) and targets [N]; differentiable in logits."""
+    (any float dtype, rows contiguous) and targets [N]; differentiable in logits. A row with
+    a negative target is ignored: its loss is 0 and so is its gradient."""
     if logits.ndim != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"logits [N, V] and targets [N]: got {tuple(logits.shape)} and {tuple(targets.shape)}")
     if logits.stride(1) != 1:

@@ -684,7 +684,9 @@ class GPT(nn.Module):
         if self.fused_loss:
             from ..kernels.cross_entropy import softcap_cross_entropy  # imports Triton: only when used
 
-            return softcap_cross_entropy(self._head(hidden), target_ids.reshape(-1), self.cfg.logit_softcap).mean()
+            targets = target_ids.reshape(-1)
+            losses = softcap_cross_entropy(self._head(hidden), targets, self.cfg.logit_softcap)
+            return losses.sum() / (targets >= 0).sum()  # F.cross_entropy's mean: over the targets not ignored
         logits = self.logits(hidden, ops)
         return F.cross_entropy(logits.float(), target_ids.reshape(-1), reduction="mean")
 
