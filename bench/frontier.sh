@@ -7,8 +7,8 @@
 # --vocab-size 8192` on the training split for the others (bits per byte compare across
 # tokenizers).
 #   RUNS (default: all, in this order)  default frontier frontier_sp1024 frontier_no_recur
-#                                       frontier_no_parallel; on request also frontier_no_mix
-#                                       (the preset compiled with --no-compile-mix-order)
+#                                       frontier_no_parallel; on request also frontier_mix_order
+#                                       (the preset compiled with Inductor's mix-order reductions)
 #   TRAIN_FLAGS                         more train flags for every run (a smaller model to
 #                                       check the script on a CPU)
 #   SLIDING_UNQUANTIZED=1               also score the unquantized export (the quantization's
@@ -46,7 +46,7 @@ flags_for() {  # NAME -> its train flags, one a line
     frontier_sp1024) printf '%s\n' --preset frontier --vocab-size 1024 ;;
     frontier_no_recur) printf '%s\n' --preset frontier --recur-layers "" --recur-count 1 ;;
     frontier_no_parallel) printf '%s\n' --preset frontier --parallel-start-layer 0 ;;
-    frontier_no_mix) printf '%s\n' --preset frontier --no-compile-mix-order ;;
+    frontier_mix_order) printf '%s\n' --preset frontier --compile-mix-order ;;
     *) echo "unknown run $1" >&2; return 1 ;;
   esac
 }

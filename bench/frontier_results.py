@@ -85,7 +85,8 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, r in runs.items():
         delta = f"{r['val_bpb'] - base:+.4f}" if base is not None else "n/a"
-        print(f"| {name} | {r['steps']} | {r['ms_per_step']:.1f} | {r['pre_quant_val_bpb']:.4f} | "
+        pre_quant = f"{r['pre_quant_val_bpb']:.4f}" if r.get("pre_quant_val_bpb") is not None else ""
+        print(f"| {name} | {r['steps']} | {r['ms_per_step']:.1f} | {pre_quant} | "
               f"{r['val_bpb']:.5f} | {delta} | {r['total_bytes']:,} |")
 
 

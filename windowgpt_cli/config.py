@@ -626,7 +626,7 @@ def frontier_preset() -> RunConfig:
         optim=OptimConfig(matrix_lr=0.026, tied_embed_lr=0.03, scalar_lr=0.02, beta2=0.99, grad_clip_norm=0.3,
                           muon_ns_coefficients="polar_express"),
         train=TrainConfig(warmup_steps=20, ema_decay=0.9965, warmdown_fraction=0.85, min_lr_fraction=0.1,
-                          recur_start_fraction=0.35, fused_cross_entropy=True),
+                          recur_start_fraction=0.35, fused_cross_entropy=True, compile_mix_order=False),
         quant=QuantConfig(use_gptq=True, gptq_calib_samples=16, gptq_reserve_seconds=4.0, quant_embed_bits=7,
                           quant_gptq_embed=True, quant_mlp_clip_sigmas=11.5, quant_attn_clip_sigmas=13.0,
                           quant_embed_clip_sigmas=14.0, quant_gates_int8=True, quant_lqer_rank=4, quant_lqer_top_k=3,
