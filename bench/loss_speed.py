@@ -1,14 +1,18 @@
 """Whether the fused soft-capped cross-entropy pays (`train --fused-cross-entropy`): the loss
 and its gradient for one pass of a training step's logits, through `kernels.cross_entropy`
-against the soft cap and cross-entropy as torch.compile fuses them.
+against the soft cap and cross-entropy as torch.compile fuses them. With --chunk-rows, the
+output layer's product too, and `train --loss-chunk-rows` (the product and the loss over
+chunks of rows in one op) beside them.
 
     python bench/loss_speed.py [--rows 196608] [--vocab 1024,8192] [--repeats 20] [--json PATH]
+                               [--chunk-rows 4096,16384 [--dim 512]]
 
 rows: the tokens of one forward pass (the record's step of 786,432 tokens runs as four
-passes of two micro-batches on one H200). For each vocabulary: both ways' milliseconds
-(forward and backward, the median of `repeats`), their ratio, the bytes of the bf16 logits,
-and the largest differences of loss and gradient. Prints one JSON object per line; --json
-writes them all to one file.
+passes of two micro-batches on one H200). For each vocabulary: each way's milliseconds
+(forward and backward, the median of `repeats`), the ratios to the compiled way's, the bytes
+of the bf16 logits, and the largest differences of loss and gradient; with --chunk-rows also
+each way's peak memory above its inputs. Prints one JSON object per line; --json writes them
+all to one file.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.fused_products import milliseconds  # noqa: E402
-from windowgpt_cli.kernels.cross_entropy import softcap_cross_entropy  # noqa: E402
+from windowgpt_cli.kernels.cross_entropy import head_softcap_cross_entropy, softcap_cross_entropy  # noqa: E402
 
 CAP = 30.0
 
@@ -60,18 +64,61 @@ def measure(rows: int, vocab: int, repeats: int) -> dict:
     return result
 
 
+def measure_with_head(rows: int, vocab: int, dim: int, chunks: list[int], repeats: int) -> dict:
+    """The output layer's product and the loss, forward and backward, three ways: compiled by
+    torch.compile, with the fused loss, and over chunks of rows for each of `chunks`."""
+    g = torch.Generator(device="cuda").manual_seed(vocab)
+    hidden = torch.randn(rows, dim, device="cuda", generator=g).bfloat16().requires_grad_(True)
+    weight = (torch.randn(vocab, dim, device="cuda", generator=g) / 4).bfloat16().requires_grad_(True)
+    targets = torch.randint(0, vocab, (rows,), device="cuda", generator=g)
+    ways = {"compiled": lambda h, w: torch_loss(h @ w.t(), targets),
+            "fused": lambda h, w: fused_loss(h @ w.t(), targets)}
+    ways |= {f"chunked_{n}": (lambda h, w, n=n: head_softcap_cross_entropy(h, w, targets, CAP, n) / rows)
+             for n in chunks}
+    result: dict = {"rows": rows, "vocab": vocab, "dim": dim, "logits_bytes": rows * vocab * 2}
+    outputs = {}
+    for name, way in ways.items():
+        fn = torch.compile(way, dynamic=False)
+
+        def step() -> None:
+            hidden.grad = weight.grad = None
+            fn(hidden, weight).backward()
+
+        result[f"{name}_ms"] = round(milliseconds(step, repeats), 3)
+        hidden.grad = weight.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = fn(hidden, weight)
+        loss.backward()
+        result[f"{name}_peak_bytes"] = torch.cuda.max_memory_allocated() - base
+        outputs[name] = (loss.detach().float(), hidden.grad.float(), weight.grad.float())
+    for name in ways:
+        result[f"{name}_ratio"] = round(result[f"{name}_ms"] / result["compiled_ms"], 3)
+        loss, grad_h, grad_w = outputs[name]
+        want, want_h, want_w = outputs["compiled"]
+        result[f"{name}_differences"] = [float((loss - want).abs()), float((grad_h - want_h).abs().max()),
+                                         float((grad_w - want_w).abs().max())]
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=196_608)
     parser.add_argument("--vocab", default="1024,8192")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--chunk-rows", help="comma-separated chunk sizes: time the output layer with the loss")
+    parser.add_argument("--dim", type=int, default=512, help="the output layer's input width (with --chunk-rows)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/loss_speed.py needs a CUDA GPU")
+    chunks = [int(n) for n in args.chunk_rows.split(",")] if args.chunk_rows else None
     rows = []
     for vocab in (int(v) for v in args.vocab.split(",")):
-        rows.append({"gpu": torch.cuda.get_device_name(0), **measure(args.rows, vocab, args.repeats)})
+        figures = (measure_with_head(args.rows, vocab, args.dim, chunks, args.repeats) if chunks
+                   else measure(args.rows, vocab, args.repeats))
+        rows.append({"gpu": torch.cuda.get_device_name(0), **figures})
         print(json.dumps(rows[-1]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")

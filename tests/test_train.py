@@ -306,6 +306,13 @@ def test_micro_batches_per_pass_fit_the_gpu_memory_and_divide_the_step(monkeypat
     assert micro_batches_per_pass_for(big_vocab, 1, 8, cuda) == 2
     big_vocab.train.fused_cross_entropy = True
     assert micro_batches_per_pass_for(big_vocab, 1, 8, cuda) == 4
+    # over chunks of rows no logits are kept: all eight fit where the fused loss's four do
+    memory = int(8 * training_bytes_per_token(big_vocab.model, True, True) * cfg.train.train_batch_tokens // 8
+                 / TRAIN_MEMORY_FRACTION) + 1
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=memory))
+    assert micro_batches_per_pass_for(big_vocab, 1, 8, cuda) == 4
+    big_vocab.train.loss_chunk_rows = 4096
+    assert micro_batches_per_pass_for(big_vocab, 1, 8, cuda) == 8
     cfg.train.micro_batches_per_pass = 3
     with pytest.raises(ConfigError, match="must divide grad_accum_steps=8"):
         micro_batches_per_pass_for(cfg, 1, 8, cuda)

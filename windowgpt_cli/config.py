@@ -175,6 +175,10 @@ class TrainConfig:
     fused_cross_entropy: bool = setting(False, "The training loss's soft cap and cross-entropy as one Triton "
                                                 "kernel forward and one backward (CUDA), each reading the logits "
                                                 "once; off: as torch.compile fuses them.")
+    loss_chunk_rows: int = setting(0, "The output layer's product, the soft-capped cross-entropy and their "
+                                      "gradients in one op, this many rows at a time (the fused "
+                                      "cross-entropy's kernels; CUDA), so that the logits of a whole batch are "
+                                      "never stored; 0 = the logits whole.")
     fused_mlp: bool = setting(False, "The MLP's LeakyReLU² in the epilogues of the training step's products "
                                      "(Triton; Hopper or later): the activation as the up product is stored, "
                                      "its derivative as the gradient comes back through the down product; off: "
@@ -670,7 +674,7 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "seed": (0, 2**32 - 1), "data_seed": (-1, 2**64 - 1), "iterations": (0, INT_MAX), "warmdown_iters": (0, INT_MAX),
     "warmup_steps": (0, INT_MAX), "train_batch_tokens": (1, 1 << 40), "train_seq_len": (1, 1 << 22),
     "train_seq_len_long": (0, 1 << 22), "num_gpus_long": (0, 1 << 16), "grad_accum_steps": (0, 1 << 16),
-    "micro_batches_per_pass": (0, 1 << 16),
+    "micro_batches_per_pass": (0, 1 << 16), "loss_chunk_rows": (0, 1 << 30),
     "max_wallclock_seconds": (0, None), "val_loss_every": (0, INT_MAX), "train_log_every": (0, INT_MAX),
     "val_batch_size": (1, 1 << 40), "ema_decay": (0, 0.999999999), "warmdown_max_fraction": (1e-9, 1),
     "warmdown_fraction": (0, 1), "min_lr_fraction": (0, 1),

@@ -9,6 +9,9 @@ backward reads each row once more and writes its gradient. Everything is compute
 float32 from the stored logits; the gradient is rounded once, to the logits' dtype. A row
 whose target is negative (F.cross_entropy's ignore_index, -100: the rows that pad a batch)
 is ignored as torch ignores it: loss 0, gradient 0.
+`head_softcap_cross_entropy` goes one step further: the output layer's product and the loss
+over chunks of rows, each chunk's logits made, scored and differentiated while they are
+small, so that the logits of all rows are never stored.
 Importing this module imports Triton.
 """
 from __future__ import annotations
@@ -143,3 +146,69 @@ def softcap_cross_entropy(logits: Tensor, targets: Tensor, cap: float) -> Tensor
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     return _loss_op(logits, targets.to(torch.int64).contiguous(), float(cap))[0]
+
+
+# --- The output layer and the loss, chunk by chunk -------------------------------------------
+# With the logits [N, V] whole, the forward writes them, the loss reads them, its backward
+# reads them again and writes their gradient, which two products read. Here one op makes a
+# chunk's logits, scores them and takes their gradient back through the output layer before
+# the next chunk, so only a chunk's logits exist at a time. The loss is a sum, so its
+# gradient is known up to the one factor the backward brings: the forward keeps the
+# gradients of the sum (hidden's [N, D], the weight's [V, D] in float32) and the backward
+# scales them.
+
+@torch.library.custom_op("windowgpt::head_softcap_cross_entropy", mutates_args=())
+def _head_loss_op(hidden: Tensor, weight: Tensor, targets: Tensor, cap: float,
+                  chunk_rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    rows = hidden.shape[0]
+    total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+    grad_hidden = torch.empty_like(hidden)
+    grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
+    ones = torch.ones(min(chunk_rows, rows), device=hidden.device, dtype=torch.float32)
+    for start in range(0, rows, chunk_rows):
+        h, t = hidden[start:start + chunk_rows], targets[start:start + chunk_rows]
+        logits = h @ weight.t()
+        losses, lse = _forward(logits, t, cap)
+        total += losses.sum()
+        grad_logits = _backward(ones[:h.shape[0]], logits, t, lse, cap)
+        grad_hidden[start:start + chunk_rows] = grad_logits @ weight
+        grad_weight += (grad_logits.t() @ h).float()
+    return total, grad_hidden, grad_weight
+
+
+@_head_loss_op.register_fake
+def _head_loss_shapes(hidden, weight, targets, cap, chunk_rows):
+    return (hidden.new_empty((), dtype=torch.float32), torch.empty_like(hidden),
+            weight.new_empty(weight.shape, dtype=torch.float32))
+
+
+def _save_head_grads(ctx, inputs, output) -> None:
+    ctx.save_for_backward(output[1], output[2])
+    ctx.weight_dtype = inputs[1].dtype
+
+
+def _head_loss_grads(ctx, grad_total, grad_of_grad_hidden, grad_of_grad_weight):
+    grad_hidden, grad_weight = ctx.saved_tensors
+    return ((grad_hidden.float() * grad_total).to(grad_hidden.dtype), (grad_weight * grad_total).to(ctx.weight_dtype),
+            None, None, None)
+
+
+_head_loss_op.register_autograd(_head_loss_grads, setup_context=_save_head_grads)
+
+
+def head_softcap_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, cap: float,
+                               chunk_rows: int) -> Tensor:
+    """The summed cross-entropy (float32 []) of cap * tanh(hidden @ weight.T / cap) for hidden
+    [N, D], the output layer's weight [V, D] and targets [N] (negative: ignored), made
+    chunk_rows rows at a time; differentiable in hidden and weight. Under autocast the
+    product runs in autocast's dtype, as F.linear's would."""
+    if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1] or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden [N, D], weight [V, D] and targets [N]: got {tuple(hidden.shape)}, "
+                         f"{tuple(weight.shape)} and {tuple(targets.shape)}")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be at least 1, got {chunk_rows}")
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    return _head_loss_op(hidden.to(dtype).contiguous(), weight.to(dtype).contiguous(),
+                         targets.to(torch.int64).contiguous(), float(cap), int(chunk_rows))[0]
+

@@ -389,6 +389,7 @@ class GPT(nn.Module):
         self.weight_grids: tuple[RowGrid | None, ...] | None = None
         self.rounding_weights = False
         self.fused_loss = False  # the training loss through kernels.cross_entropy (training sets it)
+        self.loss_chunk_rows = 0  # with fused_loss: the output layer and loss over chunks of rows (training sets it)
         self.train_ops: TorchOps | None = None  # the training forward's steps, if not torch's (training sets it)
         self.qo_bank = nn.Parameter(torch.empty(2 * n, dim, dim))
         self.kv_bank = nn.Parameter(torch.empty(2 * n, cfg.kv_dim, dim))
@@ -654,10 +655,13 @@ class GPT(nn.Module):
 
     def _head(self, hidden: Tensor) -> Tensor:
         """The output layer's logits before the soft cap."""
-        weight = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+        weight = self._head_weight()
         if self.head_observer is not None:
             self.head_observer((self.head_name,), hidden.detach())
         return adapted(self.head_adapter, self.head_name, hidden, F.linear(hidden, weight.to(hidden.dtype)))
+
+    def _head_weight(self) -> Tensor:
+        return self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
 
     def forward_logits(self, input_ids: Tensor) -> Tensor:
         return self.logits(self.hidden_states(input_ids))
@@ -676,17 +680,22 @@ class GPT(nn.Module):
 
     def forward(self, input_ids: Tensor, target_ids: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
         """Mean cross-entropy, as the reference's training forward (with fused_loss, the soft
-        cap and the cross-entropy as one kernel each way: `kernels.cross_entropy`; with
-        train_ops, its steps run through those ops)."""
+        cap and the cross-entropy as one kernel each way, `kernels.cross_entropy`, and with
+        loss_chunk_rows the output layer with them over chunks of rows; with train_ops, its
+        steps run through those ops)."""
         if ops is TORCH_OPS and self.train_ops is not None:
             ops = self.train_ops
         hidden = self.hidden_states(input_ids, ops=ops).flatten(0, 1)
         if self.fused_loss:
-            from ..kernels.cross_entropy import softcap_cross_entropy  # imports Triton: only when used
+            from ..kernels import cross_entropy  # imports Triton: only when used
 
-            targets = target_ids.reshape(-1)
-            losses = softcap_cross_entropy(self._head(hidden), targets, self.cfg.logit_softcap)
-            return losses.sum() / (targets >= 0).sum()  # F.cross_entropy's mean: over the targets not ignored
+            targets, cap = target_ids.reshape(-1), self.cfg.logit_softcap
+            if self.loss_chunk_rows and self.head_adapter is None and self.head_observer is None:
+                total = cross_entropy.head_softcap_cross_entropy(hidden, self._head_weight(), targets, cap,
+                                                                 self.loss_chunk_rows)
+            else:
+                total = cross_entropy.softcap_cross_entropy(self._head(hidden), targets, cap).sum()
+            return total / (targets >= 0).sum()  # F.cross_entropy's mean: over the targets not ignored
         logits = self.logits(hidden, ops)
         return F.cross_entropy(logits.float(), target_ids.reshape(-1), reduction="mean")
 

@@ -208,19 +208,20 @@ class Setup:
 TRAIN_MEMORY_FRACTION = 0.5
 
 
-def training_bytes_per_token(cfg: ModelConfig, fused_loss: bool = False) -> int:
+def training_bytes_per_token(cfg: ModelConfig, fused_loss: bool = False, chunked_loss: bool = False) -> int:
     """A bound on what one training token keeps alive for the backward: per layer the
     float32 residual stream's parts and the bfloat16 inputs and outputs of its matrix
     products and attention, and the float32 logits and their gradient (with the fused loss
-    the bfloat16 logits and their gradient alone)."""
+    the bfloat16 logits and their gradient alone; over chunks of rows, no logits at all)."""
     bf16_per_layer = 5 * cfg.model_dim + 2 * cfg.kv_dim + 3 * cfg.mlp_dim
-    per_logit = 2 * 2 if fused_loss else 4 * 3
+    per_logit = 0 if chunked_loss else 2 * 2 if fused_loss else 4 * 3
     return cfg.num_layers * (4 * 3 * cfg.model_dim + 2 * bf16_per_layer) + per_logit * cfg.vocab_size
 
 
 def fused_loss_on(cfg: RunConfig, device: torch.device) -> bool:
-    """Whether training computes its loss with the fused kernels: asked for, and where they run."""
-    return cfg.train.fused_cross_entropy and triton_available(device)
+    """Whether training computes its loss with the fused kernels (alone, or over chunks of
+    rows with the output layer): asked for, and where they run."""
+    return (cfg.train.fused_cross_entropy or cfg.train.loss_chunk_rows > 0) and triton_available(device)
 
 
 def fused_mlp_on(cfg: RunConfig, device: torch.device) -> bool:
@@ -243,7 +244,9 @@ def micro_batches_per_pass_for(cfg: RunConfig, world_size: int, accum: int, devi
         return 1
     micro_tokens = cfg.train.train_batch_tokens // (world_size * accum)
     budget = torch.cuda.get_device_properties(device).total_memory * TRAIN_MEMORY_FRACTION
-    fitting = int(budget // (micro_tokens * training_bytes_per_token(cfg.model, fused_loss_on(cfg, device))))
+    fused = fused_loss_on(cfg, device)
+    per_token = training_bytes_per_token(cfg.model, fused, fused and cfg.train.loss_chunk_rows > 0)
+    fitting = int(budget // (micro_tokens * per_token))
     return max(d for d in range(1, accum + 1) if accum % d == 0 and d <= max(fitting, 1))
 
 
@@ -329,6 +332,7 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     model = build_model(cfg.model, ctx.device)
     model.set_attention_backend(cfg.train.attn_backend, ctx.device)
     model.fused_loss = fused_loss_on(cfg, ctx.device)
+    model.loss_chunk_rows = cfg.train.loss_chunk_rows
     if fused_mlp_on(cfg, ctx.device):
         from ..model.fused_train_ops import ProductEpilogueOps  # imports Triton: only when used
 
@@ -605,8 +609,9 @@ class Trainer:
                           f"effective={self.wallclock_ms:.0f}ms")
         if t.qat_start_fraction > 0:
             self.log.line(qat_text(s.model.weight_grids))
-        if t.fused_cross_entropy and not s.model.fused_loss:
-            self.log.line("fused_cross_entropy: off on this device (its kernels need CUDA and Triton)")
+        if (t.fused_cross_entropy or t.loss_chunk_rows) and not s.model.fused_loss:
+            asked = "fused_cross_entropy" if t.fused_cross_entropy else "loss_chunk_rows"
+            self.log.line(f"{asked}: off on this device (its kernels need CUDA and Triton)")
         if t.fused_mlp and s.model.train_ops is None:
             self.log.line("fused_mlp: off on this device (its kernels need Triton and a GPU with TMA, Hopper or later)")
         self._set_switches(self.training_time_ms, quiet=True)  # where training stands (a resumed run may be past them)
