@@ -211,4 +211,3 @@ def head_softcap_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, 
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     return _head_loss_op(hidden.to(dtype).contiguous(), weight.to(dtype).contiguous(),
                          targets.to(torch.int64).contiguous(), float(cap), int(chunk_rows))[0]
-

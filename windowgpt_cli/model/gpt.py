@@ -733,4 +733,3 @@ def use_cuda_dtypes(model: GPT) -> None:
 def _is_linear_weight(model: GPT, name: str) -> bool:
     module_name = name.rsplit(".", 1)[0]
     return isinstance(model.get_submodule(module_name), nn.Linear) if "." in name else False
-
