@@ -23,7 +23,8 @@ whole MLP forward and backward against torch's under torch.compile (what the tra
 runs without the flag: the fair comparison). --tiles default times the default tiles only;
 --tuning NAME adds torch's MLP compiled with `train --compile-tuning NAME`'s Inductor settings
 (Triton templates benchmarked against cuBLAS for each product, the element-wise work fused
-into a chosen template's epilogue; the autotuning takes a minute or more).
+into a chosen template's epilogue; the autotuning takes a minute or more). Where this GPU
+has float8 products, it also times the MLP with them (`train --fp8-mlp`), compiled.
 """
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ from windowgpt_cli.model.fused_ops import FusedOps  # noqa: E402
 from windowgpt_cli.kernels.elementwise import MatmulTiles, leaky_square_matmul_with_product  # noqa: E402
 from windowgpt_cli.kernels.elementwise_backward import leaky_square_backward, leaky_square_grad_matmul  # noqa: E402
 from windowgpt_cli.kernels.fused_mlp import TRAINING_TILES, leaky_square_mlp  # noqa: E402
+from windowgpt_cli.kernels.fp8_products import fp8_available  # noqa: E402
+from windowgpt_cli.model.fp8_ops import Fp8MlpOps  # noqa: E402
 from windowgpt_cli.model.ops import TorchOps  # noqa: E402
 from windowgpt_cli.model.gpt import build_model  # noqa: E402
 from windowgpt_cli.runtime import TUNING_OPTIONS, enable_fast_math  # noqa: E402
@@ -152,6 +155,9 @@ def training_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
         tuned = torch.compile(torch_ops.mlp, options=TUNING_OPTIONS[a.tuning])
         rows.append(_timed_variant(f"MLP forward and backward: torch, compiled with --compile-tuning {a.tuning}",
                                    step(tuned), a.repeats, base_ms))
+    if fp8_available(device):
+        rows.append(_timed_variant("MLP forward and backward: float8 products (--fp8-mlp), compiled",
+                                   step(torch.compile(Fp8MlpOps().mlp)), a.repeats, base_ms))
     for t in tile_choices:
         rows.append(_timed_variant(f"MLP forward and backward: fused {t}",
                                    step(lambda *args, t=t: leaky_square_mlp(*args, tiles=t)), a.repeats, base_ms))

@@ -3,8 +3,9 @@
 backward kernels of test-time training's fused steps (`elementwise_backward`), the
 soft-capped cross-entropy of training (`cross_entropy`) and the training step's MLP with
 LeakyReLU² in its products' epilogues (`fused_mlp`), each with the functions that
-launch it on plain tensors; and FlashAttention-4's attention as a torch custom op
-(`flash4`, the `fa4` extra). Nothing here knows the model. Importing a Triton kernel's
+launch it on plain tensors; FlashAttention-4's attention as a torch custom op (`flash4`,
+the `fa4` extra); and the training step's products in float8 through cuBLAS
+(`fp8_products`, plain torch). Nothing here knows the model. Importing a Triton kernel's
 module imports Triton: they are imported only where a GPU path runs.
 
 May import: ground.

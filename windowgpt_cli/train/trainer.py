@@ -35,6 +35,7 @@ from ..data.tokenizer import (
 from ..distributed import DistContext, all_reduce_, average_gradients, barrier, gather_from_ranks
 from ..errors import ConfigError, DataError, Interrupted, Terminated, TrainingDiverged
 from ..eval.scoring import evaluate_standard
+from ..kernels.fp8_products import fp8_available
 from ..model.attention import window_kernel_builds
 from ..model.gpt import GPT, build_model, check_fits
 from ..model.state_dict import BANK_NAMES
@@ -230,6 +231,11 @@ def fused_mlp_on(cfg: RunConfig, device: torch.device) -> bool:
     return cfg.train.fused_mlp and triton_available(device) and has_tma(device)
 
 
+def fp8_mlp_on(cfg: RunConfig, device: torch.device) -> bool:
+    """Whether the training step runs the MLP's products in float8: asked for, and where they run."""
+    return cfg.train.fp8_mlp and fp8_available(device)
+
+
 def micro_batches_per_pass_for(cfg: RunConfig, world_size: int, accum: int, device: torch.device) -> int:
     """How many of a step's micro-batches run as one forward and backward: the setting, or
     for 0 on CUDA the most (a divisor of accum) whose activations fit in
@@ -337,6 +343,10 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
         from ..model.fused_train_ops import ProductEpilogueOps  # imports Triton: only when used
 
         model.train_ops = ProductEpilogueOps()
+    elif fp8_mlp_on(cfg, ctx.device):
+        from ..model.fp8_ops import Fp8MlpOps
+
+        model.train_ops = Fp8MlpOps()
     if cfg.train.qat_start_fraction > 0:  # the grids quantize will round the matrices to
         grids = bank_grids(QuantPlan.from_config(cfg.quant), dict(model.named_parameters()), cfg.model.num_layers)
         model.weight_grids = grids if any(grids) else None
@@ -614,6 +624,9 @@ class Trainer:
             self.log.line(f"{asked}: off on this device (its kernels need CUDA and Triton)")
         if t.fused_mlp and s.model.train_ops is None:
             self.log.line("fused_mlp: off on this device (its kernels need Triton and a GPU with TMA, Hopper or later)")
+        if t.fp8_mlp and s.model.train_ops is None:
+            self.log.line("fp8_mlp: off on this device (float8 products need a GPU of compute capability 8.9 or "
+                          "later)")
         self._set_switches(self.training_time_ms, quiet=True)  # where training stands (a resumed run may be past them)
         self.graphs_before_loop = compiled_graphs()
         try:
