@@ -48,7 +48,7 @@ from windowgpt_cli.kernels.elementwise import MatmulTiles, leaky_square_matmul_w
 from windowgpt_cli.kernels.elementwise_backward import leaky_square_backward, leaky_square_grad_matmul  # noqa: E402
 from windowgpt_cli.kernels.fused_mlp import TRAINING_TILES, leaky_square_mlp  # noqa: E402
 from windowgpt_cli.kernels.fp8_products import fp8_available  # noqa: E402
-from windowgpt_cli.model.fp8_ops import Fp8MlpOps  # noqa: E402
+from windowgpt_cli.model.fp8_ops import Fp8Ops  # noqa: E402
 from windowgpt_cli.model.ops import TorchOps  # noqa: E402
 from windowgpt_cli.model.gpt import build_model  # noqa: E402
 from windowgpt_cli.runtime import TUNING_OPTIONS, enable_fast_math  # noqa: E402
@@ -157,7 +157,7 @@ def training_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
                                    step(tuned), a.repeats, base_ms))
     if fp8_available(device):
         rows.append(_timed_variant("MLP forward and backward: float8 products (--fp8-mlp), compiled",
-                                   step(torch.compile(Fp8MlpOps().mlp)), a.repeats, base_ms))
+                                   step(torch.compile(Fp8Ops(("mlp",)).mlp)), a.repeats, base_ms))
     for t in tile_choices:
         rows.append(_timed_variant(f"MLP forward and backward: fused {t}",
                                    step(lambda *args, t=t: leaky_square_mlp(*args, tiles=t)), a.repeats, base_ms))

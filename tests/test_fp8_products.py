@@ -1,7 +1,7 @@
-"""The training step's MLP products in float8 (`kernels.fp8_products`, `model.fp8_ops`,
-`train --fp8-mlp`): exact where the operands are float8 numbers, close to bfloat16's
-elsewhere, one graph under torch.compile, and training with them on the CPU, whose torch
-has float8 products too."""
+"""The training step's products in float8 (`kernels.fp8_products`, `model.fp8_ops`, `train
+--fp8-mlp` and `--fp8-attention`): exact where the operands are float8 numbers, close to
+bfloat16's elsewhere, one graph under torch.compile, and training with them on the CPU, whose
+torch has float8 products too."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from test_model import perturbed_tiny
 from windowgpt_cli.kernels.fp8_products import fp8_available, fp8_linear, fp8_product, to_fp8_rows
-from windowgpt_cli.model.fp8_ops import Fp8MlpOps
+from windowgpt_cli.model.fp8_ops import Fp8Ops
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not fp8_available(CPU), reason="this torch has no float8 products on the CPU")
@@ -98,13 +98,26 @@ def loss_and_grads(model, x, y) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_the_models_training_loss_with_float8_mlps_is_close_and_its_validation_the_same():
+@pytest.mark.parametrize("kinds", [("mlp",), ("attention",), ("attention", "mlp")])
+def test_the_models_training_loss_in_float8_is_close_and_its_validation_the_same(kinds, monkeypatch):
+    from windowgpt_cli.model import fp8_ops
+
     x = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(6))
     y = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(7))
     plain_model, fp8_model = perturbed_tiny().train(), perturbed_tiny().train()
-    fp8_model.train_ops = Fp8MlpOps()
+    fp8_model.train_ops = ops = Fp8Ops(kinds)
+    in_float8, rounded = [], []
+    monkeypatch.setattr(fp8_ops, "fp8_linear", lambda a, w: in_float8.append(1) or fp8_linear(a, w))
+
+    def product(a, w, kind, product=ops.product):  # the kinds whose products reached float8
+        before = len(in_float8)
+        out = product(a, w, kind)
+        rounded.extend([kind] * (len(in_float8) - before))
+        return out
+    ops.product = product
     plain, plain_grads = loss_and_grads(plain_model, x, y)
     fp8, fp8_grads = loss_and_grads(fp8_model, x, y)
+    assert set(rounded) == set(kinds)
     assert plain != fp8 and torch.allclose(plain, fp8, rtol=0.01)
     assert plain_grads.keys() == fp8_grads.keys()
     for name, grad in plain_grads.items():
@@ -113,58 +126,63 @@ def test_the_models_training_loss_with_float8_mlps_is_close_and_its_validation_t
         assert torch.equal(plain_model(x, y), fp8_model(x, y))
 
 
-def test_an_mlp_that_does_not_fit_runs_as_torchs():
+def test_a_product_that_does_not_fit_runs_as_torchs():
     x, up, down = torch.randn(3, 24), torch.randn(40, 24), torch.randn(24, 40)
-    assert torch.equal(Fp8MlpOps().mlp(x, up, down, 0.5), F.linear(F.leaky_relu(x @ up.t(), 0.5).square(), down))
+    assert torch.equal(Fp8Ops(("mlp",)).mlp(x, up, down, 0.5), F.linear(F.leaky_relu(x @ up.t(), 0.5).square(), down))
+    with pytest.raises(ValueError, match="kinds are attention, mlp"):
+        Fp8Ops(("head",))
 
 
-def test_train_with_fp8_mlp_runs_and_changes_only_the_rounding(tiny_data_dir, tmp_path):
+@pytest.mark.parametrize("flags", [["--fp8-mlp"], ["--fp8-attention", "--fp8-mlp"]])
+def test_train_in_float8_runs_and_changes_only_the_rounding(tiny_data_dir, tmp_path, flags):
     from typer.testing import CliRunner
 
     from windowgpt_cli.cli.app import app
 
     val_losses = {}
-    for flags in ([], ["--fp8-mlp"]):
-        out = tmp_path / ("fp8" if flags else "plain")
+    for asked in ([], flags):
+        out = tmp_path / ("fp8" if asked else "plain")
         result = CliRunner().invoke(app, ["train", "--preset", "tiny", "--data", str(tiny_data_dir), "--out", str(out),
-                                          "--iterations", "4", *flags])
+                                          "--iterations", "4", *asked])
         assert result.exit_code == 0, result.output
-        assert "fp8_mlp: off" not in (out / "train.log").read_text()
-        assert json.loads((out / "config.json").read_text())["train"]["fp8_mlp"] == bool(flags)
-        val_losses[bool(flags)] = json.loads((out / "summary.json").read_text())["val_loss"]
+        assert ": off on this device" not in (out / "train.log").read_text()
+        train = json.loads((out / "config.json").read_text())["train"]
+        assert (train["fp8_mlp"], train["fp8_attention"]) == ("--fp8-mlp" in asked, "--fp8-attention" in asked)
+        val_losses[bool(asked)] = json.loads((out / "summary.json").read_text())["val_loss"]
     # the same start and data: after 4 steps the weights differ by the products' rounding alone
     assert val_losses[True] != val_losses[False] and val_losses[True] == pytest.approx(val_losses[False], rel=1e-3)
 
 
-def test_fp8_mlp_and_fused_mlp_together_are_refused(tiny_data_dir, tmp_path):
+@pytest.mark.parametrize("fp8_flag", ["--fp8-mlp", "--fp8-attention"])
+def test_float8_and_fused_mlp_together_are_refused(tiny_data_dir, tmp_path, fp8_flag):
     from typer.testing import CliRunner
 
     from windowgpt_cli.cli.app import app
 
     result = CliRunner().invoke(app, ["train", "--preset", "tiny", "--data", str(tiny_data_dir), "--out",
-                                      str(tmp_path / "run"), "--fp8-mlp", "--fused-mlp"])
-    assert result.exit_code in (1, 2) and "fp8_mlp and fused_mlp" in result.output
+                                      str(tmp_path / "run"), fp8_flag, "--fused-mlp"])
+    assert result.exit_code in (1, 2) and "cannot be combined with fp8_mlp or fp8_attention" in result.output
     assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and fp8_available(torch.device("cuda"))),
                     reason="needs a CUDA GPU with float8 products")
-def test_on_cuda_the_compiled_step_with_float8_mlps_is_close_to_bfloat16s():
+def test_on_cuda_the_compiled_step_in_float8_is_close_to_bfloat16s():
     """The full-size model's compiled training loss in bf16 autocast, at a micro-batch of 8
-    sequences: with float8 MLPs within 1% of bfloat16's, every MLP bank's gradient pointing
-    the same way (cosine over 0.98)."""
+    sequences: with its products in float8 within 1% of bfloat16's, every bank's gradient
+    pointing the same way (cosine over 0.98)."""
     from conftest import compiled_step_on_cuda
 
     def variant(fp8: bool):
         def set_up(model):
-            model.train_ops = Fp8MlpOps() if fp8 else None
+            model.train_ops = Fp8Ops(("attention", "mlp")) if fp8 else None
         return set_up
 
-    def mlp_grads(model):
-        return [p.grad for name, p in model.named_parameters() if "mlp" in name and p.grad is not None]
+    def bank_grads(model):
+        return [p.grad for name, p in model.named_parameters() if name.endswith("_bank")]
 
-    (plain, plain_grads), (fp8, fp8_grads) = compiled_step_on_cuda([variant(False), variant(True)], mlp_grads)
+    (plain, plain_grads), (fp8, fp8_grads) = compiled_step_on_cuda([variant(False), variant(True)], bank_grads)
     assert plain_grads and abs(plain - fp8) < 0.01 * plain
     for plain_grad, fp8_grad in zip(plain_grads, fp8_grads):
         assert F.cosine_similarity(plain_grad.flatten(), fp8_grad.flatten(), dim=0) > 0.98

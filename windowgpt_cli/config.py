@@ -187,6 +187,8 @@ class TrainConfig:
                                    "scale per row; cuBLAS, compute capability 8.9 or later): forward and the "
                                    "gradients to their inputs, the weights' gradients in bfloat16. Rounds "
                                    "training's products more coarsely; validation and scores stay bfloat16's.")
+    fp8_attention: bool = setting(False, "The attention's projections (queries, keys and values; the output) in "
+                                         "the training step in float8, as fp8_mlp does the MLP's.")
     qat_start_fraction: float = setting(0.0, "Quantization-aware training: once this fraction of the iterations, "
                                               "or of the wallclock budget under a cap, has passed, each training "
                                               "forward rounds the int6 matrices to the grid quantize will use (the "
@@ -850,8 +852,8 @@ def validate(cfg: RunConfig) -> None:
          "quant_gptq_embed needs use_gptq (--gptq)"),
         (not cfg.quant.quant_gptq_embed or m.tie_embeddings, "quant_gptq_embed",
          "quant_gptq_embed needs tied embeddings (its Hessian is the output layer's input)"),
-        (not (t.fp8_mlp and t.fused_mlp), "fp8_mlp", "fp8_mlp and fused_mlp both replace the MLP's products: "
-                                                   "choose one"),
+        (not ((t.fp8_mlp or t.fp8_attention) and t.fused_mlp), "fused_mlp",
+         "fused_mlp runs the MLP's products in its own kernels: it cannot be combined with fp8_mlp or fp8_attention"),
         (targets_problem is None, "ttt_lora_targets",
          f"ttt_lora_targets={cfg.ttt.ttt_lora_targets!r}: {targets_problem}"),
     ]

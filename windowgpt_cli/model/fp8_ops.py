@@ -1,10 +1,10 @@
-"""`Fp8MlpOps`: the training step's MLP with its products in float8 (`train --fp8-mlp`).
+"""`Fp8Ops`: the training step's products in float8 (`train --fp8-mlp`, `--fp8-attention`).
 
-The MLP holds two thirds of the step's matrix products. Here its two products and their
-gradients to their inputs run in float8 (`kernels.fp8_products`); the activation, the
-weights' gradients and everything else stay as torch's. Only what trains is rounded so:
-without gradients (validation, scoring) the products are bfloat16's, so a run's scores are
-the model's own.
+The MLP holds two thirds of the step's matrix products, the attention's projections the
+rest. Here the products of the kinds asked for, and their gradients to their inputs, run in
+float8 (`kernels.fp8_products`); the weights' gradients and everything else stay as torch's.
+Only what trains is rounded so: without gradients (validation, scoring) the products are
+bfloat16's, so a run's scores are the model's own.
 """
 from __future__ import annotations
 
@@ -14,16 +14,24 @@ from torch import Tensor
 from ..kernels.fp8_products import fp8_fits, fp8_linear
 from .ops import TorchOps
 
+KINDS = ("attention", "mlp")
 
-class Fp8MlpOps(TorchOps):
-    """`TorchOps` whose MLP runs its products in float8 while gradients are recorded, where
-    its operands, cast as autocast casts them, fit (`fp8_fits`)."""
 
-    def mlp(self, x: Tensor, up_w: Tensor, down_w: Tensor, negative_slope: float) -> Tensor:
+class Fp8Ops(TorchOps):
+    """`TorchOps` whose products of the given kinds (`TorchOps.product`) run in float8 while
+    gradients are recorded, where their operands, cast as autocast casts them, fit."""
+
+    def __init__(self, kinds: tuple[str, ...]):
+        unknown = set(kinds) - set(KINDS)
+        if unknown:
+            raise ValueError(f"products of kinds {sorted(unknown)}: the kinds are {', '.join(KINDS)}")
+        self.kinds = frozenset(kinds)
+
+    def product(self, x: Tensor, weight: Tensor, kind: str) -> Tensor:
+        if kind not in self.kinds or not torch.is_grad_enabled():
+            return super().product(x, weight, kind)
         device = x.device.type
         if torch.is_autocast_enabled(device):
             dtype = torch.get_autocast_dtype(device)
-            x, up_w, down_w = x.to(dtype), up_w.to(dtype), down_w.to(dtype)
-        if not (torch.is_grad_enabled() and fp8_fits(x, up_w) and up_w.shape[::-1] == down_w.shape):
-            return super().mlp(x, up_w, down_w, negative_slope)
-        return fp8_linear(self.leaky_square(fp8_linear(x, up_w), negative_slope), down_w)
+            x, weight = x.to(dtype), weight.to(dtype)
+        return fp8_linear(x, weight) if fp8_fits(x, weight) else super().product(x, weight, kind)

@@ -92,10 +92,12 @@ class CausalSelfAttention(nn.Module):
         self._observe(("c_q", "c_k", "c_v"), x)
         x_q = x if queries is None else pick_positions(x, queries)
         if k_w is None:  # q_w stacks the q, k and v matrices (`GPT.layer_weights`): one product for the three
-            q, k, v = self._adapted_qkv(x, x, *F.linear(x, q_w).split(self.projection_sizes, dim=-1))
+            q, k, v = self._adapted_qkv(x, x, *ops.product(x, q_w, "attention").split(self.projection_sizes, dim=-1))
             q = q if queries is None else pick_positions(q, queries)
         else:
-            q, k, v = self._adapted_qkv(x_q, x, F.linear(x_q, q_w), F.linear(x, k_w), F.linear(x, v_w))
+            q, k, v = (ops.product(x_q, q_w, "attention"), ops.product(x, k_w, "attention"),
+                       ops.product(x, v_w, "attention"))
+            q, k, v = self._adapted_qkv(x_q, x, q, k, v)
         q = q.reshape(b, x_q.size(1), self.num_heads, self.head_dim)
         k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
         v, v_xsa = ops.values(v, v_embed)
@@ -122,7 +124,7 @@ class CausalSelfAttention(nn.Module):
             y = self._gated(y, x_q if rows is None else pick_positions(x, rows))
         y = y.reshape(b, y.size(1), dim)
         self._observe(("proj",), y)
-        return adapted(self.adapter, self._name("proj"), y, F.linear(y, out_w))
+        return adapted(self.adapter, self._name("proj"), y, ops.product(y, out_w, "attention"))
 
     def _name(self, weight: str) -> str:
         return f"blocks.{self.layer}.attn.{weight}.weight"

@@ -1,8 +1,9 @@
-"""The element-wise steps between the matrix products and the attention, in plain torch:
-the seam (`TorchOps`) through which the model runs them, so that `fused_ops.FusedOps`
-(inference) and `fused_train_ops.TrainingOps` (training) can run the same steps as fused
-kernels. `Residual` and `ValueInjection` carry a step's inputs unsummed, so a fused kernel
-forms the sum while it reads them once."""
+"""The element-wise steps between the matrix products and the attention, and the blocks'
+products themselves, in plain torch: the seam (`TorchOps`) through which the model runs them,
+so that `fused_ops.FusedOps` (inference) and `fused_train_ops.TrainingOps` (training) can run
+the same steps as fused kernels, and `fp8_ops.Fp8Ops` the products in float8. `Residual` and
+`ValueInjection` carry a step's inputs unsummed, so a fused kernel forms the sum while it
+reads them once."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -74,9 +75,9 @@ def smear_with(x: Tensor, x_prev: Tensor, gate: Tensor, ids: Tensor | None = Non
 
 
 class TorchOps:
-    """The element-wise steps between the matrix products and the attention, in plain torch:
-    the model's definition (any device, autograd, torch.compile). `kernels.FusedOps` runs
-    the same steps as fused GPU kernels.
+    """The element-wise steps between the matrix products and the attention, and the blocks'
+    products (`product`), in plain torch: the model's definition (any device, autograd,
+    torch.compile). `fused_ops.FusedOps` runs the same steps as fused GPU kernels.
 
     x0 (the embedding every block mixes in) is whatever `embed` returns: here a tensor."""
 
@@ -152,13 +153,18 @@ class TorchOps:
     def leaky_square(self, h: Tensor, negative_slope: float) -> Tensor:
         return F.leaky_relu(h, negative_slope=negative_slope).square()
 
+    def product(self, x: Tensor, weight: Tensor, kind: str) -> Tensor:
+        """x's product with a block's matrix (F.linear, no bias); kind says whose: "attention"
+        (queries, keys and values; the output) or "mlp"."""
+        return F.linear(x, weight)
+
     def mlp_hidden(self, x: Tensor, up_w: Tensor, negative_slope: float) -> Tensor:
         """The MLP's hidden layer: `leaky_square` of x's product with up_w."""
-        return self.leaky_square(F.linear(x, up_w), negative_slope)
+        return self.leaky_square(self.product(x, up_w, "mlp"), negative_slope)
 
     def mlp(self, x: Tensor, up_w: Tensor, down_w: Tensor, negative_slope: float) -> Tensor:
         """The MLP: its hidden layer's product with down_w."""
-        return F.linear(self.mlp_hidden(x, up_w, negative_slope), down_w)
+        return self.product(self.mlp_hidden(x, up_w, negative_slope), down_w, "mlp")
 
     def softcap(self, logits: Tensor, cap: float) -> Tensor:
         return cap * torch.tanh(logits / cap)

@@ -37,6 +37,7 @@ from ..errors import ConfigError, DataError, Interrupted, Terminated, TrainingDi
 from ..eval.scoring import evaluate_standard
 from ..kernels.fp8_products import fp8_available
 from ..model.attention import window_kernel_builds
+from ..model.fp8_ops import Fp8Ops
 from ..model.gpt import GPT, build_model, check_fits
 from ..model.state_dict import BANK_NAMES
 from ..model.weight_grid import RowGrid
@@ -231,9 +232,14 @@ def fused_mlp_on(cfg: RunConfig, device: torch.device) -> bool:
     return cfg.train.fused_mlp and triton_available(device) and has_tma(device)
 
 
-def fp8_mlp_on(cfg: RunConfig, device: torch.device) -> bool:
-    """Whether the training step runs the MLP's products in float8: asked for, and where they run."""
-    return cfg.train.fp8_mlp and fp8_available(device)
+def fp8_kinds(cfg: RunConfig) -> tuple[str, ...]:
+    """The kinds of products (`model.ops.TorchOps.product`) asked for in float8."""
+    return tuple(kind for kind, on in (("attention", cfg.train.fp8_attention), ("mlp", cfg.train.fp8_mlp)) if on)
+
+
+def fp8_products_on(cfg: RunConfig, device: torch.device) -> bool:
+    """Whether the training step runs some products in float8: asked for, and where they run."""
+    return bool(fp8_kinds(cfg)) and fp8_available(device)
 
 
 def micro_batches_per_pass_for(cfg: RunConfig, world_size: int, accum: int, device: torch.device) -> int:
@@ -343,10 +349,8 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
         from ..model.fused_train_ops import ProductEpilogueOps  # imports Triton: only when used
 
         model.train_ops = ProductEpilogueOps()
-    elif fp8_mlp_on(cfg, ctx.device):
-        from ..model.fp8_ops import Fp8MlpOps
-
-        model.train_ops = Fp8MlpOps()
+    elif fp8_products_on(cfg, ctx.device):
+        model.train_ops = Fp8Ops(fp8_kinds(cfg))
     if cfg.train.qat_start_fraction > 0:  # the grids quantize will round the matrices to
         grids = bank_grids(QuantPlan.from_config(cfg.quant), dict(model.named_parameters()), cfg.model.num_layers)
         model.weight_grids = grids if any(grids) else None
@@ -624,8 +628,9 @@ class Trainer:
             self.log.line(f"{asked}: off on this device (its kernels need CUDA and Triton)")
         if t.fused_mlp and s.model.train_ops is None:
             self.log.line("fused_mlp: off on this device (its kernels need Triton and a GPU with TMA, Hopper or later)")
-        if t.fp8_mlp and s.model.train_ops is None:
-            self.log.line("fp8_mlp: off on this device (float8 products need a GPU of compute capability 8.9 or "
+        if fp8_kinds(s.cfg) and s.model.train_ops is None:
+            asked = " and ".join(f"fp8_{kind}" for kind in fp8_kinds(s.cfg))
+            self.log.line(f"{asked}: off on this device (float8 products need a GPU of compute capability 8.9 or "
                           "later)")
         self._set_switches(self.training_time_ms, quiet=True)  # where training stands (a resumed run may be past them)
         self.graphs_before_loop = compiled_graphs()
