@@ -52,9 +52,11 @@ class _Fp8Linear(torch.autograd.Function):
 
 
 def fp8_fits(x: Tensor, weight: Tensor) -> bool:
-    """Whether F.linear(x, weight) can run as `fp8_linear`: floating operands of one dtype,
-    both dimensions of the weight multiples of ALIGNMENT."""
+    """Whether F.linear(x, weight) can run as `fp8_linear`: floating operands of one dtype
+    (bfloat16 on CUDA, whose products with a scale per row return bfloat16 only), both
+    dimensions of the weight multiples of ALIGNMENT."""
     return (x.dtype == weight.dtype and x.dtype.is_floating_point and weight.ndim == 2
+            and (x.device.type != "cuda" or x.dtype == torch.bfloat16)
             and x.shape[-1] == weight.shape[1] and all(n % ALIGNMENT == 0 for n in weight.shape))
 
 
@@ -62,8 +64,8 @@ def fp8_linear(x: Tensor, weight: Tensor) -> Tensor:
     """F.linear(x, weight) (no bias) for x [..., K] and weight [N, K] (`fp8_fits`), the
     forward and the gradient to x in float8, the weight's gradient in x's dtype."""
     if not fp8_fits(x, weight):
-        raise ValueError(f"x [..., K] and weight [N, K] of one float dtype, N and K multiples of {ALIGNMENT}: got "
-                         f"{tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} {weight.dtype}")
+        raise ValueError(f"x [..., K] and weight [N, K] of one float dtype (bfloat16 on CUDA), N and K multiples of "
+                         f"{ALIGNMENT}: got {tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} {weight.dtype}")
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     return _Fp8Linear.apply(rows, weight.contiguous()).reshape(*x.shape[:-1], weight.shape[0])
 
@@ -75,8 +77,8 @@ def fp8_available(device: torch.device) -> bool:
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         return False
     try:
-        ones = torch.ones(ALIGNMENT, ALIGNMENT, device=device)
-        fp8_product(ones, ones)
+        ones = torch.ones(ALIGNMENT, ALIGNMENT, device=device, dtype=torch.bfloat16)
+        fp8_product(ones, ones, fast_accumulation=True)
     except (RuntimeError, NotImplementedError):
         return False
     return True
