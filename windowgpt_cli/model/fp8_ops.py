@@ -1,7 +1,7 @@
 """`Fp8Ops`: the training step's products in float8 (`train --fp8-mlp`, `--fp8-attention`).
 
-The MLP holds two thirds of the step's matrix products, the attention's projections the
-rest. Here the products of the kinds asked for, and their gradients to their inputs, run in
+The MLP holds two thirds of the step's matrix products, the attention's projections most of
+the rest. Here the products of the kinds asked for, and their gradients to their inputs, run in
 float8 (`kernels.fp8_products`); the weights' gradients and everything else stay as torch's.
 Only what trains is rounded so: without gradients (validation, scoring) the products are
 bfloat16's, so a run's scores are the model's own.
