@@ -32,6 +32,12 @@ def use_cpu_threads(threads: int, device: torch.device) -> None:
         torch.set_num_threads(threads)
 
 
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matrix products on x's device run in: autocast's where it is on, else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def autocast(device: torch.device, cache: bool = True) -> contextlib.AbstractContextManager:
     """bf16 autocast on CUDA as the reference; full float32 on the CPU. cache=False: without
     autocast's cache of cast weights, which a CUDA graph's replays would read stale."""

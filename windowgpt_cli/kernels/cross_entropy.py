@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..runtime import matmul_dtype
+
 BLOCK_V = 1024  # vocabulary entries a program handles at a time
 NOTHING: tl.constexpr = tl.constexpr(-1e30)  # a logit below every capped one, finite so that differences stay numbers
 
@@ -207,7 +209,6 @@ def head_softcap_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, 
                          f"{tuple(weight.shape)} and {tuple(targets.shape)}")
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be at least 1, got {chunk_rows}")
-    device = hidden.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    dtype = matmul_dtype(hidden)
     return _head_loss_op(hidden.to(dtype).contiguous(), weight.to(dtype).contiguous(),
                          targets.to(torch.int64).contiguous(), float(cap), int(chunk_rows))[0]

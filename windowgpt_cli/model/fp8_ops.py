@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.fp8_products import fp8_fits, fp8_linear
+from ..runtime import matmul_dtype
 from .ops import TorchOps
 
 KINDS = ("attention", "mlp")
@@ -30,8 +31,6 @@ class Fp8Ops(TorchOps):
     def product(self, x: Tensor, weight: Tensor, kind: str) -> Tensor:
         if kind not in self.kinds or not torch.is_grad_enabled():
             return super().product(x, weight, kind)
-        device = x.device.type
-        if torch.is_autocast_enabled(device):
-            dtype = torch.get_autocast_dtype(device)
-            x, weight = x.to(dtype), weight.to(dtype)
+        dtype = matmul_dtype(x)  # as F.linear would multiply them
+        x, weight = x.to(dtype), weight.to(dtype)
         return fp8_linear(x, weight) if fp8_fits(x, weight) else super().product(x, weight, kind)

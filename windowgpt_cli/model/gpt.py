@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig, parameter_estimate
 from ..errors import ConfigError
-from ..runtime import memory_bytes
+from ..runtime import matmul_dtype, memory_bytes
 from .attention import attention, attention_at, resolve_backend
 from .ops import TORCH_OPS, Residual, TorchOps, ValueInjection, pick_positions, smear
 from .rotary import rotary_inv_freq, rotary_magnitude, rotary_tables
@@ -145,12 +145,6 @@ class CausalSelfAttention(nn.Module):
     def _observe(self, weights: tuple[str, ...], x: Tensor) -> None:
         if self.observer is not None:
             self.observer(tuple(self._name(w) for w in weights), x.detach())
-
-
-def matmul_dtype(x: Tensor) -> torch.dtype:
-    """The dtype matrix products on x's device run in: autocast's where it is on, else x's."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def table_rows(table: Tensor, positions: Tensor) -> Tensor:
