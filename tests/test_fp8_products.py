@@ -15,7 +15,8 @@ from windowgpt_cli.kernels.fp8_products import fp8_available, fp8_linear, fp8_pr
 from windowgpt_cli.model.fp8_ops import Fp8Ops
 
 CPU = torch.device("cpu")
-pytestmark = pytest.mark.skipif(not fp8_available(CPU), reason="this torch has no float8 products on the CPU")
+# The CPU tests multiply in float8 on the CPU; the GPU test needs only CUDA's float8 products.
+cpu_float8 = pytest.mark.skipif(not fp8_available(CPU), reason="this torch has no float8 products on the CPU")
 
 
 def float8_numbers(*shape: int, seed: int) -> torch.Tensor:
@@ -27,6 +28,7 @@ def float8_numbers(*shape: int, seed: int) -> torch.Tensor:
     return x * torch.exp2(torch.randint(0, 12, (shape[0], 1), generator=g).float())
 
 
+@cpu_float8
 def test_rows_are_scaled_by_powers_of_two_within_float8s_range():
     x = torch.tensor([[3.0, -1000.0, 0.5], [0.0, 0.0, 0.0], [1e-3, 2e-3, -4e-3]])
     codes, scale = to_fp8_rows(x)
@@ -36,6 +38,7 @@ def test_rows_are_scaled_by_powers_of_two_within_float8s_range():
     assert torch.allclose(codes.float() * scale, x, rtol=1 / 16)
 
 
+@cpu_float8
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_on_float8_numbers_the_product_and_its_gradients_are_exact(dtype):
     x = float8_numbers(24, 32, seed=1).to(dtype).requires_grad_(True)
@@ -54,6 +57,7 @@ def relative_error(value: torch.Tensor, exact: torch.Tensor) -> float:
     return ((value.double() - exact).norm() / exact.norm()).item()
 
 
+@cpu_float8
 def test_elsewhere_the_products_round_as_float8_does_but_the_weights_gradient_does_not():
     g = torch.Generator().manual_seed(4)
     x, weight = torch.randn(64, 128, generator=g).requires_grad_(True), torch.randn(96, 128, generator=g)
@@ -68,6 +72,7 @@ def test_elsewhere_the_products_round_as_float8_does_but_the_weights_gradient_do
     assert torch.equal(fp8_product(x.detach(), weight.detach(), fast_accumulation=True), y.detach())
 
 
+@cpu_float8
 def test_a_misaligned_or_mixed_product_is_refused():
     with pytest.raises(ValueError, match="multiples of 16"):
         fp8_linear(torch.zeros(4, 32), torch.zeros(40, 32))
@@ -75,6 +80,7 @@ def test_a_misaligned_or_mixed_product_is_refused():
         fp8_linear(torch.zeros(4, 32), torch.zeros(32, 32, dtype=torch.bfloat16))
 
 
+@cpu_float8
 def test_compiled_it_is_one_graph_with_the_eager_gradients():
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -98,6 +104,7 @@ def loss_and_grads(model, x, y) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+@cpu_float8
 @pytest.mark.parametrize("kinds", [("mlp",), ("attention",), ("attention", "mlp")])
 def test_the_models_training_loss_in_float8_is_close_and_its_validation_the_same(kinds, monkeypatch):
     from windowgpt_cli.model import fp8_ops
@@ -126,6 +133,7 @@ def test_the_models_training_loss_in_float8_is_close_and_its_validation_the_same
         assert torch.equal(plain_model(x, y), fp8_model(x, y))
 
 
+@cpu_float8
 def test_a_product_that_does_not_fit_runs_as_torchs():
     x, up, down = torch.randn(3, 24), torch.randn(40, 24), torch.randn(24, 40)
     assert torch.equal(Fp8Ops(("mlp",)).mlp(x, up, down, 0.5), F.linear(F.leaky_relu(x @ up.t(), 0.5).square(), down))
@@ -133,6 +141,7 @@ def test_a_product_that_does_not_fit_runs_as_torchs():
         Fp8Ops(("head",))
 
 
+@cpu_float8
 @pytest.mark.parametrize("flags", [["--fp8-mlp"], ["--fp8-attention", "--fp8-mlp"]])
 def test_train_in_float8_runs_and_changes_only_the_rounding(tiny_data_dir, tmp_path, flags):
     from typer.testing import CliRunner
