@@ -9,6 +9,7 @@ import torch
 from windowgpt_cli.config import CHOICES
 from windowgpt_cli.runtime import (
     MIX_ORDER_OFF,
+    MULTI_KERNEL_ON,
     ONE_PASS_OPTIONS,
     TUNING_OPTIONS,
     compiled,
@@ -65,6 +66,20 @@ def test_mix_order_off_joins_every_other_option_and_names_a_setting_inductor_has
     assert not inductor_has("no_such_section.mix_order_reduction")
 
 
+def test_multi_kernels_join_the_other_options_and_compile_to_the_same_numbers():
+    import torch._inductor.config as inductor
+
+    options = compiled(scaled_tanh_plus_square, tuning="gemm", mix_order=False, multi_kernel=True).options
+    assert options == {**TUNING_OPTIONS["gemm"], **MIX_ORDER_OFF, **MULTI_KERNEL_ON}
+    assert compiled(scaled_tanh_plus_square).options is None  # off unless asked
+    for key, value in MULTI_KERNEL_ON.items():  # 1: both variants built, the faster kept
+        section, name = key.split(".")
+        assert getattr(getattr(inductor, section), name) in (0, 1, 2, 3) and value == 1
+    x = torch.randn(8, 24)
+    torch._dynamo.reset()
+    assert torch.allclose(compiled(scaled_tanh_plus_square, multi_kernel=True)(x), scaled_tanh_plus_square(x))
+
+
 def test_without_mix_order_reductions_in_inductor_turning_them_off_sets_nothing(monkeypatch):
     """An older torch's Inductor has no such setting, and torch.compile would refuse it."""
     from windowgpt_cli import runtime
@@ -72,6 +87,7 @@ def test_without_mix_order_reductions_in_inductor_turning_them_off_sets_nothing(
     monkeypatch.setattr(runtime, "inductor_has", lambda key: False)
     assert compiled(scaled_tanh_plus_square, mix_order=False).options is None
     assert compiled(scaled_tanh_plus_square, tuning="gemm", mix_order=False).options == TUNING_OPTIONS["gemm"]
+    assert compiled(scaled_tanh_plus_square, mix_order=False, multi_kernel=True).options is None
 
 
 def test_the_device_starts_beside_the_block_and_its_failure_is_raised():

@@ -221,21 +221,24 @@ def test_validation_runs_through_the_compiled_training_graph(tiny_data_dir, tmp_
     assert 0 < val_loss < 10 and 0 < val_bpb < 10
 
 
-@pytest.mark.parametrize("mix_order", [True, False])
-def test_the_step_is_compiled_with_the_runs_inductor_settings(tiny_data_dir, monkeypatch, mix_order):
-    """--compile-tuning and --compile-mix-order reach torch.compile's options (on the CPU the
-    step stays eager, but the options are the ones CUDA would compile with)."""
+@pytest.mark.parametrize("mix_order, multi_kernel", [(True, False), (False, True)])
+def test_the_step_is_compiled_with_the_runs_inductor_settings(tiny_data_dir, monkeypatch, mix_order, multi_kernel):
+    """--compile-tuning, --compile-mix-order and --compile-multi-kernel reach torch.compile's
+    options (on the CPU the step stays eager, but the options are the ones CUDA would compile with)."""
     from windowgpt_cli import runtime
     from windowgpt_cli.distributed import DistContext
     from windowgpt_cli.train import trainer
 
     calls = []
     monkeypatch.setattr(trainer, "compiled", lambda fn, enabled, **options: calls.append(options) or fn)
-    cfg = tiny_cfg(tiny_data_dir, compile_tuning="gemm", compile_mix_order=mix_order).resolved()
+    cfg = tiny_cfg(tiny_data_dir, compile_tuning="gemm", compile_mix_order=mix_order,
+                   compile_multi_kernel=multi_kernel).resolved()
     setup = trainer.build_setup(cfg, DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
-    assert calls == [{"tuning": "gemm", "mix_order": mix_order}] and setup.forward is setup.model
+    assert calls == [{"tuning": "gemm", "mix_order": mix_order, "multi_kernel": multi_kernel}]
+    assert setup.forward is setup.model
     compiled = runtime.compiled(lambda x: x, True, **calls[0])
     assert (compiled.options.get("triton.mix_order_reduction", True)) is mix_order
+    assert compiled.options.get("triton.multi_kernel", 0) == int(multi_kernel)
 
 
 def test_warm_up_takes_one_micro_batch_per_step_and_undoes_itself(tiny_data_dir, tmp_path):
@@ -336,10 +339,11 @@ def test_keep_checkpoints_keeps_the_last_k_and_force_removes_them(tiny_data_dir,
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_a_step_tuned_with_triton_products_trains_as_the_default_one(tiny_data_dir, tmp_path):
-    """--compile-tuning gemm and --no-compile-mix-order change which kernels run, not what a
-    step computes: the same iterations end at the same loss to bf16's rounding."""
+    """--compile-tuning gemm, --no-compile-mix-order and --compile-multi-kernel change which
+    kernels run, not what a step computes: the same iterations end at the same loss to bf16's rounding."""
     losses = {}
-    variants = {"default": [], "gemm": ["--compile-tuning", "gemm"], "no_mix_order": ["--no-compile-mix-order"]}
+    variants = {"default": [], "gemm": ["--compile-tuning", "gemm"], "no_mix_order": ["--no-compile-mix-order"],
+                "multi_kernel": ["--compile-multi-kernel"]}
     for name, flags in variants.items():
         run = tmp_path / name
         result = CliRunner().invoke(app, ["train", "--preset", "tiny", "--data", str(tiny_data_dir), "--out", str(run),
@@ -347,5 +351,5 @@ def test_on_cuda_a_step_tuned_with_triton_products_trains_as_the_default_one(tin
                                           "--warmdown-iters", "3"])
         assert result.exit_code == 0, result.output
         losses[name] = json.loads((run / "summary.json").read_text())["val_loss"]
-    for name in ("gemm", "no_mix_order"):
+    for name in ("gemm", "no_mix_order", "multi_kernel"):
         assert abs(losses[name] - losses["default"]) < 0.02 * losses["default"], losses

@@ -223,6 +223,11 @@ class TrainConfig:
                                             "and gate gradients) into one kernel; off: the sums as kernels of "
                                             "their own (where many tensors meet, as in the parallel lanes' "
                                             "backward, the fused kernel can spill its registers).")
+    compile_multi_kernel: bool = setting(False, "Let torch.compile build each reduction along rows of up to "
+                                                "16,384 columns both holding a row whole in registers and looping "
+                                                "over it, and keep the faster at its first call (Inductor's "
+                                                "multi-kernels): rows over 1,024 columns, as the MLP's 1,536, "
+                                                "may then be read once instead of twice; a longer warm-up.")
     sample_every: int = setting(0, "Log a short greedy sample every N steps; 0 = never.")
     sample_prompt: str = setting("The", "The prompt of those samples.")
     logger: str = setting("none", "Also send the metrics to: none, tensorboard or wandb.")
@@ -591,8 +596,8 @@ def grad_accum_steps_for(cfg: RunConfig, world_size: int) -> int:
 
 # Settings that a resumed run may change: where its data lies and how it runs, never what it computes.
 RESUMABLE_SETTINGS = ("data_path", "tokenizer_path", "tokenizer_meta_path", "device", "cpu_threads", "attn_backend",
-                      "compile", "compile_tuning", "compile_mix_order", "micro_batches_per_pass", "sample_every",
-                      "sample_prompt", "logger", "keep_checkpoints")
+                      "compile", "compile_tuning", "compile_mix_order", "compile_multi_kernel",
+                      "micro_batches_per_pass", "sample_every", "sample_prompt", "logger", "keep_checkpoints")
 
 
 # --- Presets ----------------------------------------------------------------------------

@@ -80,6 +80,11 @@ TUNING_OPTIONS: dict[str, dict | None] = {
 # one such kernel with some thirty loads, where later Inductors stop at ten because its
 # registers spill (pytorch/pytorch#179423); off, the column sums get kernels of their own.
 MIX_ORDER_OFF = {"triton.mix_order_reduction": False}
+# Inductor holds a row whole in registers (one read of it) only up to 1,024 columns; a longer
+# row's reduction loops over it, and a kernel that needs the row's result before it writes
+# (a row's scale for float8) reads the row twice. With multi-kernels each row reduction of up
+# to 16,384 columns is built both ways and the faster one kept at its first call.
+MULTI_KERNEL_ON = {"triton.multi_kernel": 1}
 
 
 class _Compiled:
@@ -105,16 +110,21 @@ class _Compiled:
         return out
 
 
-def compiled(fn, enabled: bool = True, *, autotune: bool = True, tuning: str = "default", mix_order: bool = True):
+def compiled(fn, enabled: bool = True, *, autotune: bool = True, tuning: str = "default", mix_order: bool = True,
+             multi_kernel: bool = False):
     """torch.compile with static shapes (one graph per shape) when enabled, else fn.
     autotune=False suits a graph that runs over the data once (see ONE_PASS_OPTIONS);
     tuning names TUNING_OPTIONS' settings, for graphs that run many times; mix_order=False
-    keeps Inductor from fusing a reduction along rows with one along columns (MIX_ORDER_OFF)."""
+    keeps Inductor from fusing a reduction along rows with one along columns (MIX_ORDER_OFF);
+    multi_kernel=True builds long rows' reductions both ways and keeps the faster (MULTI_KERNEL_ON)."""
     if not enabled:
         return fn
     options = dict((TUNING_OPTIONS[tuning] if autotune else ONE_PASS_OPTIONS) or {})
-    if not mix_order:  # an older Inductor has no such setting, and fuses no such kernels
+    # An Inductor without one of these settings has no such kernels: nothing to set.
+    if not mix_order:
         options.update({key: value for key, value in MIX_ORDER_OFF.items() if inductor_has(key)})
+    if multi_kernel:
+        options.update({key: value for key, value in MULTI_KERNEL_ON.items() if inductor_has(key)})
     return _Compiled(fn, options or None)
 
 

@@ -355,7 +355,8 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
         grids = bank_grids(QuantPlan.from_config(cfg.quant), dict(model.named_parameters()), cfg.model.num_layers)
         model.weight_grids = grids if any(grids) else None
     compile_model = cfg.train.compile and ctx.device.type == "cuda"
-    forward = compiled(model, compile_model, tuning=cfg.train.compile_tuning, mix_order=cfg.train.compile_mix_order)
+    forward = compiled(model, compile_model, tuning=cfg.train.compile_tuning, mix_order=cfg.train.compile_mix_order,
+                       multi_kernel=cfg.train.compile_multi_kernel)
     return Setup(
         cfg=cfg, ctx=ctx, model=model, forward=forward, compiled=compile_model,
         optimizers=build_optimizers(model, cfg.optim),
