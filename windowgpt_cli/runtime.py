@@ -120,11 +120,9 @@ def compiled(fn, enabled: bool = True, *, autotune: bool = True, tuning: str = "
     if not enabled:
         return fn
     options = dict((TUNING_OPTIONS[tuning] if autotune else ONE_PASS_OPTIONS) or {})
-    # An Inductor without one of these settings has no such kernels: nothing to set.
-    if not mix_order:
-        options.update({key: value for key, value in MIX_ORDER_OFF.items() if inductor_has(key)})
-    if multi_kernel:
-        options.update({key: value for key, value in MULTI_KERNEL_ON.items() if inductor_has(key)})
+    for wanted, settings in ((not mix_order, MIX_ORDER_OFF), (multi_kernel, MULTI_KERNEL_ON)):
+        if wanted:  # an Inductor without such a setting has no such kernels: nothing to set
+            options.update({key: value for key, value in settings.items() if inductor_has(key)})
     return _Compiled(fn, options or None)
 
 
