@@ -2,7 +2,8 @@
 compiled for sm_90 by Triton (ptxas included) in a fresh process (the other CPU tests run the
 kernels in Triton's interpreter, which builds nothing) and must fit a Hopper
 multiprocessor's shared memory. A kernel that needs more fails at its first launch on the
-GPU; this finds it without one."""
+GPU; this finds it without one. The float8 MLP's kernels build too, and divide as the
+interpreter does (correctly rounded), not by the GPU's approximate division."""
 from __future__ import annotations
 
 import importlib.util
@@ -22,16 +23,31 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from windowgpt_cli.kernels import elementwise, elementwise_backward, fused_mlp, window_attention
+from windowgpt_cli.kernels import elementwise, elementwise_backward, fp8_mlp, fused_mlp, window_attention
 
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def build(kernel, types, constants, warps, stages):
+def compile_for_hopper(kernel, types, constants, warps, stages):
     signature = {name: "constexpr" if name in constants else types(name) for name in kernel.arg_names}
-    compiled = triton.compile(ASTSource(kernel, signature, constants), target=TARGET,
-                              options={"num_warps": warps, "num_stages": stages})
-    return compiled.metadata.shared
+    return triton.compile(ASTSource(kernel, signature, constants), target=TARGET,
+                          options={"num_warps": warps, "num_stages": stages})
+
+
+def build(kernel, types, constants, warps, stages):
+    return compile_for_hopper(kernel, types, constants, warps, stages).metadata.shared
+
+
+def fp8_rows_types(name):
+    return {"codes_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "negative_slope": "fp32"}.get(
+        name, "*bf16" if name.endswith("_ptr") else "i32")
+
+
+def approximate_divisions(kernel):
+    """Rows of 1,536 (the record model's MLP) as the kernel's launch cuts them."""
+    constants = {"ROWS": fp8_mlp.ROW_ELEMENTS // 2048, "COLS": 2048}
+    ptx = compile_for_hopper(kernel, fp8_rows_types, constants, fp8_mlp.ROW_WARPS, 3).asm["ptx"]
+    return ptx.count("div.full") + ptx.count("div.approx")
 
 
 def product_types(blocks):
@@ -69,6 +85,8 @@ print(json.dumps({
     "training_up_product": up_product(fused_mlp.TRAINING_TILES, True),
     "training_gradient_product": gradient_product(fused_mlp.TRAINING_TILES),
     "window_key_gradients": key_gradients(window_attention.DEFAULT_TUNING),
+    "fp8_approximate_divisions": approximate_divisions(fp8_mlp._leaky_square_fp8_kernel)
+                                 + approximate_divisions(fp8_mlp._leaky_square_fp8_backward_kernel),
 }))
 '''
 
@@ -85,4 +103,5 @@ def test_the_largest_tiles_fit_a_hopper_multiprocessors_shared_memory():
         pytest.skip("Triton's ptxas is missing here")
     assert done.returncode == 0, done.stderr[-3000:]
     shared = json.loads(done.stdout.strip().splitlines()[-1])
+    assert shared.pop("fp8_approximate_divisions") == 0
     assert len(shared) == 4 and all(0 < size <= HOPPER_SHARED_BYTES for size in shared.values()), shared

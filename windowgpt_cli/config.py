@@ -189,6 +189,9 @@ class TrainConfig:
                                    "training's products more coarsely; validation and scores stay bfloat16's.")
     fp8_attention: bool = setting(False, "The attention's projections (queries, keys and values; the output) in "
                                          "the training step in float8, as fp8_mlp does the MLP's.")
+    fp8_mlp_kernels: bool = setting(True, "With fp8_mlp, the MLP's LeakyReLU² and the rounding of its rows to "
+                                          "float8 in one Triton kernel each way (CUDA), reading each row once; "
+                                          "off: the compiler's kernels. The same numbers, to rounding.")
     qat_start_fraction: float = setting(0.0, "Quantization-aware training: once this fraction of the iterations, "
                                               "or of the wallclock budget under a cap, has passed, each training "
                                               "forward rounds the int6 matrices to the grid quantize will use (the "
@@ -596,7 +599,7 @@ def grad_accum_steps_for(cfg: RunConfig, world_size: int) -> int:
 
 # Settings that a resumed run may change: where its data lies and how it runs, never what it computes.
 RESUMABLE_SETTINGS = ("data_path", "tokenizer_path", "tokenizer_meta_path", "device", "cpu_threads", "attn_backend",
-                      "compile", "compile_tuning", "compile_mix_order", "compile_multi_kernel",
+                      "compile", "compile_tuning", "compile_mix_order", "compile_multi_kernel", "fp8_mlp_kernels",
                       "micro_batches_per_pass", "sample_every", "sample_prompt", "logger", "keep_checkpoints")
 
 

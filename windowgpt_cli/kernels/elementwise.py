@@ -230,7 +230,7 @@ def _exclude_self_value_kernel(y_ptr, v_ptr, out_ptr, rows, rows_per_seq, y_seq_
 
 
 @triton.jit
-def _leaky_square_values(h, negative_slope):
+def leaky_square_values(h, negative_slope):
     leaky = tl.where(h > 0, h, h * negative_slope)
     return leaky * leaky
 
@@ -240,7 +240,7 @@ def _leaky_square_kernel(h_ptr, out_ptr, numel, negative_slope, BLOCK: tl.conste
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     h = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offsets, _leaky_square_values(h, negative_slope).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offsets, leaky_square_values(h, negative_slope).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -276,7 +276,7 @@ def _leaky_square_matmul_kernel(x_desc, w_desc, out_desc, product_desc, rows, co
         product = acc.to(tl.bfloat16)
         if STORE_PRODUCT:
             product_desc.store([row0, col0], product)
-        out_desc.store([row0, col0], _leaky_square_values(product.to(tl.float32), negative_slope).to(tl.bfloat16))
+        out_desc.store([row0, col0], leaky_square_values(product.to(tl.float32), negative_slope).to(tl.bfloat16))
 
 
 # --- Launchers ---------------------------------------------------------------------------

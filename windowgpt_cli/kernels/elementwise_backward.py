@@ -73,7 +73,7 @@ def _rotated(x, partner, cos, sin, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constex
 
 
 @triton.jit
-def _leaky_square_derivative(h, grad, negative_slope):
+def leaky_square_derivative(h, grad, negative_slope):
     """d/dh of leaky_relu(h)^2 times grad, in float32: 2 h where h > 0, else 2 slope^2 h."""
     slope = tl.where(h > 0, 1.0, negative_slope)
     return grad * 2.0 * h * slope * slope
@@ -85,7 +85,7 @@ def _leaky_square_backward_kernel(h_ptr, grad_ptr, dh_ptr, numel, negative_slope
     mask = offsets < numel
     h = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dh_ptr + offsets, _leaky_square_derivative(h, grad, negative_slope), mask=mask)
+    tl.store(dh_ptr + offsets, leaky_square_derivative(h, grad, negative_slope), mask=mask)
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -102,7 +102,7 @@ def _leaky_square_grad_matmul_kernel(g_desc, w_desc, h_desc, out_desc, rows, col
         row0, col0, acc = product_tile(g_desc, w_desc, tile, col_tiles, depth, BLOCK_M, BLOCK_N, BLOCK_K, False)
         h = h_desc.load([row0, col0]).to(tl.float32)
         grad = acc.to(tl.bfloat16).to(tl.float32)
-        out_desc.store([row0, col0], _leaky_square_derivative(h, grad, negative_slope).to(tl.bfloat16))
+        out_desc.store([row0, col0], leaky_square_derivative(h, grad, negative_slope).to(tl.bfloat16))
 
 
 # --- Launches ----------------------------------------------------------------------------

@@ -17,23 +17,30 @@ from torch import Tensor
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 ALIGNMENT = 16  # cuBLAS's float8 products take dimensions in multiples of 16
+SMALLEST_AMAX = 1e-30  # the floor of a row's largest magnitude: an all-zero row gets a finite scale
 
 
 def to_fp8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [R, C] as float8 codes [R, C] and a float32 scale per row [R, 1], a power of two:
     x ~ codes * scale, each row's largest magnitude within float8's range."""
-    amax = x.abs().amax(dim=1, keepdim=True).float().clamp_min(1e-30)
+    amax = x.abs().amax(dim=1, keepdim=True).float().clamp_min(SMALLEST_AMAX)
     scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def scaled_product(a8: Tensor, a_scale: Tensor, b8: Tensor, b_scale: Tensor, out_dtype: torch.dtype,
+                   fast_accumulation: bool = False) -> Tensor:
+    """(a8 * a_scale) @ (b8 * b_scale).T for float8 codes a8 [M, K] and b8 [N, K] with their
+    scales per row ([M, 1], [N, 1]), in out_dtype. fast_accumulation: cuBLAS's faster, less
+    exact accumulation (the forward's)."""
+    return torch._scaled_mm(a8, b8.t(), scale_a=a_scale, scale_b=b_scale.reshape(1, -1), out_dtype=out_dtype,
+                            use_fast_accum=fast_accumulation)
+
+
 def fp8_product(a: Tensor, b_rows: Tensor, fast_accumulation: bool = False) -> Tensor:
     """a [M, K] @ b_rows.T for b_rows [N, K], both rounded to float8 by rows of K; in a's
-    dtype. fast_accumulation: cuBLAS's faster, less exact accumulation (the forward's)."""
-    a8, a_scale = to_fp8_rows(a)
-    b8, b_scale = to_fp8_rows(b_rows)
-    return torch._scaled_mm(a8, b8.t(), scale_a=a_scale, scale_b=b_scale.reshape(1, -1), out_dtype=a.dtype,
-                            use_fast_accum=fast_accumulation)
+    dtype (`scaled_product`)."""
+    return scaled_product(*to_fp8_rows(a), *to_fp8_rows(b_rows), a.dtype, fast_accumulation)
 
 
 class _Fp8Linear(torch.autograd.Function):

@@ -20,13 +20,28 @@ KINDS = ("attention", "mlp")
 
 class Fp8Ops(TorchOps):
     """`TorchOps` whose products of the given kinds (`TorchOps.product`) run in float8 while
-    gradients are recorded, where their operands, cast as autocast casts them, fit."""
+    gradients are recorded, where their operands, cast as autocast casts them, fit.
+    mlp_kernels: the MLP's activation and the rounding of its rows in Triton kernels
+    (`kernels.fp8_mlp`), one pass each way, where the compiler's would read each row twice."""
 
-    def __init__(self, kinds: tuple[str, ...]):
+    def __init__(self, kinds: tuple[str, ...], mlp_kernels: bool = False):
         unknown = set(kinds) - set(KINDS)
         if unknown:
             raise ValueError(f"products of kinds {sorted(unknown)}: the kinds are {', '.join(KINDS)}")
         self.kinds = frozenset(kinds)
+        self.kernel_mlp = None
+        if mlp_kernels and "mlp" in self.kinds:
+            from ..kernels import fp8_mlp  # imports Triton: only when used
+
+            self.kernel_mlp = fp8_mlp
+
+    def mlp(self, x: Tensor, up_w: Tensor, down_w: Tensor, negative_slope: float) -> Tensor:
+        if self.kernel_mlp is not None and torch.is_grad_enabled():
+            dtype = matmul_dtype(x)
+            x, up_w, down_w = x.to(dtype), up_w.to(dtype), down_w.to(dtype)
+            if self.kernel_mlp.fp8_mlp_fits(x, up_w, down_w):
+                return self.kernel_mlp.fp8_leaky_square_mlp(x, up_w, down_w, negative_slope)
+        return super().mlp(x, up_w, down_w, negative_slope)
 
     def product(self, x: Tensor, weight: Tensor, kind: str) -> Tensor:
         if kind not in self.kinds or not torch.is_grad_enabled():

@@ -350,7 +350,7 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
 
         model.train_ops = ProductEpilogueOps()
     elif fp8_products_on(cfg, ctx.device):
-        model.train_ops = Fp8Ops(fp8_kinds(cfg))
+        model.train_ops = Fp8Ops(fp8_kinds(cfg), mlp_kernels=cfg.train.fp8_mlp_kernels and triton_available(ctx.device))
     if cfg.train.qat_start_fraction > 0:  # the grids quantize will round the matrices to
         grids = bank_grids(QuantPlan.from_config(cfg.quant), dict(model.named_parameters()), cfg.model.num_layers)
         model.weight_grids = grids if any(grids) else None
