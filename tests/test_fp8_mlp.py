@@ -16,9 +16,12 @@ interpret_kernels_without_cuda()
 from test_model import perturbed_tiny  # noqa: E402
 from windowgpt_cli.kernels import fp8_mlp  # noqa: E402
 from windowgpt_cli.kernels.fp8_mlp import (  # noqa: E402
+    RowLaunch,
     fp8_leaky_square_mlp,
     leaky_square_fp8,
     leaky_square_fp8_backward,
+    leaky_square_fp8_backward_rows,
+    leaky_square_fp8_rows,
 )
 from windowgpt_cli.kernels.fp8_products import fp8_available, fp8_linear, to_fp8_rows  # noqa: E402
 from windowgpt_cli.model.fp8_ops import Fp8Ops  # noqa: E402
@@ -70,6 +73,19 @@ def test_codes_round_to_nearest_even_across_binades_and_below_the_normal_range()
     assert torch.equal(dh, grad)
     assert_rounded_as_torch(grad, codes, scale)
     assert codes[0, :7].float().tolist() == [448.0, 32.0, -128.0, 448.0, 16.0, 20.0, -7 * 2.0 ** -9]
+
+
+# 7 rows of 128 lanes: one a program (fewer lanes than a row's), two, and four (the last
+# program's partly empty), where the default's one program holds them all
+@pytest.mark.parametrize("launch", [RowLaunch(64, 2), RowLaunch(256, 4), RowLaunch(512, 16)])
+def test_every_cut_of_the_rows_gives_the_same_results(launch):
+    h, grad = spread_rows(7, 96, torch.float32), spread_rows(7, 96, torch.float32, seed=1)
+    for default, cut in ((leaky_square_fp8(h, SLOPE), leaky_square_fp8_rows(h, SLOPE, launch)),
+                         (leaky_square_fp8_backward(grad, h, SLOPE),
+                          leaky_square_fp8_backward_rows(grad, h, SLOPE, launch))):
+        assert launch.grid_and_options(h)[0] != RowLaunch().grid_and_options(h)[0]
+        for want, got in zip(default, cut):
+            assert torch.equal(got.float(), want.float())
 
 
 def test_in_bfloat16_the_codes_are_those_of_the_stored_activation():

@@ -45,8 +45,9 @@ def fp8_rows_types(name):
 
 def approximate_divisions(kernel):
     """Rows of 1,536 (the record model's MLP) as the kernel's launch cuts them."""
-    constants = {"ROWS": fp8_mlp.ROW_ELEMENTS // 2048, "COLS": 2048}
-    ptx = compile_for_hopper(kernel, fp8_rows_types, constants, fp8_mlp.ROW_WARPS, 3).asm["ptx"]
+    launch = fp8_mlp.RowLaunch()
+    constants = {"ROWS": launch.elements // 2048, "COLS": 2048}
+    ptx = compile_for_hopper(kernel, fp8_rows_types, constants, launch.warps, 3).asm["ptx"]
     return ptx.count("div.full") + ptx.count("div.approx")
 
 

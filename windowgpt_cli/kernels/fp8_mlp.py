@@ -18,6 +18,8 @@ Importing this module imports Triton.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -27,8 +29,6 @@ from .elementwise import leaky_square_values
 from .elementwise_backward import leaky_square_derivative
 from .fp8_products import FP8, FP8_MAX, SMALLEST_AMAX, fp8_fits, fp8_product, scaled_product, to_fp8_rows
 
-ROW_ELEMENTS = 8192  # a program's rows hold about this many columns in all (rows of 1,536: 4 rows)
-ROW_WARPS = 8
 CODE_MAX: tl.constexpr = tl.constexpr(FP8_MAX)
 AMAX_FLOOR: tl.constexpr = tl.constexpr(SMALLEST_AMAX)
 
@@ -99,11 +99,19 @@ def _leaky_square_fp8_backward_kernel(grad_ptr, h_ptr, dh_ptr, codes_ptr, scale_
 # --- Ops ---------------------------------------------------------------------------------
 
 
-def _row_blocks(h: Tensor) -> tuple[tuple[int], dict]:
-    cols = triton.next_power_of_2(h.size(1))
-    rows_per_program = max(1, ROW_ELEMENTS // cols)
-    return (triton.cdiv(h.size(0), rows_per_program),), {"ROWS": rows_per_program, "COLS": cols,
-                                                         "num_warps": ROW_WARPS}
+@dataclass(frozen=True)
+class RowLaunch:
+    """How the kernels cut their rows: each program holds rows of `elements` lanes in all
+    (a row takes the power of two at or above its columns: 2,048 lanes for 1,536), with
+    `warps` warps."""
+
+    elements: int = 8192
+    warps: int = 8
+
+    def grid_and_options(self, h: Tensor) -> tuple[tuple[int], dict]:
+        cols = triton.next_power_of_2(h.size(1))
+        rows = max(1, self.elements // cols)
+        return (triton.cdiv(h.size(0), rows),), {"ROWS": rows, "COLS": cols, "num_warps": self.warps}
 
 
 def _codes_and_scales(h: Tensor) -> tuple[Tensor, Tensor]:
@@ -111,16 +119,35 @@ def _codes_and_scales(h: Tensor) -> tuple[Tensor, Tensor]:
                                                                          dtype=torch.float32)
 
 
-@torch.library.custom_op("windowgpt::leaky_square_fp8", mutates_args=())
-def leaky_square_fp8(h: Tensor, negative_slope: float) -> tuple[Tensor, Tensor, Tensor]:
+def leaky_square_fp8_rows(h: Tensor, negative_slope: float,
+                          launch: RowLaunch = RowLaunch()) -> tuple[Tensor, Tensor, Tensor]:
     """For h [rows, cols]: a = leaky_relu(h)² in h's dtype, and a's float8 codes [rows, cols]
     and scales [rows, 1] (`to_fp8_rows(a)`)."""
     h = h.contiguous()
     a = torch.empty_like(h)
     codes, scale = _codes_and_scales(h)
-    grid, launch = _row_blocks(h)
-    _leaky_square_fp8_kernel[grid](h, a, codes, scale, h.size(0), h.size(1), negative_slope, **launch)
+    grid, options = launch.grid_and_options(h)
+    _leaky_square_fp8_kernel[grid](h, a, codes, scale, h.size(0), h.size(1), negative_slope, **options)
     return a, codes, scale
+
+
+def leaky_square_fp8_backward_rows(grad: Tensor, h: Tensor, negative_slope: float,
+                                   launch: RowLaunch = RowLaunch()) -> tuple[Tensor, Tensor, Tensor]:
+    """For the gradient of a = leaky_relu(h)² and h [rows, cols]: h's gradient in h's dtype,
+    and its float8 codes and scales (`to_fp8_rows` of it)."""
+    grad, h = grad.contiguous(), h.contiguous()
+    dh = torch.empty_like(h)
+    codes, scale = _codes_and_scales(h)
+    grid, options = launch.grid_and_options(h)
+    _leaky_square_fp8_backward_kernel[grid](grad, h, dh, codes, scale, h.size(0), h.size(1), negative_slope,
+                                            **options)
+    return dh, codes, scale
+
+
+# The ops a compiled step sees (opaque to the compiler; their fake implementations give the shapes).
+@torch.library.custom_op("windowgpt::leaky_square_fp8", mutates_args=())
+def leaky_square_fp8(h: Tensor, negative_slope: float) -> tuple[Tensor, Tensor, Tensor]:
+    return leaky_square_fp8_rows(h, negative_slope)
 
 
 @leaky_square_fp8.register_fake
@@ -130,15 +157,7 @@ def _leaky_square_fp8_shapes(h, negative_slope):
 
 @torch.library.custom_op("windowgpt::leaky_square_fp8_backward", mutates_args=())
 def leaky_square_fp8_backward(grad: Tensor, h: Tensor, negative_slope: float) -> tuple[Tensor, Tensor, Tensor]:
-    """For the gradient of a = leaky_relu(h)² and h [rows, cols]: h's gradient in h's dtype,
-    and its float8 codes and scales (`to_fp8_rows` of it)."""
-    grad, h = grad.contiguous(), h.contiguous()
-    dh = torch.empty_like(h)
-    codes, scale = _codes_and_scales(h)
-    grid, launch = _row_blocks(h)
-    _leaky_square_fp8_backward_kernel[grid](grad, h, dh, codes, scale, h.size(0), h.size(1), negative_slope,
-                                            **launch)
-    return dh, codes, scale
+    return leaky_square_fp8_backward_rows(grad, h, negative_slope)
 
 
 @leaky_square_fp8_backward.register_fake
