@@ -55,7 +55,16 @@ def _e4m3_grid(v):
 
 
 @triton.jit
-def _store_fp8_rows(x, codes_ptr, scale_ptr, row, offsets, mask, row_live):
+def _program_rows(rows, cols, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """This program's rows [ROWS, 1], the offsets of their elements [ROWS, COLS] in a
+    contiguous [rows, cols] tensor, and which of those exist."""
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    col = tl.arange(0, COLS)[None, :]
+    return row, row.to(tl.int64) * cols + col, (row < rows) & (col < cols)
+
+
+@triton.jit
+def _store_fp8_rows(x, codes_ptr, scale_ptr, row, offsets, mask, rows):
     """Round x [ROWS, COLS] (float32, 0 where masked) to float8 codes by rows with a power-of-two
     scale each, as `to_fp8_rows`, and store codes and scales."""
     amax = tl.max(tl.abs(x), axis=1, keep_dims=True)
@@ -64,36 +73,28 @@ def _store_fp8_rows(x, codes_ptr, scale_ptr, row, offsets, mask, row_live):
     scale, inverse = _power_of_two_at_least(tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), CODE_MAX))
     codes = _e4m3_grid(tl.minimum(tl.maximum(x * inverse, -CODE_MAX), CODE_MAX))
     tl.store(codes_ptr + offsets, codes.to(codes_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row, scale, mask=row_live)
+    tl.store(scale_ptr + row, scale, mask=row < rows)
 
 
 @triton.jit(do_not_specialize=["rows"])
 def _leaky_square_fp8_kernel(h_ptr, a_ptr, codes_ptr, scale_ptr, rows, cols, negative_slope,
                              ROWS: tl.constexpr, COLS: tl.constexpr):
-    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
-    col = tl.arange(0, COLS)[None, :]
-    row_live = row < rows
-    mask = row_live & (col < cols)
-    offsets = row.to(tl.int64) * cols + col
+    row, offsets, mask = _program_rows(rows, cols, ROWS, COLS)
     h = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     a = leaky_square_values(h, negative_slope).to(a_ptr.dtype.element_ty)
     tl.store(a_ptr + offsets, a, mask=mask)
-    _store_fp8_rows(a.to(tl.float32), codes_ptr, scale_ptr, row, offsets, mask, row_live)
+    _store_fp8_rows(a.to(tl.float32), codes_ptr, scale_ptr, row, offsets, mask, rows)
 
 
 @triton.jit(do_not_specialize=["rows"])
 def _leaky_square_fp8_backward_kernel(grad_ptr, h_ptr, dh_ptr, codes_ptr, scale_ptr, rows, cols, negative_slope,
                                       ROWS: tl.constexpr, COLS: tl.constexpr):
-    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
-    col = tl.arange(0, COLS)[None, :]
-    row_live = row < rows
-    mask = row_live & (col < cols)
-    offsets = row.to(tl.int64) * cols + col
+    row, offsets, mask = _program_rows(rows, cols, ROWS, COLS)
     h = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     dh = leaky_square_derivative(h, grad, negative_slope).to(dh_ptr.dtype.element_ty)
     tl.store(dh_ptr + offsets, dh, mask=mask)
-    _store_fp8_rows(dh.to(tl.float32), codes_ptr, scale_ptr, row, offsets, mask, row_live)
+    _store_fp8_rows(dh.to(tl.float32), codes_ptr, scale_ptr, row, offsets, mask, rows)
 
 
 # --- Ops ---------------------------------------------------------------------------------
