@@ -9,8 +9,9 @@
 #   RUNS (default: all, in this order)  default frontier frontier_sp1024 frontier_no_recur
 #                                       frontier_no_parallel; on request also frontier_mix_order
 #                                       (the preset compiled with Inductor's mix-order reductions)
-#                                       and frontier_fp8 (the preset with its attention's and MLP's
-#                                       products in float8 while it trains)
+#                                       frontier_fp8 (the preset with its attention's and MLP's
+#                                       products in float8 while it trains) and frontier_fp8_mlp
+#                                       (the MLP's alone, through its own activation kernels)
 #   TRAIN_FLAGS                         more train flags for every run (a smaller model to
 #                                       check the script on a CPU)
 #   SLIDING_UNQUANTIZED=1               also score the unquantized export (the quantization's
@@ -50,6 +51,7 @@ flags_for() {  # NAME -> its train flags, one a line
     frontier_no_parallel) printf '%s\n' --preset frontier --parallel-start-layer 0 ;;
     frontier_mix_order) printf '%s\n' --preset frontier --compile-mix-order ;;
     frontier_fp8) printf '%s\n' --preset frontier --fp8-mlp --fp8-attention ;;
+    frontier_fp8_mlp) printf '%s\n' --preset frontier --fp8-mlp ;;
     *) echo "unknown run $1" >&2; return 1 ;;
   esac
 }
