@@ -167,3 +167,34 @@ def test_on_cuda_the_compiled_step_with_the_kernels_is_the_compilers():
     for plain_grad, kernel_grad in zip(plain_grads, kernel_grads):
         assert plain_grad.abs().amax() > 0
         assert F.cosine_similarity(plain_grad.flatten(), kernel_grad.flatten(), dim=0) > 0.999
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and fp8_available(torch.device("cuda"))),
+                    reason="needs a CUDA GPU with float8 products")
+def test_on_cuda_train_with_fp8_mlp_runs_the_kernels_inside_the_compiled_step(tiny_data_dir, tmp_path, monkeypatch):
+    """`train --fp8-mlp` on CUDA, compiled: the activation's kernels run inside the compiled
+    step, no graph compiled after the warm-up, and the run ends where the compiler's kernels
+    end it (`--no-fp8-mlp-kernels`, which runs none of them), to float8's rounding."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from windowgpt_cli.cli.app import app
+
+    calls = []
+    monkeypatch.setattr(fp8_mlp, "leaky_square_fp8_rows",
+                        lambda *args, forward=fp8_mlp.leaky_square_fp8_rows: calls.append(1) or forward(*args))
+    val_losses = {}
+    for name, flags in (("kernels", []), ("compiler", ["--no-fp8-mlp-kernels"])):
+        out = tmp_path / name
+        result = CliRunner().invoke(app, ["train", "--preset", "tiny", "--data", str(tiny_data_dir), "--out", str(out),
+                                          "--device", "cuda", "--compile", "--fp8-mlp", *flags, "--iterations", "6"])
+        assert result.exit_code == 0, result.output
+        assert "compile:graphs_after_warmup:0" in (out / "train.log").read_text()
+        val_losses[name] = json.loads((out / "summary.json").read_text())["val_loss"]
+        if name == "kernels":
+            assert calls, "the compiled step never ran the activation's kernels"
+            kernel_calls = len(calls)
+    assert len(calls) == kernel_calls  # --no-fp8-mlp-kernels: the compiler's kernels alone
+    assert val_losses["kernels"] == pytest.approx(val_losses["compiler"], rel=1e-2)
