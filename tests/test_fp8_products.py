@@ -195,3 +195,44 @@ def test_on_cuda_the_compiled_step_in_float8_is_close_to_bfloat16s():
     for plain_grad, fp8_grad in zip(plain_grads, fp8_grads):
         assert plain_grad.abs().amax() > 0
         assert F.cosine_similarity(plain_grad.flatten(), fp8_grad.flatten(), dim=0) > 0.98
+
+
+@cpu_float8
+def test_with_train_ops_off_the_training_forward_multiplies_as_eval_does():
+    x = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(6))
+    plain_model, fp8_model = perturbed_tiny().train(), perturbed_tiny().train()
+    fp8_model.train_ops = Fp8Ops(("attention", "mlp"))
+    assert not torch.equal(plain_model(x, x), fp8_model(x, x))
+    fp8_model.train_ops_on = False  # gradients on, as validation through a compiled training graph runs
+    assert torch.equal(plain_model(x, x), fp8_model(x, x))
+
+
+@cpu_float8
+def test_training_validates_and_warms_up_the_model_as_eval_sees_it(tiny_data_dir, tmp_path, monkeypatch):
+    """With float8 products, validation (as it runs on a compiled model, gradients on) turns
+    the training forward's ops off; the warm-up runs that state too, so that its graph is
+    compiled before training; every training step runs them on."""
+    from typer.testing import CliRunner
+
+    from windowgpt_cli.cli.app import app
+    from windowgpt_cli.train import trainer
+
+    steps, validations = [], []
+
+    def optimizer_step(self, next_batch, scale, passes=None, original=trainer.Trainer._optimizer_step):
+        steps.append((passes, self.s.model.train_ops_on))
+        return original(self, next_batch, scale, **({} if passes is None else {"passes": passes}))
+
+    def evaluate(loss_fn, *args, original=trainer.evaluate_standard, **kwargs):
+        validations.append(loss_fn.train_ops_on)
+        return original(loss_fn, *args, **kwargs)
+
+    monkeypatch.setattr(trainer.Trainer, "_optimizer_step", optimizer_step)
+    monkeypatch.setattr(trainer, "evaluate_standard", evaluate)
+    result = CliRunner().invoke(app, ["train", "--preset", "tiny", "--data", str(tiny_data_dir), "--out",
+                                      str(tmp_path / "run"), "--iterations", "3", "--fp8-mlp"])
+    assert result.exit_code == 0, result.output
+    warm_up, training = steps[:2], steps[2:]  # the tiny preset warms up for 2 steps
+    assert [on for _, on in warm_up] == [True, False] and all(passes == 1 for passes, _ in warm_up)
+    assert len(training) == 3 and all(on for _, on in training)
+    assert validations and not any(validations)  # the last step's and the EMA weights'

@@ -14,7 +14,7 @@ from windowgpt_cli.cli.app import app
 from windowgpt_cli.model.state_dict import BANK_NAMES
 from windowgpt_cli.model.weight_grid import RowGrid
 from windowgpt_cli.quant.schemes import QuantPlan, bank_grids, quantize_tensor
-from windowgpt_cli.train.trainer import RECURRING, ROUNDING, switch_states
+from windowgpt_cli.train.trainer import RECURRING, ROUNDING, TRAIN_OPS, switch_states
 
 from test_model import perturbed_tiny
 from test_train import metrics
@@ -73,19 +73,25 @@ def test_a_model_rounding_its_weights_computes_with_its_rounded_banks():
     assert torch.equal(rounded, snapped.forward_logits(x)) and not torch.equal(rounded, plain)
 
 
-@pytest.mark.parametrize("fractions,states", [
-    ({}, [{}]),
-    ({RECURRING: 0.5}, [{RECURRING: False}, {RECURRING: True}]),
-    ({ROUNDING: 0.5}, [{ROUNDING: False}, {ROUNDING: True}]),
+@pytest.mark.parametrize("fractions,validation_off,states", [
+    ({}, (), [{}]),
+    ({RECURRING: 0.5}, (), [{RECURRING: False}, {RECURRING: True}]),
+    ({ROUNDING: 0.5}, (), [{ROUNDING: False}, {ROUNDING: True}]),
     # recurrence first: training's three states; validation's (rounding off) are among them
-    ({RECURRING: 0.35, ROUNDING: 0.5}, [{RECURRING: False, ROUNDING: False}, {RECURRING: True, ROUNDING: False},
-                                       {RECURRING: True, ROUNDING: True}]),
+    ({RECURRING: 0.35, ROUNDING: 0.5}, (), [{RECURRING: False, ROUNDING: False}, {RECURRING: True, ROUNDING: False},
+                                           {RECURRING: True, ROUNDING: True}]),
     # rounding first: validation at the end (recurrence on, rounding off) is a fourth
-    ({RECURRING: 0.5, ROUNDING: 0.2}, [{ROUNDING: False, RECURRING: False}, {ROUNDING: True, RECURRING: False},
-                                      {ROUNDING: True, RECURRING: True}, {ROUNDING: False, RECURRING: True}]),
+    ({RECURRING: 0.5, ROUNDING: 0.2}, (), [{ROUNDING: False, RECURRING: False}, {ROUNDING: True, RECURRING: False},
+                                          {ROUNDING: True, RECURRING: True}, {ROUNDING: False, RECURRING: True}]),
+    # float8 products: on in every training state, off in each one validation may take
+    ({}, (TRAIN_OPS,), [{TRAIN_OPS: True}, {TRAIN_OPS: False}]),
+    ({RECURRING: 0.35}, (TRAIN_OPS,), [{RECURRING: False, TRAIN_OPS: True}, {RECURRING: True, TRAIN_OPS: True},
+                                       {RECURRING: False, TRAIN_OPS: False}, {RECURRING: True, TRAIN_OPS: False}]),
+    ({ROUNDING: 0.5}, (TRAIN_OPS,), [{ROUNDING: False, TRAIN_OPS: True}, {ROUNDING: True, TRAIN_OPS: True},
+                                     {ROUNDING: False, TRAIN_OPS: False}]),
 ])
-def test_the_warm_up_compiles_every_state_training_and_validation_take(fractions, states):
-    assert switch_states(fractions) == states
+def test_the_warm_up_compiles_every_state_training_and_validation_take(fractions, validation_off, states):
+    assert switch_states(fractions, validation_off) == states
 
 
 def _train(data_dir, out, *flags: str) -> str:

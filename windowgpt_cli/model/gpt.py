@@ -387,6 +387,9 @@ class GPT(nn.Module):
         self.fused_loss = False  # the training loss through kernels.cross_entropy (training sets it)
         self.loss_chunk_rows = 0  # with fused_loss: the output layer and loss over chunks of rows (training sets it)
         self.train_ops: TorchOps | None = None  # the training forward's steps, if not torch's (training sets it)
+        # forward runs through train_ops while this is on (training turns it off to validate
+        # where they change the numbers: float8 products)
+        self.train_ops_on = True
         self.qo_bank = nn.Parameter(torch.empty(2 * n, dim, dim))
         self.kv_bank = nn.Parameter(torch.empty(2 * n, cfg.kv_dim, dim))
         self.mlp_up_bank = nn.Parameter(torch.empty(n, cfg.mlp_dim, dim))
@@ -677,9 +680,9 @@ class GPT(nn.Module):
     def forward(self, input_ids: Tensor, target_ids: Tensor, ops: TorchOps = TORCH_OPS) -> Tensor:
         """Mean cross-entropy, as the reference's training forward (with fused_loss, the soft
         cap and the cross-entropy as one kernel each way, `kernels.cross_entropy`, and with
-        loss_chunk_rows the output layer with them over chunks of rows; with train_ops, its
-        steps run through those ops)."""
-        if ops is TORCH_OPS and self.train_ops is not None:
+        loss_chunk_rows the output layer with them over chunks of rows; with train_ops, while
+        train_ops_on, its steps run through those ops)."""
+        if ops is TORCH_OPS and self.train_ops is not None and self.train_ops_on:
             ops = self.train_ops
         hidden = self.hidden_states(input_ids, ops=ops).flatten(0, 1)
         if self.fused_loss:

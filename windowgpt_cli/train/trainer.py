@@ -61,8 +61,9 @@ from .optim import Optimizers, WeightAverages, build_optimizers, lr_scale, muon_
 
 TRAINING_BYTES_PER_PARAMETER = 24
 SWA_LR_THRESHOLD = 0.2  # SWA collects snapshots once the LR scale falls below this
-# The model's switches that training may turn on part way (GPT attributes), and how the log names them.
-RECURRING, ROUNDING = "recurring", "rounding_weights"
+# The model's switches that training may turn on part way (GPT attributes), and how the log names them;
+# TRAIN_OPS is on throughout training and off in validation where the ops change the numbers.
+RECURRING, ROUNDING, TRAIN_OPS = "recurring", "rounding_weights", "train_ops_on"
 SWITCH_LOG_NAMES = {RECURRING: "recurrence", ROUNDING: "qat"}
 
 
@@ -73,16 +74,19 @@ def qat_text(grids: tuple[RowGrid | None, ...] | None) -> str:
     return "qat:grids " + " ".join(f"{bank}:{grid}" for bank, grid in zip(BANK_NAMES, grids) if grid is not None)
 
 
-def switch_states(fractions: dict[str, float]) -> list[dict[str, bool]]:
+def switch_states(fractions: dict[str, float], validation_off: tuple[str, ...] = ()) -> list[dict[str, bool]]:
     """The states of the switches (attribute -> on) that a run's forward passes take, each
     one graph to compile: training's, as each switch turns on at its fraction of the budget
-    (ties in the order given), and validation's, which sees the weights unrounded and, at
-    the end, recurrence on."""
+    (ties in the order given) and the switches of validation_off on throughout, and
+    validation's, which sees the weights unrounded, those switches off and, at the end,
+    recurrence on."""
     order = sorted(fractions, key=lambda name: fractions[name])
-    path = [{name: i < k for i, name in enumerate(order)} for k in range(len(order) + 1)]
+    always = dict.fromkeys(validation_off, True)
+    path = [{name: i < k for i, name in enumerate(order)} | always for k in range(len(order) + 1)]
+    off = ((ROUNDING,) if ROUNDING in fractions else ()) + validation_off
     states = list(path)
-    if ROUNDING in fractions:
-        states += [{**state, ROUNDING: False} for state in path]
+    if off:
+        states += [state | dict.fromkeys(off, False) for state in path]
     unique: list[dict[str, bool]] = []
     for state in states:
         if state not in unique:
@@ -463,7 +467,7 @@ class Trainer:
         # With switches turned on part way (depth recurrence, rounding to the grid), the
         # warm-up's steps run each state the run will take in equal shares: every graph
         # compiles here, none in training.
-        states = switch_states(self._switch_fractions())
+        states = switch_states(self._switch_fractions(), self._validation_off())
         if steps < len(states):
             self.log.line(f"warmup: {steps} steps run {steps} of the {len(states)} states the run's passes take "
                           "(--warmup-steps); the others compile during training")
@@ -473,6 +477,8 @@ class Trainer:
             self._optimizer_step(self._direct_batch, 1.0, passes=1)
             if steps <= 20 or (i + 1) % 10 == 0 or i + 1 == steps:
                 self.log.line(f"warmup_step:{i + 1}/{steps}")
+        for name in self._validation_off():  # on throughout training (the fractions' switches are set by the loop)
+            setattr(s.model, name, True)
         s.model.load_state_dict(model_state, strict=True)
         s.optimizers.load_state_dict(optimizer_state)
         self.stream.load_state_dict(stream_state)
@@ -487,6 +493,12 @@ class Trainer:
         if t.qat_start_fraction > 0 and self.s.model.weight_grids is not None:
             fractions[ROUNDING] = t.qat_start_fraction
         return fractions
+
+    def _validation_off(self) -> tuple[str, ...]:
+        """The switches on throughout training that validation turns off: the training
+        forward's ops where they change its numbers (float8 products), so that validation
+        scores the model as eval will."""
+        return (TRAIN_OPS,) if isinstance(self.s.model.train_ops, Fp8Ops) else ()
 
     def _passed(self, fraction: float, elapsed_ms: float) -> bool:
         """Whether `fraction` of the wallclock budget (under a cap) or of the iterations has passed."""
@@ -511,14 +523,19 @@ class Trainer:
         return f" layers:{','.join(map(str, m.recur_layers))} count:{m.recur_count}"
 
     @contextlib.contextmanager
-    def _unrounded(self) -> Iterator[None]:
-        """The model's weights as they are, not rounded to their grids (validation, EMA)."""
-        rounding = self.s.model.rounding_weights
-        self.s.model.rounding_weights = False
+    def _as_validated(self) -> Iterator[None]:
+        """The model as validation sees it (validation, EMA, samples): its weights as they
+        are, not rounded to their grids, and the switches of `_validation_off` off."""
+        model = self.s.model
+        names = (ROUNDING, *self._validation_off())
+        before = {name: getattr(model, name) for name in names}
+        for name in names:
+            setattr(model, name, False)
         try:
             yield
         finally:
-            self.s.model.rounding_weights = rounding
+            for name, on in before.items():
+                setattr(model, name, on)
 
     def _direct_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.s
@@ -537,7 +554,7 @@ class Trainer:
             local_batch_tokens = t.train_batch_tokens // (s.ctx.world_size * s.passes_per_step)
         else:
             local_batch_tokens = t.val_batch_size // (s.ctx.world_size * s.grad_accum_steps)
-        with self.phases.timed("validation", sync=s.ctx.device), self._unrounded():
+        with self.phases.timed("validation", sync=s.ctx.device), self._as_validated():
             result = evaluate_standard(s.forward, s.val_tokens, s.luts, seq_len=t.train_seq_len,
                                        batch_tokens=local_batch_tokens, device=s.ctx.device,
                                        rank=s.ctx.rank, world_size=s.ctx.world_size, training_graph=training_graph)
@@ -788,7 +805,7 @@ class Trainer:
     def _log_sample(self) -> None:
         from ..generate.decoding import greedy_sample
 
-        with self._unrounded():  # the model as validation sees it
+        with self._as_validated():  # the model as validation sees it
             text = greedy_sample(self.s.model, self.s.tokenizer, self.s.cfg.train.sample_prompt)
         self.log.line(f"sample step:{self.step} {self.s.cfg.train.sample_prompt + text!r}")
 
