@@ -464,9 +464,9 @@ class Trainer:
         model_state = {k: v.detach().clone() for k, v in s.model.state_dict().items()}
         optimizer_state = copy.deepcopy(s.optimizers.state_dict())
         stream_state = self.stream.state_dict()
-        # With switches turned on part way (depth recurrence, rounding to the grid), the
-        # warm-up's steps run each state the run will take in equal shares: every graph
-        # compiles here, none in training.
+        # With switches turned on part way (depth recurrence, rounding to the grid) or off to
+        # validate (float8 products), the warm-up's steps run each state the run will take in
+        # equal shares: every graph compiles here, none in training.
         states = switch_states(self._switch_fractions(), self._validation_off())
         if steps < len(states):
             self.log.line(f"warmup: {steps} steps run {steps} of the {len(states)} states the run's passes take "
