@@ -101,6 +101,11 @@ def compiled_step_on_cuda(variants, grads_of) -> list[tuple[float, list]]:
     return results
 
 
+def bank_grads(model) -> list:
+    """The gradients of the model's parameter banks (for `compiled_step_on_cuda`)."""
+    return [p.grad for name, p in model.named_parameters() if name.endswith("_bank")]
+
+
 @pytest.fixture
 def interpreter_fixes(monkeypatch):
     """Two gaps of Triton's interpreter that the compiled kernels do not have. It holds a

@@ -152,15 +152,12 @@ def test_on_cuda_the_compiled_step_with_the_kernels_is_the_compilers():
     """The full-size model's compiled training loss in bf16 autocast, the MLP in float8, with
     and without the kernels (one graph either way): the same loss to 1e-3, every bank's
     gradient pointing the same way (cosine over 0.999)."""
-    from conftest import compiled_step_on_cuda
+    from conftest import bank_grads, compiled_step_on_cuda
 
     def variant(kernels: bool):
         def set_up(model):
             model.train_ops = Fp8Ops(("mlp",), mlp_kernels=kernels)
         return set_up
-
-    def bank_grads(model):
-        return [p.grad for name, p in model.named_parameters() if name.endswith("_bank")]
 
     (plain, plain_grads), (kernel, kernel_grads) = compiled_step_on_cuda([variant(False), variant(True)], bank_grads)
     assert plain_grads and abs(plain - kernel) < 1e-3 * plain

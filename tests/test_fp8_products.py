@@ -180,15 +180,12 @@ def test_on_cuda_the_compiled_step_in_float8_is_close_to_bfloat16s():
     """The full-size model's compiled training loss in bf16 autocast, at a micro-batch of 8
     sequences: with its products in float8 within 1% of bfloat16's, every bank's gradient
     pointing the same way (cosine over 0.98)."""
-    from conftest import compiled_step_on_cuda
+    from conftest import bank_grads, compiled_step_on_cuda
 
     def variant(fp8: bool):
         def set_up(model):
             model.train_ops = Fp8Ops(("attention", "mlp")) if fp8 else None
         return set_up
-
-    def bank_grads(model):
-        return [p.grad for name, p in model.named_parameters() if name.endswith("_bank")]
 
     (plain, plain_grads), (fp8, fp8_grads) = compiled_step_on_cuda([variant(False), variant(True)], bank_grads)
     assert plain_grads and abs(plain - fp8) < 0.01 * plain

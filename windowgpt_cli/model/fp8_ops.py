@@ -18,6 +18,12 @@ from .ops import TorchOps
 KINDS = ("attention", "mlp")
 
 
+def _as_multiplied(*tensors: Tensor) -> list[Tensor]:
+    """The operands cast as F.linear would multiply them: to autocast's dtype where it is on."""
+    dtype = matmul_dtype(tensors[0])
+    return [t.to(dtype) for t in tensors]
+
+
 class Fp8Ops(TorchOps):
     """`TorchOps` whose products of the given kinds (`TorchOps.product`) run in float8 while
     gradients are recorded, where their operands, cast as autocast casts them, fit.
@@ -37,8 +43,7 @@ class Fp8Ops(TorchOps):
 
     def mlp(self, x: Tensor, up_w: Tensor, down_w: Tensor, negative_slope: float) -> Tensor:
         if self.kernel_mlp is not None and torch.is_grad_enabled():
-            dtype = matmul_dtype(x)
-            x, up_w, down_w = x.to(dtype), up_w.to(dtype), down_w.to(dtype)
+            x, up_w, down_w = _as_multiplied(x, up_w, down_w)
             if self.kernel_mlp.fp8_mlp_fits(x, up_w, down_w):
                 return self.kernel_mlp.fp8_leaky_square_mlp(x, up_w, down_w, negative_slope)
         return super().mlp(x, up_w, down_w, negative_slope)
@@ -46,6 +51,5 @@ class Fp8Ops(TorchOps):
     def product(self, x: Tensor, weight: Tensor, kind: str) -> Tensor:
         if kind not in self.kinds or not torch.is_grad_enabled():
             return super().product(x, weight, kind)
-        dtype = matmul_dtype(x)  # as F.linear would multiply them
-        x, weight = x.to(dtype), weight.to(dtype)
+        x, weight = _as_multiplied(x, weight)
         return fp8_linear(x, weight) if fp8_fits(x, weight) else super().product(x, weight, kind)
