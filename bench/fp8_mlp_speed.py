@@ -55,8 +55,8 @@ def parse_launches(text: str) -> list[RowLaunch]:
     launches = []
     for item in text.split(","):
         elements, _, warps = item.partition("x")
-        if not (elements.isdigit() and warps.isdigit()):
-            raise SystemExit(f"--launches: {item!r} is not ELEMENTSxWARPS (e.g. 8192x8)")
+        if not (elements.isdigit() and warps.isdigit() and int(elements) > 0 and int(warps) in (1, 2, 4, 8, 16, 32)):
+            raise SystemExit(f"--launches: {item!r} is not ELEMENTSxWARPS (e.g. 8192x8; warps a power of two up to 32)")
         launches.append(RowLaunch(int(elements), int(warps)))
     return launches
 
@@ -107,9 +107,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    launches = parse_launches(args.launches)
     if not torch.cuda.is_available():
         raise SystemExit("bench/fp8_mlp_speed.py needs a CUDA GPU")
-    launches = parse_launches(args.launches)
     results = []
     for cols in (int(c) for c in args.cols.split(",")):
         results.append({"gpu": torch.cuda.get_device_name(0), **measure(args.rows, cols, launches, args.repeats)})
