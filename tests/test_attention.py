@@ -182,7 +182,8 @@ def test_fa4_op_stays_in_one_compiled_graph(fake_fa4):
 
 def test_triton_fa4_runs_windowed_layers_on_the_triton_kernels_and_full_ones_on_fa4(fake_fa4, monkeypatch):
     calls = []
-    monkeypatch.setattr(attention, "_triton_window", lambda q, k, v, window, sinks: calls.append(("triton", window))
+    monkeypatch.setattr(attention, "_triton_window",
+                        lambda q, k, v, window, sinks, atomic_dq: calls.append(("triton", window))
                         or attention._sdpa(q, k, v, mask=attention.window_mask(q.shape[1], window, sinks, q.device)))
     fa4 = attention._fa4
     monkeypatch.setattr(attention, "_fa4",

@@ -73,11 +73,14 @@ def gradient_product(tiles):
 
 
 def key_gradients(tuning):
+    atomic = bool(tuning.bwd_atomic_dq)
+
     def types(name):
         if name.endswith("_ptr"):
-            return "*fp32" if name in ("lse_ptr", "delta_ptr") else "*bf16"
+            return "*fp32" if name in ("lse_ptr", "delta_ptr") or (atomic and name == "dq_ptr") else "*bf16"
         return "fp32" if name in ("qk_scale", "sm_scale") else "i32"
-    constants = {"BLOCK_M": tuning.bwd_block_loop, "BLOCK_N": tuning.bwd_block_own, "HEAD_DIM": 64}
+    constants = {"BLOCK_M": tuning.bwd_block_loop, "BLOCK_N": tuning.bwd_block_own, "HEAD_DIM": 64,
+                 "ATOMIC_DQ": atomic}
     return build(window_attention._attention_dkdv_kernel, types, constants, tuning.bwd_warps, tuning.bwd_stages)
 
 
@@ -86,6 +89,7 @@ print(json.dumps({
     "training_up_product": up_product(fused_mlp.TRAINING_TILES, True),
     "training_gradient_product": gradient_product(fused_mlp.TRAINING_TILES),
     "window_key_gradients": key_gradients(window_attention.DEFAULT_TUNING),
+    "window_key_gradients_atomic_dq": key_gradients(window_attention.ATOMIC_DQ_TUNING),
     "fp8_approximate_divisions": approximate_divisions(fp8_mlp._leaky_square_fp8_kernel)
                                  + approximate_divisions(fp8_mlp._leaky_square_fp8_backward_kernel),
 }))
@@ -105,4 +109,4 @@ def test_the_largest_tiles_fit_a_hopper_multiprocessors_shared_memory():
     assert done.returncode == 0, done.stderr[-3000:]
     shared = json.loads(done.stdout.strip().splitlines()[-1])
     assert shared.pop("fp8_approximate_divisions") == 0
-    assert len(shared) == 4 and all(0 < size <= HOPPER_SHARED_BYTES for size in shared.values()), shared
+    assert len(shared) == 5 and all(0 < size <= HOPPER_SHARED_BYTES for size in shared.values()), shared

@@ -75,7 +75,10 @@ def covers_everything(seq_len: int, window: int) -> bool:
     return window <= 0 or window + 1 >= seq_len
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, backend: str) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, backend: str,
+              atomic_dq: bool = False) -> Tensor:
+    """Attention under `may_attend`'s rule through the backend's kernels; atomic_dq: the
+    Triton window kernels' backward adds dQ atomically (`window_attention.ATOMIC_DQ_TUNING`)."""
     seq_len = q.shape[1]
     if covers_everything(seq_len, window):
         if backend in FA4_FULL_LAYERS:
@@ -88,7 +91,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, backend:
             return _fa4(q, k, v, window)[0]
         return merge_sinks(q, k, v, window, sinks, *_fa4(q, k, v, window))
     if runs_window_kernels(backend, eager_on_cuda=_eager_on_cuda(q)):
-        return _triton_window(q, k, v, window, sinks)
+        return _triton_window(q, k, v, window, sinks, atomic_dq)
     if backend == "flex":
         return _flex(q, k, v, _flex_block_mask(seq_len, window, sinks, q.device))
     return _sdpa(q, k, v, mask=window_mask(seq_len, window, sinks, q.device))
@@ -131,14 +134,20 @@ def _eager_on_cuda(q: Tensor) -> bool:
     return q.is_cuda and not torch.compiler.is_compiling() and triton_available(q.device)
 
 
-def _triton_window(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int) -> Tensor:
+def _triton_window(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, atomic_dq: bool) -> Tensor:
     from ..kernels.window_attention import window_attention  # imports Triton: only when used
 
-    return window_attention(q, k, v, window, sinks)
+    return window_attention(q, k, v, window, sinks, _window_tuning(atomic_dq))
+
+
+def _window_tuning(atomic_dq: bool):
+    from ..kernels.window_attention import ATOMIC_DQ_TUNING, DEFAULT_TUNING
+
+    return ATOMIC_DQ_TUNING if atomic_dq else DEFAULT_TUNING
 
 
 def window_kernel_builds(cfg: ModelConfig, backend: str, seq_len: int, device: torch.device, *, eager: bool,
-                         backward: bool) -> list[Callable[[], object]]:
+                         backward: bool, atomic_dq: bool = False) -> list[Callable[[], object]]:
     """The builds (`window_attention.kernel_builds`) of the Triton kernels that cfg's windowed
     layers run over sequences of seq_len on this backend, called eagerly or compiled; none
     where they run no Triton kernel."""
@@ -148,7 +157,8 @@ def window_kernel_builds(cfg: ModelConfig, backend: str, seq_len: int, device: t
     from ..kernels.window_attention import kernel_builds
 
     return kernel_builds(device, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                         seq_len=seq_len, window=cfg.window_attn_size, sinks=cfg.num_sink_tokens, backward=backward)
+                         seq_len=seq_len, window=cfg.window_attn_size, sinks=cfg.num_sink_tokens, backward=backward,
+                         tuning=_window_tuning(atomic_dq))
 
 
 # --- FlexAttention -----------------------------------------------------------------------
