@@ -829,7 +829,8 @@ def describe(setup: Setup, log: RunLog) -> None:
     windows = [b.attn.layer for b in model.blocks if b.attn.window > 0]
     if windows:
         sinks = f" sink_tokens={cfg.model.num_sink_tokens}" if cfg.model.num_sink_tokens > 0 else ""
-        log.line(f"window_attn:size={cfg.model.window_attn_size} layers:{windows}{sinks}")
+        atomic = " backward_dq:atomic" if cfg.train.window_atomic_dq else ""
+        log.line(f"window_attn:size={cfg.model.window_attn_size} layers:{windows}{sinks}{atomic}")
     log.line(f"world_size:{ctx.world_size} grad_accum_steps:{setup.grad_accum_steps} "
              f"micro_batches_per_pass:{setup.micro_batches_per_pass} device:{ctx.device} "
              f"attn_backend:{model.blocks[0].attn.backend}")
