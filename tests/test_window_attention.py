@@ -145,6 +145,32 @@ def test_compiles_into_one_graph_with_its_backward():
         assert torch.allclose(a, b, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("atomic_dq", [0, 1])
+def test_the_backward_ops_shapes_and_dtypes_are_its_outputs(atomic_dq):
+    """The fake the compiler traces gives what the op returns: dQ in float32 where it is
+    added atomically (autograd casts it to q's dtype, in a compiled step inside the kernel
+    that reads it next), in q's dtype otherwise; and in a compiled graph q's gradient is
+    bfloat16, equal to the eager one."""
+    from windowgpt_cli.kernels import window_attention as module
+
+    tuning = dataclasses.replace(TINY, bwd_atomic_dq=atomic_dq)
+    q, k, v = (x.detach().bfloat16().requires_grad_() for x in inputs(5, 1, 37, 2, 1))
+    grad = torch.randn_like(q)
+    out, lse = module._forward(q, k, v, 9, 3, tuning)
+    torch.library.opcheck(module._attention_backward_op, (grad, q, k, v, out, lse, 9, 3, tuning.as_list()),
+                          test_utils=("test_faketensor",))
+    dq = module._attention_backward_op(grad, q, k, v, out, lse, 9, 3, tuning.as_list())[0]
+    assert dq.dtype == (torch.float32 if atomic_dq else torch.bfloat16)
+
+    def loss(q, k, v):
+        return (window_attention(q, k, v, 9, 3, tuning).float() * grad.float()).sum()
+
+    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend="aot_eager")(q, k, v), (q, k, v))
+    eager = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    for a, b in zip(compiled, eager):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
 def test_backend_needs_cuda():
     cpu = torch.device("cpu")
     with pytest.raises(ConfigError, match="attention backend triton needs CUDA"):

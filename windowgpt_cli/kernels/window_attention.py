@@ -391,9 +391,11 @@ def _backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
               tuning: Tuning) -> tuple[Tensor, Tensor, Tensor]:
     delta = _delta(out, grad, tuning)
     if tuning.bwd_atomic_dq:
+        # dQ stays float32: autograd casts it to q's dtype, which a compiled step fuses
+        # into the kernel that reads dQ next, instead of a pass of its own here.
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk, dv = _key_grads(grad, q, k, v, lse, delta, window, sinks, tuning, dq)
-        return dq.to(q.dtype), dk, dv
+        return dq, dk, dv
     dk, dv = _key_grads(grad, q, k, v, lse, delta, window, sinks, tuning)
     return _query_grads(grad, q, k, v, lse, delta, window, sinks, tuning), dk, dv
 
@@ -495,7 +497,8 @@ def _attention_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
 
 @_attention_backward_op.register_fake
 def _attention_backward_shapes(grad, q, k, v, out, lse, window, sinks, tuning):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    dq_dtype = torch.float32 if Tuning(*tuning).bwd_atomic_dq else q.dtype
+    return q.new_empty(q.shape, dtype=dq_dtype), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _save_for_backward(ctx, inputs, output) -> None:
