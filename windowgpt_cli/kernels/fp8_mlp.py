@@ -105,8 +105,7 @@ class RowLaunch:
     """How the kernels cut their rows: each program holds rows of `elements` lanes in all
     (a row takes the power of two at or above its columns: 2,048 lanes for 1,536), with
     `warps` warps. The default, a row of up to 2,048 lanes in two warps, was the fastest cut on
-    an H200 at 1,536 and 2,048 columns (bench/results/fp8_mlp_speed_h200.json): it holds no
-    row in shared memory and needs no barrier."""
+    an H200 at 1,536 and 2,048 columns (bench/results/fp8_mlp_speed_h200.json)."""
 
     elements: int = 2048
     warps: int = 2
