@@ -16,9 +16,9 @@ The backward is the usual split: delta = rowsum(dO * O), then one program per ke
 for dK and dV (summing over the kv head's query heads inside the program: deterministic,
 no atomics) and one per query block for dQ, which computes the scores and their gradient
 again. `Tuning.bwd_atomic_dq` instead adds each key block's share of dQ into a float32
-buffer from the dK/dV program that has both at hand (atomic adds, as FlashAttention-2 and
-cuDNN do): five matrix products where the split runs seven, but dQ's sums come in no fixed
-order, so the gradients are not bitwise repeatable.
+buffer from the dK/dV program that has both at hand (atomic adds, as FlashAttention-2's
+backward does): five matrix products where the split runs seven, but dQ's sums come in no
+fixed order, so the gradients are not bitwise repeatable.
 
 The kernels' names hold "attention", so that profiles (bench/train_profile.py) count them as
 such. Triton is imported here alone; `runtime.triton_available` says whether they can run.
