@@ -391,7 +391,7 @@ def _backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
               tuning: Tuning) -> tuple[Tensor, Tensor, Tensor]:
     delta = _delta(out, grad, tuning)
     if tuning.bwd_atomic_dq:
-        # dQ stays float32: autograd casts it to q's dtype, which a compiled step fuses
+        # dQ stays float32: autograd casts it to q's dtype, which a compiled step can fuse
         # into the kernel that reads dQ next, instead of a pass of its own here.
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk, dv = _key_grads(grad, q, k, v, lse, delta, window, sinks, tuning, dq)
@@ -428,6 +428,7 @@ def _key_grads(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta
     key_blocks = triton.cdiv(t, tuning.bwd_block_own)
     sink_blocks = min(triton.cdiv(sinks, tuning.bwd_block_own), key_blocks)
     order = (b * kv_heads * sink_blocks, max(sink_blocks, 1), max(key_blocks - sink_blocks, 1), sink_blocks)
+    # Without dq, dk stands in for the kernel's dq_ptr, which it then never reads.
     _attention_dkdv_kernel[(b * kv_heads * key_blocks,)](
         q, k, v, grad, lse, delta, dk, dv, dk if dq is None else dq, *strides, *sizes, kv_heads, *rule, *order,
         BLOCK_M=tuning.bwd_block_loop, BLOCK_N=tuning.bwd_block_own, HEAD_DIM=d, ATOMIC_DQ=dq is not None,
