@@ -302,6 +302,16 @@ class LaunchRecorder:
         return launch
 
 
+def recorded_launches(monkeypatch, names=KERNEL_NAMES) -> list[str]:
+    """The names of the window kernels launched from here on (those of `names`), in order."""
+    from windowgpt_cli.kernels import window_attention as module
+
+    launched: list[str] = []
+    for name in names:
+        monkeypatch.setattr(module, name, LaunchRecorder(getattr(module, name), name, launched))
+    return launched
+
+
 @pytest.mark.parametrize("backward, atomic_dq", [(False, 0), (True, 0), (True, 1)])
 @pytest.mark.slow
 def test_each_build_launches_one_of_the_kernels_a_call_runs(monkeypatch, backward, atomic_dq):
@@ -309,9 +319,7 @@ def test_each_build_launches_one_of_the_kernels_a_call_runs(monkeypatch, backwar
     those of a forward (and its backward: without dQ's programs where dQ is added atomically)."""
     from windowgpt_cli.kernels import window_attention as module
 
-    launched: list[str] = []
-    for name in KERNEL_NAMES:
-        monkeypatch.setattr(module, name, LaunchRecorder(getattr(module, name), name, launched))
+    launched = recorded_launches(monkeypatch)
     tuning = dataclasses.replace(TINY, bwd_atomic_dq=atomic_dq)
     builds = module.kernel_builds(torch.device("cpu"), heads=2, kv_heads=1, head_dim=16, seq_len=40, window=9,
                                   sinks=3, backward=backward, dtype=torch.float32, tuning=tuning)
@@ -334,11 +342,7 @@ def test_each_build_launches_one_of_the_kernels_a_call_runs(monkeypatch, backwar
 def test_attention_with_atomic_dq_runs_the_backward_without_dq_programs(monkeypatch):
     """`attention.attention(..., atomic_dq=True)` (the model's `window_atomic_dq`) takes
     ATOMIC_DQ_TUNING: its gradients are the reference's, and no dQ program runs."""
-    from windowgpt_cli.kernels import window_attention as module
-
-    launched: list[str] = []
-    for name in KERNEL_NAMES:
-        monkeypatch.setattr(module, name, LaunchRecorder(getattr(module, name), name, launched))
+    launched = recorded_launches(monkeypatch)
     q, k, v = inputs(3, 1, 70, 2, 1)
     grad = torch.randn_like(q)
     got = outputs_and_grads(lambda *x: attention.attention(*x, 9, 3, "triton", atomic_dq=True), q, k, v, grad)
@@ -352,12 +356,8 @@ def test_attention_with_atomic_dq_runs_the_backward_without_dq_programs(monkeypa
 def test_the_models_atomic_dq_switch_reaches_its_windowed_layers(monkeypatch, eval_model):
     """GPT.set_attention_backend(..., atomic_dq=True): the windowed layers' backward runs no
     dQ program, and the model's gradients are those of the split backward."""
-    from windowgpt_cli.kernels import window_attention as module
-
-    launched: list[str] = []
     monkeypatch.setattr(attention, "triton_available", lambda device: True)  # the kernels interpreted here
-    monkeypatch.setattr(module, "_attention_dq_kernel",
-                        LaunchRecorder(module._attention_dq_kernel, "_attention_dq_kernel", launched))
+    launched = recorded_launches(monkeypatch, ("_attention_dq_kernel",))
     cfg = eval_model.cfg
     tokens = torch.randint(0, cfg.vocab_size, (1, 41), generator=torch.Generator().manual_seed(0))
     grads = {}
