@@ -11,7 +11,9 @@
 #                                       (the preset compiled with Inductor's mix-order reductions)
 #                                       frontier_fp8 (the preset with its attention's and MLP's
 #                                       products in float8 while it trains) and frontier_fp8_mlp
-#                                       (the MLP's alone, through its own activation kernels)
+#                                       (the MLP's alone, through its own activation kernels),
+#                                       frontier_fp8_mlp_fa4 (that with FlashAttention-4 for
+#                                       the full causal layers: PYTHONPATH must reach flash_attn)
 #   TRAIN_FLAGS                         more train flags for every run (a smaller model to
 #                                       check the script on a CPU)
 #   SLIDING_UNQUANTIZED=1               also score the unquantized export (the quantization's
@@ -52,6 +54,7 @@ flags_for() {  # NAME -> its train flags, one a line
     frontier_mix_order) printf '%s\n' --preset frontier --compile-mix-order ;;
     frontier_fp8) printf '%s\n' --preset frontier --fp8-mlp --fp8-attention ;;
     frontier_fp8_mlp) printf '%s\n' --preset frontier --fp8-mlp ;;
+    frontier_fp8_mlp_fa4) printf '%s\n' --preset frontier --fp8-mlp --attn-backend fa4 ;;
     *) echo "unknown run $1" >&2; return 1 ;;
   esac
 }
