@@ -8,8 +8,6 @@ evaluation batch (B=512: forward in inference mode), it times
 
 - flex:   FlexAttention compiled (`attention._flex`, the kernel the compiled model traces);
 - triton: `window_attention.window_attention`, the Triton kernels;
-- triton_atomic_dq: the same with `ATOMIC_DQ_TUNING` (`train --window-atomic-dq`: dQ added
-          atomically from the dK/dV kernel, no dQ kernel);
 - sdpa:   SDPA's full causal attention (as the model's full causal layers), a yardstick
           that does about twice the work;
 - where flash-attn-4 is installed: fa4 (`--attn-backend fa4`'s windowed layer, compiled:
@@ -22,8 +20,7 @@ time of each kernel's first call at that shape: compilation or kernel builds inc
 default the compiler caches are emptied first (a fresh machine); --warm-caches keeps them.
 It then compares out, dq, dk and dv of triton and flex (and fa4) on the training batch (max
 abs difference, and each one's difference from a float32 reference). --sweep times a few block/warps/stages
-settings of the Triton forward and backward (split, and with dQ added atomically) at the training shape and
-prints the best.
+settings of the Triton forward and backward at the training shape and prints the best.
 --json PATH writes every number. Takes under a minute on an H200.
 """
 from __future__ import annotations
@@ -51,13 +48,11 @@ HEADS, KV_HEADS, HEAD_DIM, SEQ_LEN, WINDOW, SINKS = 8, 4, 64, 2048, 512, 4
 TRAIN_BATCH, EVAL_BATCH = 48, 512
 FWD_MATMULS, BWD_MATMULS = 2, 5
 
-# (fwd_block_m, fwd_block_n, warps, stages) and (bwd_block_own, bwd_block_loop, warps, stages, bwd_atomic_dq)
+# (fwd_block_m, fwd_block_n, warps, stages) and (bwd_block_own, bwd_block_loop, warps, stages)
 FWD_SWEEP = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 4), (64, 32, 4, 3), (64, 16, 4, 4),
              (32, 32, 4, 4), (64, 32, 2, 4)]
-BWD_SWEEP = [(128, 32, 8, 3, 0), (64, 32, 4, 3, 0), (64, 32, 4, 4, 0), (64, 32, 4, 2, 0), (64, 16, 4, 3, 0),
-             (32, 32, 4, 3, 0), (64, 32, 2, 3, 0), (64, 64, 4, 2, 0),
-             (64, 64, 4, 2, 1), (64, 64, 4, 3, 1), (128, 64, 8, 2, 1), (64, 32, 4, 3, 1), (128, 32, 8, 3, 1),
-             (64, 64, 8, 2, 1)]
+BWD_SWEEP = [(128, 32, 8, 3), (64, 32, 4, 3), (64, 32, 4, 4), (64, 32, 4, 2), (64, 16, 4, 3), (32, 32, 4, 3),
+             (64, 32, 2, 3), (64, 64, 4, 2)]
 
 console = Console(width=140)
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -81,7 +76,7 @@ def inputs(batch: int, requires_grad: bool) -> tuple[torch.Tensor, ...]:
 
 
 def kernels(tuning=None) -> dict[str, Attention]:
-    from windowgpt_cli.kernels.window_attention import ATOMIC_DQ_TUNING, DEFAULT_TUNING, window_attention
+    from windowgpt_cli.kernels.window_attention import DEFAULT_TUNING, window_attention
 
     def flex(q, k, v):
         return attention._flex(q, k, v, attention._flex_block_mask(SEQ_LEN, WINDOW, SINKS, q.device))
@@ -92,10 +87,7 @@ def kernels(tuning=None) -> dict[str, Attention]:
     def sdpa(q, k, v):
         return attention._sdpa(q, k, v, mask=None)
 
-    def triton_atomic_dq(q, k, v):
-        return window_attention(q, k, v, WINDOW, SINKS, ATOMIC_DQ_TUNING)
-
-    impls = {"flex": flex, "triton": triton, "triton_atomic_dq": triton_atomic_dq, "sdpa": sdpa}
+    impls = {"flex": flex, "triton": triton, "sdpa": sdpa}
     if attention.fa4_available():
         impls["fa4"] = torch.compile(lambda q, k, v: attention.attention(q, k, v, WINDOW, SINKS, "fa4"))
         impls["fa4_no_sinks"] = lambda q, k, v: attention._fa4(q, k, v, WINDOW)[0]
@@ -181,8 +173,7 @@ def errors(impls: dict[str, Attention]) -> dict[str, dict]:
         k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
         return attention._sdpa(q, k, v, mask=attention.window_mask(SEQ_LEN, WINDOW, SINKS, q.device))
 
-    got = {name: outputs(impls[name], q, k, v, grad) for name in ("triton", "triton_atomic_dq", "flex", "fa4")
-           if name in impls}
+    got = {name: outputs(impls[name], q, k, v, grad) for name in ("triton", "flex", "fa4") if name in impls}
     exact = [x.detach().float().requires_grad_() for x in (q, k, v)]  # float32 gradients too
     want = outputs(reference, *exact, grad.float())
     names = ("out", "dq", "dk", "dv")
@@ -208,11 +199,11 @@ def sweep(iters: int) -> dict[str, list]:
         fn = kernels(tuning)["triton"]
         fwd.append({"setting": [m, n, warps, stages], "fwd_ms": cuda_ms(lambda: fn(q, k, v), iters)})
     base_fwd = cuda_ms(lambda: kernels()["triton"](q, k, v), iters)
-    for own, loop, warps, stages, atomic_dq in BWD_SWEEP:
+    for own, loop, warps, stages in BWD_SWEEP:
         tuning = dataclasses.replace(DEFAULT_TUNING, bwd_block_own=own, bwd_block_loop=loop, bwd_warps=warps,
-                                     bwd_stages=stages, bwd_atomic_dq=atomic_dq)
+                                     bwd_stages=stages)
         step_ms = cuda_ms(forward_backward(kernels(tuning)["triton"], q, k, v, grad), iters)
-        bwd.append({"setting": [own, loop, warps, stages, atomic_dq], "bwd_ms": step_ms - base_fwd})
+        bwd.append({"setting": [own, loop, warps, stages], "bwd_ms": step_ms - base_fwd})
     return {"fwd": sorted(fwd, key=lambda r: r["fwd_ms"]), "bwd": sorted(bwd, key=lambda r: r["bwd_ms"])}
 
 
@@ -233,8 +224,7 @@ def show(results: dict) -> None:
         for part, rows in results["sweep"].items():
             key = f"{part}_ms"
             console.print(f"sweep {part}: " + ", ".join(f"{r['setting']} {r[key]:.2f} ms" for r in rows))
-            atomic = ", atomic dQ" if part == "bwd" else ""
-            console.print(f"best {part} (block, block, warps, stages{atomic}): {rows[0]['setting']}")
+            console.print(f"best {part} (block, block, warps, stages): {rows[0]['setting']}")
 
 
 def main(argv: list[str] | None = None) -> int:

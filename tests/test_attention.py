@@ -182,8 +182,7 @@ def test_fa4_op_stays_in_one_compiled_graph(fake_fa4):
 
 def test_triton_fa4_runs_windowed_layers_on_the_triton_kernels_and_full_ones_on_fa4(fake_fa4, monkeypatch):
     calls = []
-    monkeypatch.setattr(attention, "_triton_window",
-                        lambda q, k, v, window, sinks, atomic_dq: calls.append(("triton", window))
+    monkeypatch.setattr(attention, "_triton_window", lambda q, k, v, window, sinks: calls.append(("triton", window))
                         or attention._sdpa(q, k, v, mask=attention.window_mask(q.shape[1], window, sinks, q.device)))
     fa4 = attention._fa4
     monkeypatch.setattr(attention, "_fa4",
@@ -226,4 +225,22 @@ def test_fa4_needs_cuda_and_the_package(monkeypatch):
         attention.resolve_backend("fa4", torch.device("cpu"))
     monkeypatch.setattr(attention, "fa3_available", lambda: False)
     monkeypatch.setattr(attention, "triton_available", lambda device: True)
-    assert attention.resolve_backend("auto", torch.device("cuda")) == "triton"  # auto never picks fa4
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert attention.resolve_backend("auto", torch.device("cuda"), training=True) == "triton_fa4"  # never fa4
+
+
+@pytest.mark.parametrize("capability, training, chosen", [
+    ((9, 0), True, "triton_fa4"), ((10, 0), True, "triton_fa4"), ((9, 0), False, "triton"),
+    ((8, 0), True, "triton"), ((12, 0), True, "triton")])
+def test_auto_trains_with_fa4_for_full_layers_where_it_targets_the_gpu(monkeypatch, capability, training, chosen):
+    """FA4's full causal forward and backward beat cuDNN's on Hopper (the record step 2.3%
+    shorter); its forward alone does not, so scoring keeps cuDNN; other GPUs are not FA4's."""
+    monkeypatch.setattr(attention, "fa3_available", lambda: False)
+    monkeypatch.setattr(attention, "triton_available", lambda device: True)
+    monkeypatch.setattr(attention, "fa4_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert attention.resolve_backend("auto", torch.device("cuda"), training=training) == chosen
+    monkeypatch.setattr(attention, "fa4_available", lambda: False)
+    assert attention.resolve_backend("auto", torch.device("cuda"), training=training) == "triton"
+    monkeypatch.setattr(attention, "fa3_available", lambda: True)  # the reference's kernel still comes first
+    assert attention.resolve_backend("auto", torch.device("cuda"), training=training) == "fa3"

@@ -3,8 +3,7 @@ compiled for sm_90 by Triton (ptxas included) in a fresh process (the other CPU 
 kernels in Triton's interpreter, which builds nothing) and must fit a Hopper
 multiprocessor's shared memory. A kernel that needs more fails at its first launch on the
 GPU; this finds it without one. The float8 MLP's kernels build too, and divide as the
-interpreter does (correctly rounded), not by the GPU's approximate division. The window
-backward with atomic dQ runs every product as a warpgroup MMA (none falls back to mma.sync)."""
+interpreter does (correctly rounded), not by the GPU's approximate division."""
 from __future__ import annotations
 
 import importlib.util
@@ -73,18 +72,13 @@ def gradient_product(tiles):
                  tiles.num_warps, tiles.num_stages)
 
 
-def key_gradients(tuning, part="shared"):
-    atomic = bool(tuning.bwd_atomic_dq)
-
+def key_gradients(tuning):
     def types(name):
         if name.endswith("_ptr"):
-            return "*fp32" if name in ("lse_ptr", "delta_ptr") or (atomic and name == "dq_ptr") else "*bf16"
+            return "*fp32" if name in ("lse_ptr", "delta_ptr") else "*bf16"
         return "fp32" if name in ("qk_scale", "sm_scale") else "i32"
-    constants = {"BLOCK_M": tuning.bwd_block_loop, "BLOCK_N": tuning.bwd_block_own, "HEAD_DIM": 64,
-                 "ATOMIC_DQ": atomic}
-    kernel = compile_for_hopper(window_attention._attention_dkdv_kernel, types, constants, tuning.bwd_warps,
-                                tuning.bwd_stages)
-    return kernel.metadata.shared if part == "shared" else kernel.asm["ptx"].count("mma.sync")
+    constants = {"BLOCK_M": tuning.bwd_block_loop, "BLOCK_N": tuning.bwd_block_own, "HEAD_DIM": 64}
+    return build(window_attention._attention_dkdv_kernel, types, constants, tuning.bwd_warps, tuning.bwd_stages)
 
 
 print(json.dumps({
@@ -92,8 +86,6 @@ print(json.dumps({
     "training_up_product": up_product(fused_mlp.TRAINING_TILES, True),
     "training_gradient_product": gradient_product(fused_mlp.TRAINING_TILES),
     "window_key_gradients": key_gradients(window_attention.DEFAULT_TUNING),
-    "window_key_gradients_atomic_dq": key_gradients(window_attention.ATOMIC_DQ_TUNING),
-    "window_atomic_dq_mma_sync": key_gradients(window_attention.ATOMIC_DQ_TUNING, "mma.sync"),
     "fp8_approximate_divisions": approximate_divisions(fp8_mlp._leaky_square_fp8_kernel)
                                  + approximate_divisions(fp8_mlp._leaky_square_fp8_backward_kernel),
 }))
@@ -113,5 +105,4 @@ def test_the_largest_tiles_fit_a_hopper_multiprocessors_shared_memory():
     assert done.returncode == 0, done.stderr[-3000:]
     shared = json.loads(done.stdout.strip().splitlines()[-1])
     assert shared.pop("fp8_approximate_divisions") == 0
-    assert shared.pop("window_atomic_dq_mma_sync") == 0  # every product of the atomic backward a warpgroup MMA
-    assert len(shared) == 5 and all(0 < size <= HOPPER_SHARED_BYTES for size in shared.values()), shared
+    assert len(shared) == 4 and all(0 < size <= HOPPER_SHARED_BYTES for size in shared.values()), shared

@@ -241,24 +241,6 @@ def test_the_step_is_compiled_with_the_runs_inductor_settings(tiny_data_dir, mon
     assert compiled.options.get("triton.multi_kernel", 0) == int(multi_kernel)
 
 
-def test_window_atomic_dq_reaches_every_layer_and_the_warm_ups_kernel_builds(tiny_data_dir, tmp_path, monkeypatch):
-    from windowgpt_cli.distributed import DistContext
-    from windowgpt_cli.train import trainer
-
-    builds = []
-    monkeypatch.setattr(trainer, "window_kernel_builds", lambda *args, **kwargs: builds.append(kwargs) or [])
-    for atomic_dq in (False, True):
-        cfg = tiny_cfg(tiny_data_dir, iterations=2, warmup_steps=0, window_atomic_dq=atomic_dq).resolved()
-        setup = trainer.build_setup(cfg, DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
-        assert [block.attn.atomic_dq for block in setup.model.blocks] == [atomic_dq] * cfg.model.num_layers
-        lines = []
-        trainer.describe(setup, trainer.RunLog(tmp_path, enabled=True, echo=lines.append))
-        window_line = next(line for line in lines if line.startswith("window_attn:"))
-        assert window_line.endswith(" backward_dq:atomic") is atomic_dq
-        trainer.Trainer(setup, tmp_path, trainer.RunLog(tmp_path, enabled=False)).warm_up()
-    assert [kwargs["atomic_dq"] for kwargs in builds] == [False, True]
-
-
 def test_warm_up_takes_one_micro_batch_per_step_and_undoes_itself(tiny_data_dir, tmp_path):
     from windowgpt_cli.distributed import DistContext
     from windowgpt_cli.train.trainer import RunLog, Trainer, build_setup

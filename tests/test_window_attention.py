@@ -9,7 +9,6 @@ reference.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import pytest
 import torch
@@ -85,24 +84,6 @@ def test_forward_and_gradients_match_masked_sdpa(batch, seq_len, heads, kv_heads
         assert torch.allclose(a, b, atol=2e-5, rtol=0), (name, (a - b).abs().max().item())
 
 
-# GQA groups of 2 and 1, sinks inside and outside the window, blocks either way round
-@pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[6], CASES[7]])
-def test_atomic_dq_gives_the_split_backwards_gradients(case):
-    """bwd_atomic_dq: dQ added from the dK/dV programs equals the dQ programs' (float32 sums
-    in another order) and the reference's; dK and dV are the same computation, bit for bit."""
-    batch, seq_len, heads, kv_heads, window, sinks, tuning = case
-    q, k, v = inputs(seq_len + window + sinks, batch, seq_len, heads, kv_heads)
-    grad = torch.randn_like(q)
-    atomic = dataclasses.replace(tuning, bwd_atomic_dq=1)
-    got = outputs_and_grads(lambda *x: window_attention(*x, window, sinks, atomic), q, k, v, grad)
-    split = outputs_and_grads(lambda *x: window_attention(*x, window, sinks, tuning), q, k, v, grad)
-    want = outputs_and_grads(lambda *x: reference(*x, window, sinks), q, k, v, grad)
-    assert torch.equal(got[2], split[2]) and torch.equal(got[3], split[3])
-    assert got[1].dtype == q.dtype and got[1].abs().max() > 0.1
-    assert torch.allclose(got[1], split[1], atol=1e-6, rtol=0), (got[1] - split[1]).abs().max().item()
-    assert torch.allclose(got[1], want[1], atol=2e-5, rtol=0)
-
-
 def test_bfloat16_within_two_rounding_steps():
     """bf16 in and out (probabilities rounded to bf16 before the product with v, as in
     FlashAttention), against float32 from the same bf16 inputs."""
@@ -145,32 +126,6 @@ def test_compiles_into_one_graph_with_its_backward():
         assert torch.allclose(a, b, atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("atomic_dq", [0, 1])
-def test_the_backward_ops_shapes_and_dtypes_are_its_outputs(atomic_dq):
-    """The fake the compiler traces gives what the op returns: dQ in float32 where it is
-    added atomically (autograd casts it to q's dtype, in a compiled step inside the kernel
-    that reads it next), in q's dtype otherwise; and in a compiled graph q's gradient is
-    bfloat16, equal to the eager one."""
-    from windowgpt_cli.kernels import window_attention as module
-
-    tuning = dataclasses.replace(TINY, bwd_atomic_dq=atomic_dq)
-    q, k, v = (x.detach().bfloat16().requires_grad_() for x in inputs(5, 1, 37, 2, 1))
-    grad = torch.randn_like(q)
-    out, lse = module._forward(q, k, v, 9, 3, tuning)
-    torch.library.opcheck(module._attention_backward_op, (grad, q, k, v, out, lse, 9, 3, tuning.as_list()),
-                          test_utils=("test_faketensor",))
-    dq = module._attention_backward_op(grad, q, k, v, out, lse, 9, 3, tuning.as_list())[0]
-    assert dq.dtype == (torch.float32 if atomic_dq else torch.bfloat16)
-
-    def loss(q, k, v):
-        return (window_attention(q, k, v, 9, 3, tuning).float() * grad.float()).sum()
-
-    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend="aot_eager")(q, k, v), (q, k, v))
-    eager = torch.autograd.grad(loss(q, k, v), (q, k, v))
-    for a, b in zip(compiled, eager):
-        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
-
-
 def test_backend_needs_cuda():
     cpu = torch.device("cpu")
     with pytest.raises(ConfigError, match="attention backend triton needs CUDA"):
@@ -192,11 +147,8 @@ def _errors_against_float32(fn, q, k, v, grad, window, sinks):
 @pytest.mark.parametrize("window,sinks", [(512, 4), (0, 0), (100, 0)])
 def test_record_shape_matches_flex_within_bf16_rounding(window, sinks):
     """bf16 at the record model's shape: the kernels' error against a float32 reference is
-    about FlexAttention's (or SDPA's, for full causal attention), with dQ from its own
-    programs or added atomically."""
+    about FlexAttention's (or SDPA's, for full causal attention)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    from windowgpt_cli.kernels import window_attention as module
 
     q, k, v = inputs(3, 2, 2048, 8, 4, head_dim=64, dtype=torch.bfloat16, device="cuda")
     grad = torch.randn_like(q)
@@ -211,12 +163,10 @@ def test_record_shape_matches_flex_within_bf16_rounding(window, sinks):
     else:
         def baseline(q, k, v):
             return attention._sdpa(q, k, v, mask=None)
+    ours = _errors_against_float32(lambda *x: window_attention(*x, window, sinks), q, k, v, grad, window, sinks)
     theirs = _errors_against_float32(baseline, q, k, v, grad, window, sinks)
-    for tuning in (module.DEFAULT_TUNING, module.ATOMIC_DQ_TUNING):
-        ours = _errors_against_float32(lambda *x: window_attention(*x, window, sinks, tuning), q, k, v, grad, window,
-                                       sinks)
-        for name, a, b in zip(("out", "dq", "dk", "dv"), ours, theirs):
-            assert a <= 2 * b + 1e-3, (tuning.bwd_atomic_dq, name, a, b)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, theirs):
+        assert a <= 2 * b + 1e-3, (name, a, b)
 
 
 @pytest.mark.gpu
@@ -302,27 +252,18 @@ class LaunchRecorder:
         return launch
 
 
-def recorded_launches(monkeypatch, names=KERNEL_NAMES) -> list[str]:
-    """The names of the window kernels launched from here on (those of `names`), in order."""
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.slow
+def test_each_build_launches_one_of_the_kernels_a_call_runs(monkeypatch, backward):
+    """So that run_in_threads builds them side by side: one kernel per build, together
+    those of a forward (and its backward)."""
     from windowgpt_cli.kernels import window_attention as module
 
     launched: list[str] = []
-    for name in names:
+    for name in KERNEL_NAMES:
         monkeypatch.setattr(module, name, LaunchRecorder(getattr(module, name), name, launched))
-    return launched
-
-
-@pytest.mark.parametrize("backward, atomic_dq", [(False, 0), (True, 0), (True, 1)])
-@pytest.mark.slow
-def test_each_build_launches_one_of_the_kernels_a_call_runs(monkeypatch, backward, atomic_dq):
-    """So that run_in_threads builds them side by side: one kernel per build, together
-    those of a forward (and its backward: without dQ's programs where dQ is added atomically)."""
-    from windowgpt_cli.kernels import window_attention as module
-
-    launched = recorded_launches(monkeypatch)
-    tuning = dataclasses.replace(TINY, bwd_atomic_dq=atomic_dq)
     builds = module.kernel_builds(torch.device("cpu"), heads=2, kv_heads=1, head_dim=16, seq_len=40, window=9,
-                                  sinks=3, backward=backward, dtype=torch.float32, tuning=tuning)
+                                  sinks=3, backward=backward, dtype=torch.float32, tuning=TINY)
     per_build = []
     for build in builds:
         launched.clear()
@@ -332,46 +273,10 @@ def test_each_build_launches_one_of_the_kernels_a_call_runs(monkeypatch, backwar
     launched.clear()
     q, k, v = inputs(8, 3, 40, 2, 1)
     with contextlib.nullcontext() if backward else torch.no_grad():
-        out = window_attention(q, k, v, 9, 3, tuning)
+        out = window_attention(q, k, v, 9, 3, TINY)
     if backward:
         out.sum().backward()
-    kernels = KERNEL_NAMES[:3 if atomic_dq else 4] if backward else KERNEL_NAMES[:1]
-    assert sorted(names[0] for names in per_build) == sorted(launched) == sorted(kernels)
-
-
-def test_attention_with_atomic_dq_runs_the_backward_without_dq_programs(monkeypatch):
-    """`attention.attention(..., atomic_dq=True)` (the model's `window_atomic_dq`) takes
-    ATOMIC_DQ_TUNING: its gradients are the reference's, and no dQ program runs."""
-    launched = recorded_launches(monkeypatch)
-    q, k, v = inputs(3, 1, 70, 2, 1)
-    grad = torch.randn_like(q)
-    got = outputs_and_grads(lambda *x: attention.attention(*x, 9, 3, "triton", atomic_dq=True), q, k, v, grad)
-    want = outputs_and_grads(lambda *x: reference(*x, 9, 3), q, k, v, grad)
-    assert sorted(set(launched)) == sorted(KERNEL_NAMES[:3])
-    for a, b in zip(got, want):
-        assert torch.allclose(a, b, atol=2e-5, rtol=0)
-
-
-@pytest.mark.slow
-def test_the_models_atomic_dq_switch_reaches_its_windowed_layers(monkeypatch, eval_model):
-    """GPT.set_attention_backend(..., atomic_dq=True): the windowed layers' backward runs no
-    dQ program, and the model's gradients are those of the split backward."""
-    monkeypatch.setattr(attention, "triton_available", lambda device: True)  # the kernels interpreted here
-    launched = recorded_launches(monkeypatch, ("_attention_dq_kernel",))
-    cfg = eval_model.cfg
-    tokens = torch.randint(0, cfg.vocab_size, (1, 41), generator=torch.Generator().manual_seed(0))
-    grads = {}
-    for atomic_dq in (False, True):
-        eval_model.set_attention_backend("triton", torch.device("cpu"), atomic_dq=atomic_dq)
-        eval_model.zero_grad(set_to_none=True)
-        launched.clear()
-        eval_model(tokens[:, :-1], tokens[:, 1:]).backward()
-        assert launched == ([] if atomic_dq else ["_attention_dq_kernel"] * len(cfg.window_attn_layers))
-        grads[atomic_dq] = {n: p.grad for n, p in eval_model.named_parameters() if p.grad is not None}
-    assert grads[False].keys() == grads[True].keys()
-    assert all(grad.abs().max() > 0 for grad in grads[True].values())
-    for name, grad in grads[False].items():
-        assert torch.allclose(grads[True][name], grad, atol=1e-6, rtol=1e-4), name
+    assert sorted(names[0] for names in per_build) == sorted(launched) == sorted(KERNEL_NAMES[:4 if backward else 1])
 
 
 def test_window_kernels_are_built_only_where_windowed_layers_run_them(monkeypatch):
@@ -384,16 +289,14 @@ def test_window_kernels_are_built_only_where_windowed_layers_run_them(monkeypatc
     record = ModelConfig(window_attn_size=512, num_sink_tokens=4, window_attn_layers=(2, 4))
     cpu = torch.device("cpu")
 
-    def builds(cfg, backend, seq_len=2048, eager=True, backward=True, atomic_dq=False):
-        return attention.window_kernel_builds(cfg, backend, seq_len, cpu, eager=eager, backward=backward,
-                                              atomic_dq=atomic_dq)
+    def builds(cfg, backend, seq_len=2048, eager=True, backward=True):
+        return attention.window_kernel_builds(cfg, backend, seq_len, cpu, eager=eager, backward=backward)
 
     assert builds(record, "triton") == []  # no Triton GPU here
     monkeypatch.setattr(attention, "triton_available", lambda device: True)
     assert builds(record, "triton", eager=False) == [dict(heads=record.num_heads, kv_heads=record.num_kv_heads,
                                                          head_dim=record.head_dim, seq_len=2048, window=512,
-                                                         sinks=4, backward=True, tuning=module.DEFAULT_TUNING)]
-    assert builds(record, "triton", atomic_dq=True)[0]["tuning"] == module.ATOMIC_DQ_TUNING
+                                                         sinks=4, backward=True)]
     assert builds(record, "flex", backward=False)[0]["backward"] is False
     assert builds(record, "flex", eager=False) == []  # FlexAttention traced into the compiled graph
     assert builds(record, "sdpa") == [] and builds(record, "fa3") == []

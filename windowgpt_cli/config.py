@@ -213,11 +213,8 @@ class TrainConfig:
                                   "one (threads contend on a busy machine), and CPU results depend on the "
                                   "count in their last digits.")
     attn_backend: str = setting("auto", "Attention kernels: auto, fa3, fa4, flex, triton, triton_fa4 (Triton for "
-                                        "windowed layers, FlashAttention-4 for full ones) or sdpa.")
-    window_atomic_dq: bool = setting(False, "Window attention's backward (the Triton kernels) adds dQ from its "
-                                             "dK/dV kernel by float32 atomic adds: one kernel and five matrix "
-                                             "products where the default runs two and seven; dQ's sums come in "
-                                             "no fixed order, so a run's gradients are not bitwise repeatable.")
+                                        "windowed layers, FlashAttention-4 for full ones; auto's choice for "
+                                        "training where FA4 is installed on Hopper or Blackwell) or sdpa.")
     compile: bool = setting(True, "torch.compile the model (on CUDA only).")
     compile_tuning: str = setting("default", "What torch.compile tunes in the training step: default (its "
                                              "element-wise kernels), gemm (also Triton matrix-product templates "
@@ -603,9 +600,8 @@ def grad_accum_steps_for(cfg: RunConfig, world_size: int) -> int:
 
 # Settings that a resumed run may change: where its data lies and how it runs, never what it computes.
 RESUMABLE_SETTINGS = ("data_path", "tokenizer_path", "tokenizer_meta_path", "device", "cpu_threads", "attn_backend",
-                      "window_atomic_dq", "compile", "compile_tuning", "compile_mix_order", "compile_multi_kernel",
-                      "fp8_mlp_kernels", "micro_batches_per_pass", "sample_every", "sample_prompt", "logger",
-                      "keep_checkpoints")
+                      "compile", "compile_tuning", "compile_mix_order", "compile_multi_kernel", "fp8_mlp_kernels",
+                      "micro_batches_per_pass", "sample_every", "sample_prompt", "logger", "keep_checkpoints")
 
 
 # --- Presets ----------------------------------------------------------------------------

@@ -14,11 +14,7 @@ test-time training) start at once.
 
 The backward is the usual split: delta = rowsum(dO * O), then one program per key block
 for dK and dV (summing over the kv head's query heads inside the program: deterministic,
-no atomics) and one per query block for dQ, which computes the scores and their gradient
-again. `Tuning.bwd_atomic_dq` instead adds each key block's share of dQ into a float32
-buffer from the dK/dV program that has both at hand (atomic adds, as FlashAttention-2's
-backward does): five matrix products where the split runs seven, but dQ's sums come in no
-fixed order, so the gradients are not bitwise repeatable.
+no atomics) and one per query block for dQ.
 
 The kernels' names hold "attention", so that profiles (bench/train_profile.py) count them as
 such. Triton is imported here alone; `runtime.triton_available` says whether they can run.
@@ -46,10 +42,9 @@ _MAX_START: tl.constexpr = tl.constexpr(-1.0e30)
 class Tuning:
     """Block sizes, warps and pipeline stages. The forward's programs own fwd_block_m queries
     and loop over keys fwd_block_n at a time. Each backward program owns bwd_block_own keys
-    (dK, dV) or queries (dQ) and loops over the other side bwd_block_loop at a time;
-    bwd_atomic_dq 1 drops the dQ programs (see the module's doc). The defaults suit Hopper
-    at head size 64 (bench/attention_speed.py --sweep); tests in the interpreter use tiny
-    blocks."""
+    (dK, dV) or queries (dQ) and loops over the other side bwd_block_loop at a time. The
+    defaults suit Hopper at head size 64 (bench/attention_speed.py --sweep); tests in the
+    interpreter use tiny blocks."""
 
     fwd_block_m: int = 64
     fwd_block_n: int = 32
@@ -59,17 +54,13 @@ class Tuning:
     bwd_block_loop: int = 32
     bwd_warps: int = 4
     bwd_stages: int = 3
-    bwd_atomic_dq: int = 0
 
     def as_list(self) -> list[int]:
         return [self.fwd_block_m, self.fwd_block_n, self.fwd_warps, self.fwd_stages,
-                self.bwd_block_own, self.bwd_block_loop, self.bwd_warps, self.bwd_stages, self.bwd_atomic_dq]
+                self.bwd_block_own, self.bwd_block_loop, self.bwd_warps, self.bwd_stages]
 
 
 DEFAULT_TUNING = Tuning()
-# The atomic backward's programs loop over 64 queries, not 32: its dQ product has the queries
-# as rows, and a warpgroup's MMA on sm_90 takes 64 rows (32 would fall back to mma.sync).
-ATOMIC_DQ_TUNING = Tuning(bwd_block_loop=64, bwd_stages=2, bwd_atomic_dq=1)
 
 
 # --- Kernels -----------------------------------------------------------------------------
@@ -219,15 +210,12 @@ def _attention_delta_kernel(out_ptr, grad_ptr, delta_ptr,
 
 
 @triton.jit
-def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, stats_base, lse_ptr, delta_ptr, stride_qt, stride_qh,
-                 stride_qd, stride_dot, stride_doh, stride_dod, seq_len, num_heads, cols, start, end, group, window,
-                 sinks, qk_scale, sm_scale, MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr,
-                 HEAD_DIM: tl.constexpr):
+def _dkdv_blocks(dk, dv, k, v, q_base, do_base, stats_base, lse_ptr, delta_ptr, stride_qt, stride_qh, stride_qd,
+                 stride_dot, stride_doh, stride_dod, seq_len, cols, start, end, group, window, sinks, qk_scale,
+                 MASKED: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
     """dK and dV of a block of keys from the query blocks [start, end) of each of the
     group's query heads, in transposed form (keys along rows). One flat loop over (head,
-    block) pairs, so that the compiler pipelines its loads across heads too. With ATOMIC_DQ,
-    also each query block's share of dQ from these keys, added into the float32 [B, T, H, D]
-    buffer whose (batch, first head) element is at dq_base."""
+    block) pairs, so that the compiler pipelines its loads across heads too."""
     dims = tl.arange(0, HEAD_DIM)
     blocks = tl.cdiv(end - start, BLOCK_M)
     for step in range(0, group * blocks):
@@ -244,29 +232,22 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, stats_base, lse_ptr, de
             visible = _visible(rows[None, :], cols[:, None], seq_len, window, sinks) & live[None, :]
             p_t = tl.where(visible, p_t, 0.0)
         dv += tl.dot(p_t.to(do.dtype), do)
-        ds_t = (p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)
-        dk += tl.dot(ds_t, q)
-        if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(ds_t), k) * sm_scale
-            tl.atomic_add(dq_base + (rows[:, None] * num_heads + member) * HEAD_DIM + dims[None, :], dq,
-                          mask=live[:, None], sem="relaxed")
+        ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q)
     return dk, dv
 
 
 @triton.jit
-def _attention_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr,
+def _attention_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
                            stride_qb, stride_qt, stride_qh, stride_qd,
                            stride_kb, stride_kt, stride_kh, stride_kd,
                            stride_vb, stride_vt, stride_vh, stride_vd,
                            stride_dob, stride_dot, stride_doh, stride_dod,
                            seq_len, num_heads, num_kv_heads, group, window, sinks, qk_scale, sm_scale,
                            sink_programs, sink_span, other_blocks, sink_blocks,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           ATOMIC_DQ: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """dK and dV of one block of keys of one kv head: the sum over the kv head's query
     heads and over every query block that sees the keys. dk and dv are k's layout, contiguous.
-    With ATOMIC_DQ, dq_ptr is a float32 buffer in q's layout, contiguous and zeroed, into
-    which the programs add dQ (unused otherwise).
 
     One program per (kv head of a sequence, key block), in launch order: first the
     sink_blocks first key blocks of every kv head (sink_programs programs: the blocks
@@ -293,17 +274,16 @@ def _attention_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_p
     first_head = kv_head * group
     q_base = q_ptr + batch * stride_qb + first_head * stride_qh
     do_base = do_ptr + batch * stride_dob + first_head * stride_doh
-    dq_base = dq_ptr + (batch * seq_len * num_heads + first_head) * HEAD_DIM
     stats = (batch * num_heads + first_head) * seq_len
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, stats, lse_ptr, delta_ptr, stride_qt, stride_qh,
-                          stride_qd, stride_dot, stride_doh, stride_dod, seq_len, num_heads, cols, lo, full_lo, group,
-                          window, sinks, qk_scale, sm_scale, True, ATOMIC_DQ, BLOCK_M, HEAD_DIM)
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, stats, lse_ptr, delta_ptr, stride_qt, stride_qh,
-                          stride_qd, stride_dot, stride_doh, stride_dod, seq_len, num_heads, cols, full_lo, full_hi,
-                          group, window, sinks, qk_scale, sm_scale, False, ATOMIC_DQ, BLOCK_M, HEAD_DIM)
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, dq_base, stats, lse_ptr, delta_ptr, stride_qt, stride_qh,
-                          stride_qd, stride_dot, stride_doh, stride_dod, seq_len, num_heads, cols, full_hi, hi, group,
-                          window, sinks, qk_scale, sm_scale, True, ATOMIC_DQ, BLOCK_M, HEAD_DIM)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, stats, lse_ptr, delta_ptr, stride_qt, stride_qh, stride_qd,
+                          stride_dot, stride_doh, stride_dod, seq_len, cols, lo, full_lo, group, window, sinks,
+                          qk_scale, True, BLOCK_M, HEAD_DIM)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, stats, lse_ptr, delta_ptr, stride_qt, stride_qh, stride_qd,
+                          stride_dot, stride_doh, stride_dod, seq_len, cols, full_lo, full_hi, group, window, sinks,
+                          qk_scale, False, BLOCK_M, HEAD_DIM)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, stats, lse_ptr, delta_ptr, stride_qt, stride_qh, stride_qd,
+                          stride_dot, stride_doh, stride_dod, seq_len, cols, full_hi, hi, group, window, sinks,
+                          qk_scale, True, BLOCK_M, HEAD_DIM)
     offsets = (batch * seq_len * num_kv_heads + cols[:, None] * num_kv_heads + kv_head) * HEAD_DIM + dims[None, :]
     tl.store(dk_ptr + offsets, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=col_live)
     tl.store(dv_ptr + offsets, dv.to(dv_ptr.dtype.element_ty), mask=col_live)
@@ -390,12 +370,6 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, tuning: T
 def _backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, window: int, sinks: int,
               tuning: Tuning) -> tuple[Tensor, Tensor, Tensor]:
     delta = _delta(out, grad, tuning)
-    if tuning.bwd_atomic_dq:
-        # dQ stays float32: autograd casts it to q's dtype, which a compiled step can fuse
-        # into the kernel that reads dQ next, instead of a pass of its own here.
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk, dv = _key_grads(grad, q, k, v, lse, delta, window, sinks, tuning, dq)
-        return dq, dk, dv
     dk, dv = _key_grads(grad, q, k, v, lse, delta, window, sinks, tuning)
     return _query_grads(grad, q, k, v, lse, delta, window, sinks, tuning), dk, dv
 
@@ -419,8 +393,7 @@ def _gradient_arguments(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, window: i
 
 
 def _key_grads(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, window: int, sinks: int,
-               tuning: Tuning, dq: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """dK and dV; given dq (float32, zeros, q's shape), dQ is added into it too."""
+               tuning: Tuning) -> tuple[Tensor, Tensor]:
     b, t, kv_heads, d = k.shape
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -428,11 +401,10 @@ def _key_grads(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta
     key_blocks = triton.cdiv(t, tuning.bwd_block_own)
     sink_blocks = min(triton.cdiv(sinks, tuning.bwd_block_own), key_blocks)
     order = (b * kv_heads * sink_blocks, max(sink_blocks, 1), max(key_blocks - sink_blocks, 1), sink_blocks)
-    # Without dq, dk stands in for the kernel's dq_ptr, which it then never reads.
     _attention_dkdv_kernel[(b * kv_heads * key_blocks,)](
-        q, k, v, grad, lse, delta, dk, dv, dk if dq is None else dq, *strides, *sizes, kv_heads, *rule, *order,
-        BLOCK_M=tuning.bwd_block_loop, BLOCK_N=tuning.bwd_block_own, HEAD_DIM=d, ATOMIC_DQ=dq is not None,
-        num_warps=tuning.bwd_warps, num_stages=tuning.bwd_stages)
+        q, k, v, grad, lse, delta, dk, dv, *strides, *sizes, kv_heads, *rule, *order,
+        BLOCK_M=tuning.bwd_block_loop, BLOCK_N=tuning.bwd_block_own, HEAD_DIM=d, num_warps=tuning.bwd_warps,
+        num_stages=tuning.bwd_stages)
     return dk, dv
 
 
@@ -451,7 +423,7 @@ def kernel_builds(device: torch.device, *, heads: int, kv_heads: int, head_dim: 
                   sinks: int, backward: bool, dtype: torch.dtype = torch.bfloat16,
                   tuning: Tuning = DEFAULT_TUNING) -> list[Callable[[], object]]:
     """Launches on one sequence of zeros that build the kernels a call with these sizes
-    runs (the forward; with backward, also the gradient kernels), one per kernel, to
+    runs (the forward; with backward, also the three gradient kernels), one per kernel, to
     run in parallel threads (`runtime.run_in_threads`): a build is seconds, mostly spent
     waiting on Triton's compiler processes, and a first call would run the builds one after
     another. The tensors keep the real ones' layouts, so the real calls find the kernels
@@ -464,13 +436,9 @@ def kernel_builds(device: torch.device, *, heads: int, kv_heads: int, head_dim: 
     stats = zeros(1, heads, seq_len, dtype=torch.float32)
     builds = [lambda: _forward(q, k, v, window, sinks, tuning)]
     if backward:
-        builds.append(lambda: _delta(q, grad, tuning))
-        if tuning.bwd_atomic_dq:
-            dq = zeros(1, seq_len, heads, head_dim, dtype=torch.float32)
-            builds.append(lambda: _key_grads(grad, q, k, v, stats, stats, window, sinks, tuning, dq))
-        else:
-            builds += [lambda: _key_grads(grad, q, k, v, stats, stats, window, sinks, tuning),
-                       lambda: _query_grads(grad, q, k, v, stats, stats, window, sinks, tuning)]
+        builds += [lambda: _delta(q, grad, tuning),
+                   lambda: _key_grads(grad, q, k, v, stats, stats, window, sinks, tuning),
+                   lambda: _query_grads(grad, q, k, v, stats, stats, window, sinks, tuning)]
     return builds
 
 
@@ -498,8 +466,7 @@ def _attention_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
 
 @_attention_backward_op.register_fake
 def _attention_backward_shapes(grad, q, k, v, out, lse, window, sinks, tuning):
-    dq_dtype = torch.float32 if Tuning(*tuning).bwd_atomic_dq else q.dtype
-    return q.new_empty(q.shape, dtype=dq_dtype), k.new_empty(k.shape), v.new_empty(v.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _save_for_backward(ctx, inputs, output) -> None:

@@ -6,15 +6,18 @@ i - j <= window or j < sinks (window 0 means the whole causal prefix).
 
 - fa3:  FlashAttention-3 (`flash_attn_interface`), when installed.
 - fa4:  FlashAttention-4 (`flash_attn.cute`, the `fa4` extra), through `kernels.flash4`'s
-  custom op; never chosen by auto.
+  custom op; never chosen by auto (its windows with sinks merged apart are slower than the
+  Triton kernels).
 - flex: FlexAttention for windowed layers, SDPA (flash kernel) for full causal layers.
   Called eagerly on CUDA (sliding evaluation, test-time training), windowed layers run the
   Triton kernels instead, which start at once where FlexAttention compiles for seconds.
 - triton: the Triton kernels of `window_attention` for windowed layers, SDPA for full
   causal layers.
 - triton_fa4: the Triton kernels for windowed layers, FlashAttention-4 for full causal
-  layers (on an H200 its forward and backward take 11% less time than cuDNN's, where its
-  windows with sinks merged apart are slower than the Triton kernels); never chosen by auto.
+  layers. Auto picks it for training where FA4 is installed on a GPU it targets (Hopper,
+  Blackwell): on an H200 its full causal forward and backward take 11% less time than
+  cuDNN's, the record model's step 2.3% less. Scoring, forward alone, keeps cuDNN there
+  (FA4's forward is 5% slower).
 - sdpa: SDPA everywhere, with an explicit boolean mask for windowed layers.
 
 `attention_at` serves a few queries per sequence at given positions (SDPA with a mask,
@@ -50,8 +53,14 @@ def fa4_available() -> bool:
     return available()
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """The backend to use on this device; a named backend that cannot run is an error."""
+def fa4_targets(device: torch.device) -> bool:
+    """Whether FlashAttention-4 is installed and builds for this GPU (sm_90, sm_100)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10) and fa4_available()
+
+
+def resolve_backend(name: str, device: torch.device, training: bool = False) -> str:
+    """The backend to use on this device (for a training step where `training`: auto then
+    takes FA4's backward where it can); a named backend that cannot run is an error."""
     if name not in BACKENDS:
         raise ConfigError(f"attention backend {name!r} must be one of {', '.join(BACKENDS)}")
     if name == "auto":
@@ -59,7 +68,9 @@ def resolve_backend(name: str, device: torch.device) -> str:
             return "sdpa"
         if fa3_available():
             return "fa3"
-        return "triton" if triton_available(device) else "flex"
+        if not triton_available(device):
+            return "flex"
+        return "triton_fa4" if training and fa4_targets(device) else "triton"
     if name == "fa3" and (device.type != "cuda" or not fa3_available()):
         raise ConfigError("attention backend fa3 needs CUDA and the flash_attn_interface package (FlashAttention-3)")
     if name in FA4_FULL_LAYERS and (device.type != "cuda" or not fa4_available()):
@@ -75,10 +86,7 @@ def covers_everything(seq_len: int, window: int) -> bool:
     return window <= 0 or window + 1 >= seq_len
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, backend: str,
-              atomic_dq: bool = False) -> Tensor:
-    """Attention under `may_attend`'s rule through the backend's kernels; atomic_dq: the
-    Triton window kernels' backward adds dQ atomically (`window_attention.ATOMIC_DQ_TUNING`)."""
+def attention(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, backend: str) -> Tensor:
     seq_len = q.shape[1]
     if covers_everything(seq_len, window):
         if backend in FA4_FULL_LAYERS:
@@ -91,7 +99,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, backend:
             return _fa4(q, k, v, window)[0]
         return merge_sinks(q, k, v, window, sinks, *_fa4(q, k, v, window))
     if runs_window_kernels(backend, eager_on_cuda=_eager_on_cuda(q)):
-        return _triton_window(q, k, v, window, sinks, atomic_dq)
+        return _triton_window(q, k, v, window, sinks)
     if backend == "flex":
         return _flex(q, k, v, _flex_block_mask(seq_len, window, sinks, q.device))
     return _sdpa(q, k, v, mask=window_mask(seq_len, window, sinks, q.device))
@@ -134,20 +142,14 @@ def _eager_on_cuda(q: Tensor) -> bool:
     return q.is_cuda and not torch.compiler.is_compiling() and triton_available(q.device)
 
 
-def _triton_window(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, atomic_dq: bool) -> Tensor:
+def _triton_window(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int) -> Tensor:
     from ..kernels.window_attention import window_attention  # imports Triton: only when used
 
-    return window_attention(q, k, v, window, sinks, _window_tuning(atomic_dq))
-
-
-def _window_tuning(atomic_dq: bool):
-    from ..kernels.window_attention import ATOMIC_DQ_TUNING, DEFAULT_TUNING
-
-    return ATOMIC_DQ_TUNING if atomic_dq else DEFAULT_TUNING
+    return window_attention(q, k, v, window, sinks)
 
 
 def window_kernel_builds(cfg: ModelConfig, backend: str, seq_len: int, device: torch.device, *, eager: bool,
-                         backward: bool, atomic_dq: bool = False) -> list[Callable[[], object]]:
+                         backward: bool) -> list[Callable[[], object]]:
     """The builds (`window_attention.kernel_builds`) of the Triton kernels that cfg's windowed
     layers run over sequences of seq_len on this backend, called eagerly or compiled; none
     where they run no Triton kernel."""
@@ -157,8 +159,7 @@ def window_kernel_builds(cfg: ModelConfig, backend: str, seq_len: int, device: t
     from ..kernels.window_attention import kernel_builds
 
     return kernel_builds(device, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                         seq_len=seq_len, window=cfg.window_attn_size, sinks=cfg.num_sink_tokens, backward=backward,
-                         tuning=_window_tuning(atomic_dq))
+                         seq_len=seq_len, window=cfg.window_attn_size, sinks=cfg.num_sink_tokens, backward=backward)
 
 
 # --- FlexAttention -----------------------------------------------------------------------

@@ -76,7 +76,6 @@ class CausalSelfAttention(nn.Module):
         self.attn_gate = (nn.Parameter(torch.zeros(cfg.num_heads, self.gate_width, dtype=torch.float32))
                           if self.gate_width > 0 else None)
         self.backend = "sdpa"
-        self.atomic_dq = False  # the window kernels' backward (`attention.attention`)
         self.observer: LinearObserver | None = None
         self.adapter: LinearAdapter | None = None
         self.kv_cache: Any = None  # set during incremental decoding (`generate.decoding.StaticCache`)
@@ -110,7 +109,7 @@ class CausalSelfAttention(nn.Module):
         if self.kv_cache is not None:  # new positions against the cached ones
             y, v_q = self.kv_cache.attend(q, k, v, self.window, self.sinks), v_xsa
         elif queries is None:
-            y, v_q = attention(q, k, v, self.window, self.sinks, self.backend, self.atomic_dq), v_xsa
+            y, v_q = attention(q, k, v, self.window, self.sinks, self.backend), v_xsa
             if rows is not None:
                 y, v_q = pick_positions(y, rows), pick_positions(v_xsa, rows)
         elif keys is None:
@@ -475,12 +474,10 @@ class GPT(nn.Module):
         magnitude = rotary_magnitude(seq_len, cfg.rope_train_seq_len, cfg.rope_scaling)
         return (cos * magnitude, sin * magnitude) if magnitude != 1.0 else (cos, sin)
 
-    def set_attention_backend(self, name: str, device: torch.device, atomic_dq: bool = False) -> str:
-        """Every layer's attention kernels; atomic_dq: the Triton window kernels' backward adds
-        dQ atomically (`window_atomic_dq`)."""
-        backend = resolve_backend(name, device)
+    def set_attention_backend(self, name: str, device: torch.device, training: bool = False) -> str:
+        backend = resolve_backend(name, device, training)
         for block in self.blocks:
-            block.attn.backend, block.attn.atomic_dq = backend, atomic_dq
+            block.attn.backend = backend
         return backend
 
     @property

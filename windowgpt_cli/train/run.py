@@ -55,7 +55,7 @@ def check_requirements(cfg: RunConfig) -> None:
     """What the settings need beyond the core dependencies (a logger's extra, an attention
     backend's package or device), checked before anything is written or trained."""
     check_logger(cfg.train.logger)
-    resolve_backend(cfg.train.attn_backend, resolve_device(cfg.train.device))
+    resolve_backend(cfg.train.attn_backend, resolve_device(cfg.train.device), training=True)
 
 
 def cpu_slowness(cfg: RunConfig) -> str | None:

@@ -346,7 +346,7 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     seed_everything(cfg.train.seed)
     enable_fast_math(ctx.device)
     model = build_model(cfg.model, ctx.device)
-    model.set_attention_backend(cfg.train.attn_backend, ctx.device, atomic_dq=cfg.train.window_atomic_dq)
+    model.set_attention_backend(cfg.train.attn_backend, ctx.device, training=True)
     model.fused_loss = fused_loss_on(cfg, ctx.device)
     model.loss_chunk_rows = cfg.train.loss_chunk_rows
     if fused_mlp_on(cfg, ctx.device):
@@ -454,7 +454,7 @@ class Trainer:
         step compiles, and are done long before its graph first runs them."""
         s, t = self.s, self.s.cfg.train
         builds = window_kernel_builds(s.cfg.model, s.model.attention_backend, s.seq_len, s.ctx.device,
-                                      eager=not s.compiled, backward=True, atomic_dq=t.window_atomic_dq)
+                                      eager=not s.compiled, backward=True)
         with self.phases.timed("warmup", sync=s.ctx.device), threads_meanwhile(builds, s.ctx.device):
             if t.warmup_steps > 0:
                 self._warm_up_steps(t.warmup_steps)
@@ -829,8 +829,7 @@ def describe(setup: Setup, log: RunLog) -> None:
     windows = [b.attn.layer for b in model.blocks if b.attn.window > 0]
     if windows:
         sinks = f" sink_tokens={cfg.model.num_sink_tokens}" if cfg.model.num_sink_tokens > 0 else ""
-        atomic = " backward_dq:atomic" if cfg.train.window_atomic_dq else ""
-        log.line(f"window_attn:size={cfg.model.window_attn_size} layers:{windows}{sinks}{atomic}")
+        log.line(f"window_attn:size={cfg.model.window_attn_size} layers:{windows}{sinks}")
     log.line(f"world_size:{ctx.world_size} grad_accum_steps:{setup.grad_accum_steps} "
              f"micro_batches_per_pass:{setup.micro_batches_per_pass} device:{ctx.device} "
              f"attn_backend:{model.blocks[0].attn.backend}")
