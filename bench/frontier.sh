@@ -13,7 +13,11 @@
 #                                       products in float8 while it trains) and frontier_fp8_mlp
 #                                       (the MLP's alone, through its own activation kernels),
 #                                       frontier_fp8_mlp_fa4 (that with FlashAttention-4 for
-#                                       the full causal layers: PYTHONPATH must reach flash_attn)
+#                                       the full causal layers: PYTHONPATH must reach flash_attn),
+#                                       frontier_case_markers, frontier_no_split_scripts and
+#                                       frontier_tokenizer (that on sp8192 data whose tokenizer
+#                                       prepare trained with --case-markers, --no-split-scripts,
+#                                       or both)
 #   TRAIN_FLAGS                         more train flags for every run (a smaller model to
 #                                       check the script on a CPU)
 #   SLIDING_UNQUANTIZED=1               also score the unquantized export (the quantization's
@@ -30,17 +34,28 @@ started=$SECONDS
 runs=${RUNS:-default frontier frontier_sp1024 frontier_no_recur frontier_no_parallel}
 record_windows=(--window-attn-size 512 --num-sink-tokens 4 --window-attn-layers 2,4,6,8,10 --use-gptq)
 
+tokenizer_flags_for() {  # NAME -> prepare's tokenizer options for that run's sp8192 data
+  case $1 in
+    frontier_case_markers) echo "--case-markers" ;;
+    frontier_no_split_scripts) echo "--no-split-scripts" ;;
+    frontier_tokenizer) echo "--case-markers --no-split-scripts" ;;
+  esac
+}
+
 data_for() {  # NAME -> the folder of that run's data, prepared once per call
+  local options dir log
   case $1 in
     default|frontier_sp1024)
       [ -d "$work/data_sp1024" ] || prepare_blogs "$work/data_sp1024" || return 1
       echo "$work/data_sp1024" ;;
     *)
-      if [ ! -d "$work/data_sp8192" ]; then
+      read -r -a options <<< "$(tokenizer_flags_for "$1")"
+      dir=$work/data_sp8192$(printf '%s' "${options[@]}" | tr -c 'a-z' '_') log=$logs/prepare_${dir##*/data_}.log
+      if [ ! -d "$dir" ]; then
         wg prepare "$shared"/data/blogs/train_*.jsonl.xz --val "$shared/data/blogs/val.jsonl.xz" --vocab-size 8192 \
-          --out "$work/data_sp8192" > "$logs/prepare_sp8192.log" 2>&1 || { tail "$logs/prepare_sp8192.log" >&2; return 1; }
+          "${options[@]}" --out "$dir" > "$log" 2>&1 || { tail "$log" >&2; return 1; }
       fi
-      echo "$work/data_sp8192" ;;
+      echo "$dir" ;;
   esac
 }
 
@@ -55,13 +70,14 @@ flags_for() {  # NAME -> its train flags, one a line
     frontier_fp8) printf '%s\n' --preset frontier --fp8-mlp --fp8-attention ;;
     frontier_fp8_mlp) printf '%s\n' --preset frontier --fp8-mlp ;;
     frontier_fp8_mlp_fa4) printf '%s\n' --preset frontier --fp8-mlp --attn-backend fa4 ;;
+    frontier_case_markers|frontier_no_split_scripts|frontier_tokenizer) printf '%s\n' --preset frontier --fp8-mlp ;;
     *) echo "unknown run $1" >&2; return 1 ;;
   esac
 }
 
 step() {  # LOG NAME ARGS...: one command, its output in LOG; the log's end on failure
   local log=$1; shift
-  wg "$@" > "$log" 2> "${log%.*}.err" || { tail -20 "$log" "${log%.*}.err"; return 1; }
+  wg "$@" > "$log" 2> "${log%.*}.err" || { tail -n 20 "$log" "${log%.*}.err"; return 1; }
 }
 
 measure() {  # NAME: train, export, quantize and evaluate one run

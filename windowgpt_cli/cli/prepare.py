@@ -16,6 +16,7 @@ from ..data.prepare import (
     index_data,
     prepare,
 )
+from ..data.tokenizer_options import TokenizerOptions
 from ..errors import ConfigError
 from .support import console, err_console, out_option, print_warning, user_errors_exit_1
 
@@ -48,6 +49,14 @@ def command(
     vocab_size: Annotated[Optional[int], typer.Option(
         "--vocab-size", help=f"Vocabulary of the tokenizer to train (default: {DEFAULT_VOCAB_SIZE}).",
         show_default=False)] = None,
+    case_markers: Annotated[bool, typer.Option(
+        "--case-markers", help="Train the tokenizer on text lowercased with case markers (lossless, as the "
+        "records' CaseOps): a piece serves a word in every case; bits per byte still count the original text."
+        )] = False,
+    split_scripts: Annotated[bool, typer.Option(
+        "--split-scripts/--no-split-scripts", help="Whether the tokenizer to train keeps every piece within one "
+        "Unicode script (SentencePiece's split_by_unicode_script); without, letters join the punctuation and "
+        "symbols beside them.")] = True,
     val_fraction: Annotated[Optional[float], typer.Option(
         "--val-fraction", help=f"Share of documents (chosen by a hash of their text) for validation "
                                f"(default: {DEFAULT_VAL_FRACTION}).", show_default=False)] = None,
@@ -69,8 +78,9 @@ def command(
     from ..data.tokenizer import has_byte_fallback, load_sentencepiece, no_byte_fallback_warning
 
     if index is not None:
-        if inputs or out is not None:
-            raise ConfigError("--index DATA_DIR takes no input files and no --out")
+        if inputs or out is not None or case_markers or not split_scripts:
+            raise ConfigError("--index DATA_DIR takes no input files, no --out and no tokenizer options (the "
+                              "tokenizer given or in DATA_DIR is the one the shards were encoded with)")
         manifest = index_data(index, tokenizer)
         if json_output:
             console.print_json(data=manifest)
@@ -96,7 +106,7 @@ def command(
     try:
         result = prepare(inputs, out, tokenizer=tokenizer, vocab_size=vocab_size, val_fraction=val_fraction,
                          val_inputs=val or None, shard_tokens=shard_tokens, workers=workers,
-                         on_progress=show_progress)
+                         tokenizer_options=TokenizerOptions(case_markers, split_scripts), on_progress=show_progress)
     finally:
         if progress.live.is_started:
             progress.stop()
@@ -107,6 +117,7 @@ def command(
     info = result.manifest["tokenizer"]
     origin = "trained" if info["trained"] else f"from {info['source']}"
     console.print(f"tokenizer: {result.data_dir / info['file']} ({origin}, vocab {info['vocab_size']}, "
-                  f"byte fallback {'on' if info['byte_fallback'] else 'off'}); "
+                  f"byte fallback {'on' if info['byte_fallback'] else 'off'}"
+                  f"{', case markers' if info.get('case_markers') else ''}); "
                   f"{result.text_bytes / 1e6:.1f} MB of text in {result.seconds:.1f} s "
                   f"({result.megabytes_per_second:.1f} MB/s)", highlight=False, soft_wrap=True)

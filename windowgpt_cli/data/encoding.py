@@ -53,9 +53,10 @@ class ChunkEncoder:
     """Parses a chunk's documents, assigns each to a split and encodes them."""
 
     def __init__(self, tokenizer_path: Path, val_fraction: float):
-        from .tokenizer import load_sentencepiece
+        from .tokenizer import load_text_codec
 
-        self.sp = load_sentencepiece(tokenizer_path)
+        self.codec = load_text_codec(tokenizer_path)
+        self.sp = self.codec.sp
         self.val_fraction = val_fraction
 
     def encode_documents(self, texts: list[str]) -> np.ndarray:
@@ -64,7 +65,7 @@ class ChunkEncoder:
 
         from .tokenizer import BOS_ID
 
-        ids = self.sp.encode(texts, num_threads=1)  # parallelism comes from the processes
+        ids = self.codec.encode_many(texts)  # one thread: parallelism comes from the processes
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         flat = np.fromiter(chain.from_iterable(ids), dtype=np.uint16, count=int(lengths.sum()))
         doc_starts = np.cumsum(lengths) - lengths

@@ -19,6 +19,7 @@ from ..config import check_settings
 from ..errors import ConfigError, DataError, WindowGPTError
 from .corpus import DEFAULT_CHUNK_BYTES, check_inputs, iter_corpus, read_chunks
 from .encoding import EncodeTask, SplitWriter, encode_all, validation_score
+from .tokenizer_options import TokenizerOptions
 
 DEFAULT_VOCAB_SIZE = 1024
 DEFAULT_VAL_FRACTION = 0.01
@@ -55,10 +56,11 @@ def _check_settings(inputs: list[Path], val_inputs: list[Path] | None, val_fract
 
 
 def _install_tokenizer(data_dir: Path, tokenizer: Path | None, vocab_size: int | None,
-                       train_inputs: list[Path], val_fraction: float | None, sample_bytes: int
-                       ) -> dict[str, Any]:
+                       train_inputs: list[Path], val_fraction: float | None, sample_bytes: int,
+                       options: TokenizerOptions) -> dict[str, Any]:
     """Put the tokenizer (given, or trained on the training split) at DATA_DIR/tokenizer.model."""
     from ..storage.files import atomic_write_bytes, sha256_file
+    from .case_ops import has_case_markers
     from .tokenizer import (
         DATA_DIR_TOKENIZER,
         check_vocab_fits,
@@ -75,6 +77,11 @@ def _install_tokenizer(data_dir: Path, tokenizer: Path | None, vocab_size: int |
         if vocab_size is not None and vocab_size != size:
             raise ConfigError(f"--vocab-size {vocab_size} does not match {tokenizer} ({size} tokens)")
         check_vocab_fits(size, str(tokenizer))
+        if not options.split_scripts:
+            raise ConfigError(f"--no-split-scripts trains a tokenizer; leave it out with --tokenizer {tokenizer}")
+        if options.case_markers and not has_case_markers(sp):
+            raise ConfigError(f"--case-markers: {tokenizer} has no case markers; give a tokenizer prepare trained "
+                              "with --case-markers, or leave --tokenizer out to train one")
         atomic_write_bytes(target, Path(tokenizer).read_bytes())
     else:
         size = DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size
@@ -82,12 +89,15 @@ def _install_tokenizer(data_dir: Path, tokenizer: Path | None, vocab_size: int |
         if val_fraction is not None:  # the tokenizer must not see validation documents
             texts = (t for t in texts if validation_score(t) >= val_fraction)
         names = ", ".join(map(str, train_inputs))
-        atomic_write_bytes(target, train_sentencepiece(texts, size, max_bytes=sample_bytes, source=names))
+        atomic_write_bytes(target, train_sentencepiece(texts, size, max_bytes=sample_bytes, source=names,
+                                                       options=options))
     meta = write_tokenizer_meta(target)
+    installed = load_sentencepiece(target)
     return {"file": DATA_DIR_TOKENIZER, "meta": meta.name, "meta_sha256": sha256_file(meta),
             "source": str(tokenizer) if tokenizer is not None else None,
             "trained": tokenizer is None, "sha256": sha256_file(target), "vocab_size": size,
-            "byte_fallback": has_byte_fallback(load_sentencepiece(target))}
+            "byte_fallback": has_byte_fallback(installed), "case_markers": has_case_markers(installed),
+            "split_scripts": options.split_scripts if tokenizer is None else None}
 
 
 def _tasks(train_inputs: list[Path], val_inputs: list[Path] | None) -> Iterator[EncodeTask]:
@@ -110,13 +120,15 @@ def _describe_inputs(train_inputs: list[Path], val_inputs: list[Path] | None) ->
 def prepare(inputs: list[Path], out: Path, *, tokenizer: Path | None = None, vocab_size: int | None = None,
             val_fraction: float | None = None, val_inputs: list[Path] | None = None,
             shard_tokens: int = DEFAULT_SHARD_TOKENS, workers: int | None = None,
-            tokenizer_sample_bytes: int | None = None,
+            tokenizer_sample_bytes: int | None = None, tokenizer_options: TokenizerOptions = TokenizerOptions(),
             on_progress: Callable[[int, int], None] | None = None) -> PrepareResult:
     """Tokenize the inputs into DATA_DIR (see the module docstring); returns the manifest.
 
     Without --val files, a document is validation when validation_score(text) < val_fraction
     (default 0.01). Documents keep their input order within each split. The tokenizer is
-    trained on the first tokenizer_sample_bytes of text (default: DEFAULT_TRAIN_SAMPLE_BYTES).
+    trained on the first tokenizer_sample_bytes of text (default: DEFAULT_TRAIN_SAMPLE_BYTES),
+    as tokenizer_options say. A tokenizer with case markers (`case_ops`), trained or given,
+    encodes the documents so marked.
     """
     from ..storage.files import publish_dir
     from ..storage.outputs import check_apart, claim_dir
@@ -139,7 +151,7 @@ def prepare(inputs: list[Path], out: Path, *, tokenizer: Path | None = None, voc
 
     def build(data_dir: Path) -> dict[str, Any]:
         return _prepare_into(data_dir, inputs, val_inputs, tokenizer, vocab_size, val_fraction, shard_tokens,
-                             workers, tokenizer_sample_bytes, on_progress)
+                             workers, tokenizer_sample_bytes, tokenizer_options, on_progress)
 
     manifest = publish_dir(Path(out), build)
     return PrepareResult(Path(out), manifest, time.perf_counter() - started)
@@ -147,7 +159,8 @@ def prepare(inputs: list[Path], out: Path, *, tokenizer: Path | None = None, voc
 
 def _prepare_into(data_dir: Path, inputs: list[Path], val_inputs: list[Path] | None, tokenizer: Path | None,
                   vocab_size: int | None, val_fraction: float | None, shard_tokens: int, workers: int,
-                  tokenizer_sample_bytes: int, on_progress: Callable[[int, int], None] | None) -> dict[str, Any]:
+                  tokenizer_sample_bytes: int, tokenizer_options: TokenizerOptions,
+                  on_progress: Callable[[int, int], None] | None) -> dict[str, Any]:
     """Write everything into data_dir (a fresh directory); returns the manifest, written last."""
     from ..storage.files import atomic_write_json
     from .manifest import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION
@@ -155,7 +168,7 @@ def _prepare_into(data_dir: Path, inputs: list[Path], val_inputs: list[Path] | N
     from .tokenizer import BOS_ID, DATA_DIR_TOKENIZER
 
     tokenizer_info = _install_tokenizer(data_dir, tokenizer, vocab_size, inputs, val_fraction,
-                                        tokenizer_sample_bytes)
+                                        tokenizer_sample_bytes, tokenizer_options)
     writers = {split: SplitWriter(data_dir, split, shard_tokens) for split in SPLITS}
     total_bytes = sum(p.stat().st_size for p in inputs + (val_inputs or []))
     read_so_far: dict[str, int] = {}
@@ -202,6 +215,7 @@ def index_data(data_dir: Path, tokenizer: Path | None = None) -> dict[str, Any]:
     checked before anything is written; the manifest is written last."""
     from ..storage.files import atomic_write_bytes, atomic_write_json, read_json_object, sha256_bytes, sha256_file
     from ..storage.outputs import claim_file
+    from .case_ops import has_case_markers
     from .manifest import MANIFEST_FORMAT, MANIFEST_NAME, index_manifest
     from .shards import SPLITS, open_shard
     from .tokenizer import (
@@ -247,7 +261,7 @@ def index_data(data_dir: Path, tokenizer: Path | None = None) -> dict[str, Any]:
     tables = encode_tokenizer_meta(sp, DATA_DIR_TOKENIZER)
     given = str(tokenizer) if tokenizer is not None else None
     manifest["tokenizer"].update({"meta": meta_path.name, "meta_sha256": sha256_bytes(tables),
-                                  "vocab_size": vocab_size, "source": given})
+                                  "vocab_size": vocab_size, "source": given, "case_markers": has_case_markers(sp)})
     if tokenizer is not None and not target.exists():
         atomic_write_bytes(target, source.read_bytes())
     atomic_write_bytes(meta_path, tables)

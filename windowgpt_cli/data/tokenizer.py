@@ -22,6 +22,8 @@ import torch
 
 from ..errors import DataError
 from ..storage.files import atomic_write_bytes
+from .case_ops import WORD_PREFIX, TextCodec, encode_case, has_case_markers, marker_bytes
+from .tokenizer_options import TokenizerOptions
 
 META_FORMAT_VERSION = 1
 META_SUFFIX = ".meta.npz"
@@ -31,7 +33,6 @@ TOKENIZER_KIND = "sentencepiece"
 DATA_DIR_TOKENIZER = "tokenizer.model"
 BOS_ID = 1  # every document in a shard starts with it
 MAX_VOCAB_SIZE = 65536  # token ids are stored as uint16
-WORD_PREFIX = "\u2581"  # SentencePiece's '▁', a space before the piece
 
 # The Parameter Golf tokenizer recipe (the vocabulary size is chosen separately).
 TRAINER_RECIPE: dict[str, Any] = dict(
@@ -60,6 +61,11 @@ def load_sentencepiece(path: Path) -> spm.SentencePieceProcessor:
         return spm.SentencePieceProcessor(model_file=str(path))
     except (RuntimeError, OSError):
         raise DataError(f"{path}: not a readable SentencePiece model") from None
+
+
+def load_text_codec(path: Path) -> TextCodec:
+    """The tokenizer with its text transform: what encodes a text and decodes ids."""
+    return TextCodec(load_sentencepiece(path))
 
 
 def tokenizer_vocab_size(path: Path) -> int:
@@ -111,16 +117,19 @@ def _training_sentences(texts: Iterable[str], max_bytes: int) -> list[str]:
     return sentences
 
 
-def train_sentencepiece(texts: Iterable[str], vocab_size: int, *,
-                        max_bytes: int = DEFAULT_TRAIN_SAMPLE_BYTES, source: str = "corpus") -> bytes:
+def train_sentencepiece(texts: Iterable[str], vocab_size: int, *, max_bytes: int = DEFAULT_TRAIN_SAMPLE_BYTES,
+                        source: str = "corpus", options: TokenizerOptions = TokenizerOptions()) -> bytes:
     """A serialized BPE model trained with the Parameter Golf recipe on a bounded sample.
 
     The whole sample is used (no random subsampling), so the pieces are deterministic. It
     trains on one thread: the model file records the thread count, and stages identify a
     tokenizer by its file's sha256, so a thread per core wrote another file on each machine
-    (the default 4 MB sample trains in about 2 s).
+    (the default 4 MB sample trains in about 2 s). With options.case_markers it trains on the
+    texts lowercased with case markers and holds `case_ops.SIGNATURE`.
     """
     check_vocab_fits(vocab_size, source)
+    if options.case_markers:
+        texts = map(encode_case, texts)
     sentences = _training_sentences(texts, max_bytes)
     if not sentences:
         raise DataError(f"{source}: no text to train a tokenizer on")
@@ -129,7 +138,7 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, *,
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
             max_sentence_length=_MAX_SENTENCE_BYTES, num_threads=1, minloglevel=2,
-            **TRAINER_RECIPE,
+            **options.trainer_settings(), **TRAINER_RECIPE,
         )
     except RuntimeError as exc:
         message = " ".join(str(exc).split())
@@ -142,8 +151,10 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, *,
 
 def build_byte_tables(sp: spm.SentencePieceProcessor, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(base_bytes int16, has_leading_space bool, is_boundary_token bool), of size
-    max(tokenizer vocabulary, vocab_size); ids beyond the tokenizer are boundaries of 0 bytes."""
+    max(tokenizer vocabulary, vocab_size); ids beyond the tokenizer are boundaries of 0 bytes.
+    A tokenizer with case markers counts them as the bytes they stand for (`case_ops`)."""
     sp_size = int(sp.vocab_size())
+    case_markers = has_case_markers(sp)
     size = max(sp_size, vocab_size)
     base_bytes = np.zeros(size, dtype=np.int16)
     has_leading_space = np.zeros(size, dtype=np.bool_)
@@ -159,7 +170,7 @@ def build_byte_tables(sp: spm.SentencePieceProcessor, vocab_size: int) -> tuple[
         if piece.startswith(WORD_PREFIX):
             has_leading_space[token] = True
             piece = piece[len(WORD_PREFIX):]
-        base_bytes[token] = len(piece.encode("utf-8"))
+        base_bytes[token] = len(piece.encode("utf-8")) - (marker_bytes(piece) if case_markers else 0)
     return base_bytes, has_leading_space, is_boundary_token
 
 
@@ -377,7 +388,7 @@ def normalized_text(sp: spm.SentencePieceProcessor, text: str) -> str:
 
 def count_text_bytes(sp: spm.SentencePieceProcessor, luts: ByteLuts, text: str, label: str = "") -> ByteCount:
     """Encode the text as one document (after BOS) and count its bytes with the tables."""
-    ids = sp.encode(text)
+    ids = TextCodec(sp).encode(text)
     stream = torch.tensor([BOS_ID, *ids], dtype=torch.long)
     counted = luts.count_bytes(stream[:-1], stream[1:]).sum().item() if ids else 0.0
     unknown = sum(1 for t in ids if t == sp.unk_id())

@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..data.tokenizer import BOS_ID, load_sentencepiece
+from ..data.case_ops import TextCodec
+from ..data.tokenizer import BOS_ID, load_text_codec
 from ..model.attention import attention, may_attend
 from ..model.gpt import GPT, matmul_dtype
 from ..model.ops import TORCH_OPS, smear, smear_with
@@ -471,16 +472,16 @@ def _recomputed_tokens(decoder: RecomputingDecoder, text: Tensor) -> Iterator[li
 
 def greedy_sample(model: GPT, tokenizer: Path, prompt: str, max_new_tokens: int = SAMPLE_TOKENS) -> str:
     """The model's greedy continuation of prompt, as a document's start (after BOS)."""
-    sp = load_sentencepiece(tokenizer)
-    out = generate(model, [BOS_ID, *sp.encode(prompt)], max_new_tokens, stop_token=BOS_ID, graphs=False)
-    return continuation(sp, out.prompt_tokens, out.new_tokens)
+    codec = load_text_codec(tokenizer)
+    out = generate(model, [BOS_ID, *codec.encode(prompt)], max_new_tokens, stop_token=BOS_ID, graphs=False)
+    return continuation(codec, out.prompt_tokens, out.new_tokens)
 
 
-def continuation(sp, prompt_tokens: list[int], new_tokens: list[int]) -> str:
+def continuation(codec: TextCodec, prompt_tokens: list[int], new_tokens: list[int]) -> str:
     """The new tokens' text as it follows the prompt's (decoded on their own, a leading space
     would be dropped); a BOS, which starts the next document, is left out."""
-    prompt = sp.decode(prompt_tokens)
-    return sp.decode(prompt_tokens + [t for t in new_tokens if t != BOS_ID])[len(prompt):]
+    prompt = codec.decode(prompt_tokens)
+    return codec.decode(prompt_tokens + [t for t in new_tokens if t != BOS_ID])[len(prompt):]
 
 
 if sys.byteorder != "little":  # pinned host copies of token ids are read as the host lays them out

@@ -7,7 +7,8 @@ from typing import Any
 
 from ..artifacts import weights as model_io
 from ..config import check_settings
-from ..data.tokenizer import BOS_ID, load_sentencepiece
+from ..data.case_ops import TextCodec
+from ..data.tokenizer import BOS_ID, load_text_codec
 from ..runtime import out_of_memory_as_error, resolve_device, use_cpu_threads
 from .decoding import OnTokens, continuation, generate
 
@@ -27,14 +28,14 @@ def generate_text(artifact: Path, prompt: str, *, max_new_tokens: int = 64, num_
     tokenizer_path = model_io.find_tokenizer(weights, Path(artifact), data_dir, tokenizer)
     # sdpa: --no-kv-cache runs every length once, which FlexAttention would compile anew each time
     model.set_attention_backend("sdpa", dev)
-    sp = load_sentencepiece(tokenizer_path)
-    prompt_ids = [BOS_ID, *sp.encode(prompt)]  # every training document starts with BOS
-    on_tokens = _streamed(sp, prompt_ids, num_samples, on_text) if on_text is not None else None
+    codec = load_text_codec(tokenizer_path)
+    prompt_ids = [BOS_ID, *codec.encode(prompt)]  # every training document starts with BOS
+    on_tokens = _streamed(codec, prompt_ids, num_samples, on_text) if on_text is not None else None
     with out_of_memory_as_error(dev, "generating", "ask for fewer --num-samples"):
         out = generate(model, prompt_ids, max_new_tokens, num_samples=num_samples, temperature=temperature,
                        top_k=top_k, seed=seed, use_cache=use_cache, stop_token=BOS_ID,  # BOS starts the next document
                        compile_step=dev.type == "cuda" if compile_step is None else compile_step, on_tokens=on_tokens)
-    completions = [continuation(sp, prompt_ids, sample) for sample in out.samples]
+    completions = [continuation(codec, prompt_ids, sample) for sample in out.samples]
     return {
         "prompt": prompt, "completion": completions[0], "completions": completions, "samples": num_samples,
         "prompt_tokens": len(prompt_ids), "new_tokens": len(out.new_tokens), "token_ids": out.new_tokens,
@@ -49,14 +50,14 @@ def generate_text(artifact: Path, prompt: str, *, max_new_tokens: int = 64, num_
     }
 
 
-def _streamed(sp, prompt_ids: list[int], num_samples: int, on_text) -> OnTokens:
+def _streamed(codec: TextCodec, prompt_ids: list[int], num_samples: int, on_text) -> OnTokens:
     """on_tokens for the decoder: each sample's text decoded so far, its new part handed on
     (whole pieces only: a byte-fallback character appears once all its bytes have come)."""
     shown = [""] * num_samples
 
     def on_tokens(samples: list[list[int]]) -> None:
         for i, sample in enumerate(samples):
-            text = continuation(sp, prompt_ids, sample)
+            text = continuation(codec, prompt_ids, sample)
             if text.startswith(shown[i]) and len(text) > len(shown[i]) and not text.endswith("\ufffd"):
                 on_text(i, text[len(shown[i]):])
                 shown[i] = text
