@@ -1,4 +1,4 @@
-"""Case markers: text lowercased with its capitals kept as marker characters, losslessly.
+"""Case markers: text lowercased, its capitals kept as marker characters that give them back.
 
 A tokenizer trained on such text spends its pieces on words, not on their capitalized
 forms ("The", "the", "THE" become one piece with or without a marker). Three markers from
@@ -11,9 +11,9 @@ Unicode's private use area, characters the tokenizer learns as any other:
 A word is a run of letters (`[^\\W\\d_]`). TITLE and ALLCAPS stand before the whitespace
 that precedes the word ("a" TITLE " paris"), so the word keeps its '▁' piece and the marker
 joins the end of what comes before (". The" becomes the pieces "." TITLE and "▁the"); at the
-start of a text they follow the whitespace, as the tokenizer drops leading whitespace. A word whose capitals
-would not come back exactly (a capital whose lower case is another length, such as 'İ') is
-left as it is.
+start of a text they follow the whitespace, as the tokenizer drops leading whitespace. A
+word whose capitals would not come back exactly (a capital whose lower case is another
+length, such as 'İ') is left as it is.
 
 The tokenizer decides: a SentencePiece model that holds SIGNATURE as a control symbol
 encodes `encode_case(text)` and decodes through `decode_case`. Bits per byte still count
@@ -84,7 +84,7 @@ def _marked_word(word: str) -> tuple[str, str]:
 
 def _encode_match(match: re.Match[str]) -> str:
     space, word = match.groups()
-    if word.islower() or not any(char.isupper() for char in word):
+    if not any(char.isupper() for char in word):
         return match.group(0)
     prefix, marked = _marked_word(word)
     encoded = space + prefix + marked if match.start() == 0 else prefix + space + marked

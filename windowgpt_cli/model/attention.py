@@ -17,7 +17,7 @@ i - j <= window or j < sinks (window 0 means the whole causal prefix).
   layers. Auto picks it for training where FA4 is installed on a GPU it targets (Hopper,
   Blackwell): on an H200 its full causal forward and backward take 11% less time than
   cuDNN's, the record model's step 2.3% less. Scoring, forward alone, keeps cuDNN there
-  (FA4's forward is 5% slower).
+  (FA4's forward alone is slower).
 - sdpa: SDPA everywhere, with an explicit boolean mask for windowed layers.
 
 `attention_at` serves a few queries per sequence at given positions (SDPA with a mask,
