@@ -59,6 +59,14 @@ def test_a_misspelled_or_misplaced_setting_says_what_was_meant(tmp_path: Path):
         assert str(info.value).endswith(message), str(info.value)
 
 
+def test_a_retired_setting_in_a_stored_configuration_is_read_and_dropped(tmp_path: Path):
+    """Configurations written by a windowgpt that had the window backward's atomic dQ still load."""
+    path = tmp_path / "c.json"
+    path.write_text('{"train": {"window_atomic_dq": true, "iterations": 7}}')
+    cfg = load_config_file(path, preset("tiny"))
+    assert cfg.train.iterations == 7 and not hasattr(cfg.train, "window_atomic_dq")
+
+
 def test_yaml_is_read_as_json_is(tmp_path: Path):
     pytest.importorskip("yaml")
     path = tmp_path / "c.yaml"

@@ -505,7 +505,10 @@ def _jsonable(value: Any) -> Any:
 
 
 # Settings that older windowgpts wrote and that no longer choose anything: read and dropped.
-RETIRED_SETTINGS = {"tokenizer_meta_validate"}  # the byte tables are now always checked against the tokenizer
+RETIRED_SETTINGS = {
+    "tokenizer_meta_validate",  # the byte tables are now always checked against the tokenizer
+    "window_atomic_dq",  # the window kernels' backward with dQ added atomically: slower, taken out
+}
 
 
 def _group_from_dict(base: Any, values: Any, source: str) -> Any:
