@@ -1,7 +1,9 @@
-"""Case markers (`prepare --case-markers`): the text transform, the tokenizer it trains, its
-byte accounting, the shards and the generated text."""
+"""The tokenizer options of `prepare`: case markers (`--case-markers`: the text transform, the
+tokenizer it trains, its byte accounting, the shards and the generated text), the script
+split and the sample a tokenizer learns from."""
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -30,7 +32,7 @@ from windowgpt_cli.data.tokenizer import (
     load_sentencepiece,
     train_sentencepiece,
 )
-from windowgpt_cli.data.tokenizer_options import TokenizerOptions
+from windowgpt_cli.data.tokenizer_options import DEFAULT_TRAIN_SAMPLE_BYTES, TokenizerOptions
 from windowgpt_cli.generate.decoding import continuation
 
 from conftest import DATA_DEMO_CORPUS, DATA_MULTILINGUAL
@@ -198,3 +200,22 @@ def test_without_split_scripts_pieces_cross_from_letters_to_punctuation(tmp_path
         assert all(c.counted_bytes == c.normalized_bytes for c in counted)
         counts[split] = sum(c.tokens for c in counted)
     assert counts[False] < counts[True]
+
+
+def test_the_tokenizers_sample_is_an_option_of_training_one(tmp_path, data_bytefallback_tokenizer):
+    data = write_jsonl(tmp_path / "corpus.jsonl", make_documents(600))
+    shas = {}
+    for sample in ("20000", None):
+        out = tmp_path / f"data_{sample}"
+        args = ("--tokenizer-sample-bytes", sample) if sample else ()
+        result = run_cli("prepare", data, "--out", out, "--vocab-size", "400", "--workers", "1", "--json", *args)
+        assert result.exit_code == 0, result.output
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["settings"]["tokenizer_sample_bytes"] == int(sample or DEFAULT_TRAIN_SAMPLE_BYTES)
+        shas[sample] = manifest["tokenizer"]["sha256"]
+    assert shas["20000"] != shas[None]  # the first 20 kB of text make another tokenizer than all of it
+    message = one_line_error(run_cli("prepare", data, "--tokenizer", data_bytefallback_tokenizer, "--out",
+                                     tmp_path / "x", "--tokenizer-sample-bytes", "20000"))
+    assert "--tokenizer-sample-bytes trains a tokenizer" in message
+    message = one_line_error(run_cli("prepare", data, "--out", tmp_path / "y", "--tokenizer-sample-bytes", "0"))
+    assert "--tokenizer-sample-bytes 0 must be" in message

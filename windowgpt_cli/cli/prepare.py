@@ -16,7 +16,7 @@ from ..data.prepare import (
     index_data,
     prepare,
 )
-from ..data.tokenizer_options import TokenizerOptions
+from ..data.tokenizer_options import DEFAULT_TRAIN_SAMPLE_BYTES, TokenizerOptions
 from ..errors import ConfigError
 from .support import console, err_console, out_option, print_warning, user_errors_exit_1
 
@@ -53,6 +53,9 @@ def command(
         "--case-markers", help="Train the tokenizer on text lowercased with case markers (lossless, as the "
         "records' CaseOps): a piece serves a word in every case; bits per byte still count the original text."
         )] = False,
+    tokenizer_sample_bytes: Annotated[Optional[int], typer.Option(
+        "--tokenizer-sample-bytes", help=f"Text the tokenizer to train learns from, in UTF-8 bytes from the "
+        f"first training documents (default: {DEFAULT_TRAIN_SAMPLE_BYTES:,}).", show_default=False)] = None,
     split_scripts: Annotated[bool, typer.Option(
         "--split-scripts/--no-split-scripts", help="Whether the tokenizer to train keeps every piece within one "
         "Unicode script (SentencePiece's split_by_unicode_script); without, letters join the punctuation and "
@@ -90,6 +93,8 @@ def command(
         return
     if not inputs or out is None:
         raise ConfigError("give input files and --out DATA_DIR (or --index DATA_DIR)")
+    if tokenizer is not None and tokenizer_sample_bytes is not None:
+        raise ConfigError(f"--tokenizer-sample-bytes trains a tokenizer; leave it out with --tokenizer {tokenizer}")
     if tokenizer is not None and not has_byte_fallback(load_sentencepiece(tokenizer)):
         print_warning(no_byte_fallback_warning(tokenizer))
     columns = (TextColumn("encoding"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn())
@@ -106,6 +111,7 @@ def command(
     try:
         result = prepare(inputs, out, tokenizer=tokenizer, vocab_size=vocab_size, val_fraction=val_fraction,
                          val_inputs=val or None, shard_tokens=shard_tokens, workers=workers,
+                         tokenizer_sample_bytes=tokenizer_sample_bytes,
                          tokenizer_options=TokenizerOptions(case_markers, split_scripts), on_progress=show_progress)
     finally:
         if progress.live.is_started:

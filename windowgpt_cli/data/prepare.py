@@ -19,7 +19,7 @@ from ..config import check_settings
 from ..errors import ConfigError, DataError, WindowGPTError
 from .corpus import DEFAULT_CHUNK_BYTES, check_inputs, iter_corpus, read_chunks
 from .encoding import EncodeTask, SplitWriter, encode_all, validation_score
-from .tokenizer_options import TokenizerOptions
+from .tokenizer_options import DEFAULT_TRAIN_SAMPLE_BYTES, TokenizerOptions
 
 DEFAULT_VOCAB_SIZE = 1024
 DEFAULT_VAL_FRACTION = 0.01
@@ -133,7 +133,6 @@ def prepare(inputs: list[Path], out: Path, *, tokenizer: Path | None = None, voc
     from ..storage.files import publish_dir
     from ..storage.outputs import check_apart, claim_dir
     from .manifest import is_data_dir
-    from .tokenizer import DEFAULT_TRAIN_SAMPLE_BYTES
 
     check_apart(out, [*inputs, *(val_inputs or []), tokenizer])
     claim_dir(out, "a data directory", is_data_dir)

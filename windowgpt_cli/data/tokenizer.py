@@ -23,7 +23,7 @@ import torch
 from ..errors import DataError
 from ..storage.files import atomic_write_bytes
 from .case_ops import WORD_PREFIX, TextCodec, encode_case, has_case_markers, marker_bytes
-from .tokenizer_options import TokenizerOptions
+from .tokenizer_options import DEFAULT_TRAIN_SAMPLE_BYTES, TokenizerOptions
 
 META_FORMAT_VERSION = 1
 META_SUFFIX = ".meta.npz"
@@ -47,7 +47,6 @@ TRAINER_RECIPE: dict[str, Any] = dict(
     unk_id=3,
     character_coverage=0.9995,
 )
-DEFAULT_TRAIN_SAMPLE_BYTES = 4_000_000
 _MAX_SENTENCE_BYTES = 1 << 16
 
 

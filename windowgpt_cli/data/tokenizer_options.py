@@ -7,6 +7,8 @@ from typing import Any
 
 from .case_ops import MARKERS, SIGNATURE
 
+DEFAULT_TRAIN_SAMPLE_BYTES = 4_000_000  # the text a tokenizer learns from, from the first documents
+
 
 @dataclass(frozen=True)
 class TokenizerOptions:
