@@ -225,6 +225,7 @@ def test_fa4_needs_cuda_and_the_package(monkeypatch):
         attention.resolve_backend("fa4", torch.device("cpu"))
     monkeypatch.setattr(attention, "fa3_available", lambda: False)
     monkeypatch.setattr(attention, "triton_available", lambda device: True)
+    monkeypatch.setattr(attention, "fa4_loads", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert attention.resolve_backend("auto", torch.device("cuda"), training=True) == "triton_fa4"  # never fa4
 
@@ -238,9 +239,27 @@ def test_auto_trains_with_fa4_for_full_layers_where_it_targets_the_gpu(monkeypat
     monkeypatch.setattr(attention, "fa3_available", lambda: False)
     monkeypatch.setattr(attention, "triton_available", lambda device: True)
     monkeypatch.setattr(attention, "fa4_available", lambda: True)
+    monkeypatch.setattr(attention, "fa4_loads", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert attention.resolve_backend("auto", torch.device("cuda"), training=training) == chosen
+    monkeypatch.setattr(attention, "fa4_loads", lambda: False)  # installed for another CUDA: not auto's
+    assert attention.resolve_backend("auto", torch.device("cuda"), training=training) == "triton"
     monkeypatch.setattr(attention, "fa4_available", lambda: False)
     assert attention.resolve_backend("auto", torch.device("cuda"), training=training) == "triton"
     monkeypatch.setattr(attention, "fa3_available", lambda: True)  # the reference's kernel still comes first
     assert attention.resolve_backend("auto", torch.device("cuda"), training=training) == "fa3"
+
+
+def test_fa4_loads_only_where_its_interface_imports(monkeypatch):
+    from windowgpt_cli.kernels import flash4
+
+    def broken():
+        raise OSError("libcuda.so.13: cannot open shared object file")
+
+    flash4.fa4_loads.cache_clear()
+    monkeypatch.setattr(flash4, "_interface", broken)
+    assert not flash4.fa4_loads()
+    flash4.fa4_loads.cache_clear()
+    monkeypatch.setattr(flash4, "_interface", lambda: object())
+    assert flash4.fa4_loads()
+    flash4.fa4_loads.cache_clear()

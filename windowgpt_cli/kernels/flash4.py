@@ -12,6 +12,7 @@ Nothing here knows the model. The package is imported at the first call.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 
@@ -27,6 +28,17 @@ def fa4_available() -> bool:
         return importlib.util.find_spec("flash_attn.cute") is not None
     except ModuleNotFoundError:  # no flash_attn package at all
         return False
+
+
+@functools.cache
+def fa4_loads() -> bool:
+    """Whether FA4's interface imports here: the package may be installed for another CUDA
+    or torch, where only a named `--attn-backend fa4` should fail, never `auto`."""
+    try:
+        _interface()
+    except Exception:  # whatever stops the import, auto takes another backend
+        return False
+    return True
 
 
 def _interface():

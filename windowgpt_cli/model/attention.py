@@ -53,9 +53,16 @@ def fa4_available() -> bool:
     return available()
 
 
+def fa4_loads() -> bool:
+    from ..kernels.flash4 import fa4_loads as loads  # imports the kernel package: only where auto asks
+
+    return loads()
+
+
 def fa4_targets(device: torch.device) -> bool:
-    """Whether FlashAttention-4 is installed and builds for this GPU (sm_90, sm_100)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10) and fa4_available()
+    """Whether FlashAttention-4 is installed, loads, and builds for this GPU (sm_90, sm_100)."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10) and fa4_available()
+            and fa4_loads())
 
 
 def resolve_backend(name: str, device: torch.device, training: bool = False) -> str:
