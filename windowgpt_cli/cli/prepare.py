@@ -50,7 +50,7 @@ def command(
         "--vocab-size", help=f"Vocabulary of the tokenizer to train (default: {DEFAULT_VOCAB_SIZE}).",
         show_default=False)] = None,
     case_markers: Annotated[bool, typer.Option(
-        "--case-markers", help="Train the tokenizer on text lowercased with case markers (lossless, as the "
+        "--case-markers", help="Train the tokenizer on text lowercased with markers for its capitals (as the "
         "records' CaseOps): a piece serves a word in every case; bits per byte still count the original text."
         )] = False,
     tokenizer_sample_bytes: Annotated[Optional[int], typer.Option(
