@@ -16,7 +16,6 @@ from windowgpt_cli.data.case_ops import (
     MARKERS,
     STAND_IN,
     TITLE,
-    TextCodec,
     decode_case,
     encode_case,
     has_case_markers,
@@ -27,6 +26,7 @@ from windowgpt_cli.data.prepare import prepare
 from windowgpt_cli.data.shards import list_shards, load_tokens
 from windowgpt_cli.data.tokenizer import (
     ByteLuts,
+    TextCodec,
     build_byte_tables,
     count_text_bytes,
     load_sentencepiece,

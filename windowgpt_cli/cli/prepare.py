@@ -93,8 +93,6 @@ def command(
         return
     if not inputs or out is None:
         raise ConfigError("give input files and --out DATA_DIR (or --index DATA_DIR)")
-    if tokenizer is not None and tokenizer_sample_bytes is not None:
-        raise ConfigError(f"--tokenizer-sample-bytes trains a tokenizer; leave it out with --tokenizer {tokenizer}")
     if tokenizer is not None and not has_byte_fallback(load_sentencepiece(tokenizer)):
         print_warning(no_byte_fallback_warning(tokenizer))
     columns = (TextColumn("encoding"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn())

@@ -16,7 +16,7 @@ word whose capitals would not come back exactly (a capital whose lower case is a
 length, such as 'İ') is left as it is.
 
 The tokenizer decides: a SentencePiece model that holds SIGNATURE as a control symbol
-encodes `encode_case(text)` and decodes through `decode_case`. Bits per byte still count
+encodes `encode_case(text)` and decodes through `decode_case` (`tokenizer.TextCodec`). Bits per byte still count
 the original text's bytes: a piece counts its bytes less its markers' (`marker_bytes`,
 `tokenizer.build_byte_tables`), and lower case has the capitals' UTF-8 length wherever a
 marker is written. The one change that does not come back: the three private-use
@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the tokenizer's own module loads it; this one stays light for the command line
+if TYPE_CHECKING:  # the tokenizer's module loads it; this one stays light for the command line
     import sentencepiece as spm
 
 TITLE, ALLCAPS, CAPNEXT = "\ue001", "\ue002", "\ue003"
@@ -44,7 +44,6 @@ _MARKED = re.compile(f"(?P<capnext>{CAPNEXT}.?)|(?P<marker>[{TITLE}{ALLCAPS}])(?
                      r"(?P<word>[^\W\d_]*)", re.DOTALL)
 # A control symbol (never produced from text) that a tokenizer trained on marked text holds.
 SIGNATURE = "<case-markers>"
-WORD_PREFIX = "\u2581"  # SentencePiece's '▁', a space in its normalized text
 
 
 def _upper(char: str) -> str:
@@ -109,29 +108,3 @@ def has_case_markers(sp: spm.SentencePieceProcessor) -> bool:
 def marker_bytes(piece: str) -> int:
     """The UTF-8 bytes of the markers in a piece, which stand for no byte of the text."""
     return sum(len(marker.encode("utf-8")) * piece.count(marker) for marker in MARKERS)
-
-
-class TextCodec:
-    """Text to the tokenizer's ids and back, through the case markers where it has them."""
-
-    def __init__(self, sp: spm.SentencePieceProcessor):
-        self.sp = sp
-        self.case_markers = has_case_markers(sp)
-
-    def prepare(self, text: str) -> str:
-        """The text as the tokenizer takes it. Marked after the tokenizer's normalization (it
-        changes nothing more then): a marker between two spaces, or between a space and a
-        character normalization drops, would keep a space normalization removes."""
-        if not self.case_markers:
-            return text
-        return encode_case(self.sp.normalize(text).replace(WORD_PREFIX, " "))
-
-    def encode(self, text: str) -> list[int]:
-        return self.sp.encode(self.prepare(text))
-
-    def encode_many(self, texts: list[str]) -> list[list[int]]:
-        return self.sp.encode([self.prepare(t) for t in texts], num_threads=1)
-
-    def decode(self, ids: list[int]) -> str:
-        text = self.sp.decode(ids)
-        return decode_case(text) if self.case_markers else text

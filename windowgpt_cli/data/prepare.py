@@ -55,6 +55,23 @@ def _check_settings(inputs: list[Path], val_inputs: list[Path] | None, val_fract
         raise ConfigError(f"{sorted(both)[0]}: given both as an input and as --val; the splits must not overlap")
 
 
+def _check_tokenizer_options(tokenizer: Path | None, options: TokenizerOptions, sample_bytes: int | None) -> None:
+    """Options for training a tokenizer apply only where one is trained (or, for case markers,
+    where the given one has them)."""
+    if tokenizer is None:
+        return
+    from .case_ops import has_case_markers
+    from .tokenizer import load_sentencepiece
+
+    if sample_bytes is not None:
+        raise ConfigError(f"--tokenizer-sample-bytes trains a tokenizer; leave it out with --tokenizer {tokenizer}")
+    if not options.split_scripts:
+        raise ConfigError(f"--no-split-scripts trains a tokenizer; leave it out with --tokenizer {tokenizer}")
+    if options.case_markers and not has_case_markers(load_sentencepiece(tokenizer)):
+        raise ConfigError(f"--case-markers: {tokenizer} has no case markers; give a tokenizer prepare trained "
+                          "with --case-markers, or leave --tokenizer out to train one")
+
+
 def _install_tokenizer(data_dir: Path, tokenizer: Path | None, vocab_size: int | None,
                        train_inputs: list[Path], val_fraction: float | None, sample_bytes: int,
                        options: TokenizerOptions) -> dict[str, Any]:
@@ -77,11 +94,6 @@ def _install_tokenizer(data_dir: Path, tokenizer: Path | None, vocab_size: int |
         if vocab_size is not None and vocab_size != size:
             raise ConfigError(f"--vocab-size {vocab_size} does not match {tokenizer} ({size} tokens)")
         check_vocab_fits(size, str(tokenizer))
-        if not options.split_scripts:
-            raise ConfigError(f"--no-split-scripts trains a tokenizer; leave it out with --tokenizer {tokenizer}")
-        if options.case_markers and not has_case_markers(sp):
-            raise ConfigError(f"--case-markers: {tokenizer} has no case markers; give a tokenizer prepare trained "
-                              "with --case-markers, or leave --tokenizer out to train one")
         atomic_write_bytes(target, Path(tokenizer).read_bytes())
     else:
         size = DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size
@@ -136,6 +148,7 @@ def prepare(inputs: list[Path], out: Path, *, tokenizer: Path | None = None, voc
 
     check_apart(out, [*inputs, *(val_inputs or []), tokenizer])
     claim_dir(out, "a data directory", is_data_dir)
+    _check_tokenizer_options(tokenizer, tokenizer_options, tokenizer_sample_bytes)
     if tokenizer_sample_bytes is None:
         tokenizer_sample_bytes = DEFAULT_TRAIN_SAMPLE_BYTES
     started = time.perf_counter()

@@ -22,7 +22,7 @@ import torch
 
 from ..errors import DataError
 from ..storage.files import atomic_write_bytes
-from .case_ops import WORD_PREFIX, TextCodec, encode_case, has_case_markers, marker_bytes
+from .case_ops import decode_case, encode_case, has_case_markers, marker_bytes
 from .tokenizer_options import DEFAULT_TRAIN_SAMPLE_BYTES, TokenizerOptions
 
 META_FORMAT_VERSION = 1
@@ -33,6 +33,7 @@ TOKENIZER_KIND = "sentencepiece"
 DATA_DIR_TOKENIZER = "tokenizer.model"
 BOS_ID = 1  # every document in a shard starts with it
 MAX_VOCAB_SIZE = 65536  # token ids are stored as uint16
+WORD_PREFIX = "\u2581"  # SentencePiece's '▁', a space before the piece
 
 # The Parameter Golf tokenizer recipe (the vocabulary size is chosen separately).
 TRAINER_RECIPE: dict[str, Any] = dict(
@@ -60,6 +61,30 @@ def load_sentencepiece(path: Path) -> spm.SentencePieceProcessor:
         return spm.SentencePieceProcessor(model_file=str(path))
     except (RuntimeError, OSError):
         raise DataError(f"{path}: not a readable SentencePiece model") from None
+
+
+class TextCodec:
+    """Text to the tokenizer's ids and back, through the case markers where it has them."""
+
+    def __init__(self, sp: spm.SentencePieceProcessor):
+        self.sp = sp
+        self.case_markers = has_case_markers(sp)
+
+    def prepare(self, text: str) -> str:
+        """The text as the tokenizer takes it. Marked after the tokenizer's normalization (it
+        changes nothing more then): a marker between two spaces, or between a space and a
+        character normalization drops, would keep a space normalization removes."""
+        return encode_case(normalized_text(self.sp, text)) if self.case_markers else text
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(self.prepare(text))
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        return self.sp.encode([self.prepare(t) for t in texts], num_threads=1)
+
+    def decode(self, ids: list[int]) -> str:
+        text = self.sp.decode(ids)
+        return decode_case(text) if self.case_markers else text
 
 
 def load_text_codec(path: Path) -> TextCodec:

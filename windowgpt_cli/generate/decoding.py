@@ -34,8 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..data.case_ops import TextCodec
-from ..data.tokenizer import BOS_ID, load_text_codec
+from ..data.tokenizer import BOS_ID, TextCodec, load_text_codec
 from ..model.attention import attention, may_attend
 from ..model.gpt import GPT, matmul_dtype
 from ..model.ops import TORCH_OPS, smear, smear_with

@@ -7,8 +7,7 @@ from typing import Any
 
 from ..artifacts import weights as model_io
 from ..config import check_settings
-from ..data.case_ops import TextCodec
-from ..data.tokenizer import BOS_ID, load_text_codec
+from ..data.tokenizer import BOS_ID, TextCodec, load_text_codec
 from ..runtime import out_of_memory_as_error, resolve_device, use_cpu_threads
 from .decoding import OnTokens, continuation, generate
 
