@@ -151,7 +151,7 @@ def test_tokenizer_options_that_do_not_apply_are_errors(tmp_path, data_bytefallb
                                      "--out", out, "--workers", "1"))
     assert "--case-markers" in message and "has no case markers" in message
     assert not out.exists()
-    for option in ("--case-markers", "--no-split-scripts"):
+    for option in ("--case-markers", "--no-split-scripts", "--tokenizer-sample-bytes=1000"):
         message = one_line_error(run_cli("prepare", "--index", tmp_path, option))
         assert "no tokenizer options" in message
     message = one_line_error(run_cli("prepare", data, "--tokenizer", data_bytefallback_tokenizer, "--no-split-scripts",

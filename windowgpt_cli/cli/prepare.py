@@ -81,7 +81,7 @@ def command(
     from ..data.tokenizer import has_byte_fallback, load_sentencepiece, no_byte_fallback_warning
 
     if index is not None:
-        if inputs or out is not None or case_markers or not split_scripts:
+        if inputs or out is not None or case_markers or not split_scripts or tokenizer_sample_bytes is not None:
             raise ConfigError("--index DATA_DIR takes no input files, no --out and no tokenizer options (the "
                               "tokenizer given or in DATA_DIR is the one the shards were encoded with)")
         manifest = index_data(index, tokenizer)
