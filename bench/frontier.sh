@@ -14,6 +14,7 @@
 #                                       (the MLP's alone, through its own activation kernels),
 #                                       frontier_fp8_mlp_fa4 (that with FlashAttention-4 for
 #                                       the full causal layers: PYTHONPATH must reach flash_attn),
+#                                       frontier_fp8_mlp_no_recur (that without depth recurrence),
 #                                       frontier_case_markers, frontier_no_split_scripts and
 #                                       frontier_tokenizer (that on sp8192 data whose tokenizer
 #                                       prepare trained with --case-markers, --no-split-scripts,
@@ -70,6 +71,7 @@ flags_for() {  # NAME -> its train flags, one a line
     frontier_fp8) printf '%s\n' --preset frontier --fp8-mlp --fp8-attention ;;
     frontier_fp8_mlp) printf '%s\n' --preset frontier --fp8-mlp ;;
     frontier_fp8_mlp_fa4) printf '%s\n' --preset frontier --fp8-mlp --attn-backend fa4 ;;
+    frontier_fp8_mlp_no_recur) printf '%s\n' --preset frontier --fp8-mlp --recur-layers "" --recur-count 1 ;;
     frontier_case_markers|frontier_no_split_scripts|frontier_tokenizer) printf '%s\n' --preset frontier --fp8-mlp ;;
     *) echo "unknown run $1" >&2; return 1 ;;
   esac
