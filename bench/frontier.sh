@@ -25,6 +25,8 @@
 #                                       cost, both sliding)
 #   DEADLINE_S (default 570)            a run starts only while the estimate of its time
 #                                       (RUN_ESTIMATE_S, default 400) fits before it
+#   RESUME=1                            a run whose training finished in WORK (a call stopped
+#                                       at its limit) keeps it: export, quantize and eval run
 # Each run leaves LOG_DIR/NAME/{train.log,summary.json,quantize.json,eval.json} and WORK/NAME/
 # model.ptz; the bytes count the code as `pack` writes it (LOG_DIR/packed_code_bytes);
 # LOG_DIR/frontier_h200.json collects them (bench/frontier_results.py merges
@@ -86,9 +88,14 @@ measure() {  # NAME: train, export, quantize and evaluate one run
   local name=$1 data dir=$work/$1 out=$logs/$1 flags
   data=$(data_for "$name") || return 1
   mapfile -t flags < <(flags_for "$name") || return 1
-  mkdir -p "$out"; rm -rf "$dir"
-  step "$out/train.log" train --data "$data" --out "$dir/run" --max-wallclock-seconds "${TRAIN_SECONDS:-240}" \
-    --val-loss-every 0 --train-log-every 100 "${flags[@]}" ${TRAIN_FLAGS:-} || return 1
+  mkdir -p "$out"
+  if [ -n "${RESUME:-}" ] && [ -f "$dir/run/summary.json" ] && [ -f "$out/train.log" ]; then
+    echo "$name: training kept from $dir/run"
+  else
+    rm -rf "$dir"
+    step "$out/train.log" train --data "$data" --out "$dir/run" --max-wallclock-seconds "${TRAIN_SECONDS:-240}" \
+      --val-loss-every 0 --train-log-every 100 "${flags[@]}" ${TRAIN_FLAGS:-} || return 1
+  fi
   grep -hE "graphs_after_warmup|recurrence:|stopping_early|post_ema" "$out/train.log"
   cp "$dir/run/summary.json" "$dir/run/config.json" "$out/"
   step "$out/export.log" export "$dir/run" --out "$dir/export" || return 1
