@@ -42,3 +42,48 @@ def test_runs_merge_over_calls_and_count_the_code_with_the_model(tmp_path):
     assert runs["default"]["total_bytes"] == 10_250_000 and runs["default"]["commit"] == "abc1234"
     assert runs["default"]["within_16mb"] and runs["default"]["pre_quant_val_bpb"] == 1.49
     assert "| frontier | 270 | 900.0 |  | 1.47440 | -0.0312 | 15,860,000 |" in table
+
+
+# A stand-in for `python3` on PATH: `-m windowgpt_cli CMD ... --out P` logs CMD and writes what
+# frontier.sh reads from CMD (eval fails while FAIL_EVAL is set); anything else runs Python.
+FAKE_PYTHON = r'''#!/usr/bin/env bash
+if [ "$1" != "-m" ] || [ "$2" != "windowgpt_cli" ]; then exec "$REAL_PYTHON" "$@"; fi
+cmd=$3; shift 3; out=; while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; shift; done
+echo "$cmd" >> "$CALLS"
+case $cmd in
+  pack) echo zip > "$out" ;;
+  prepare|export) mkdir -p "$out" ;;
+  train) mkdir -p "$out"; echo "stopping_early: wallclock_cap"
+    echo '{"step": 9, "ms_per_step": 500.0, "training_plus_calibration_ms": 240000.0, "post_ema_val_bpb": 1.6}' \
+      > "$out/summary.json"
+    echo '{"model": {"vocab_size": 1024}}' > "$out/config.json" ;;
+  quantize) echo ptz > "$out"; echo '{"model_bytes": 9000000, "compressor": "groups"}' ;;
+  eval) [ -z "${FAIL_EVAL:-}" ] || exit 1; echo '{"val_bpb": 1.55}' ;;
+esac
+'''
+
+
+def run_frontier(tmp_path: Path, **env: str) -> list[str]:
+    """bench/frontier.sh's default run with the stand-in; the commands it ran, in order."""
+    fake = tmp_path / "bin" / "python3"
+    if not fake.exists():
+        fake.parent.mkdir()
+        fake.write_text(FAKE_PYTHON)
+        fake.chmod(0o755)
+        (tmp_path / "shared").mkdir()
+    calls = tmp_path / "calls.txt"
+    calls.unlink(missing_ok=True)
+    subprocess.run(["bash", str(BENCH / "frontier.sh"), str(tmp_path / "shared"), str(tmp_path / "work"),
+                    str(tmp_path / "logs")], capture_output=True, text=True, check=True,
+                   env={"PATH": f"{fake.parent}:/usr/bin:/bin", "REAL_PYTHON": sys.executable, "CALLS": str(calls),
+                        "RUNS": "default", "COMMIT": "abc1234", **env})
+    return calls.read_text().split()
+
+
+def test_resume_keeps_a_finished_training_and_runs_the_later_stages(tmp_path):
+    assert run_frontier(tmp_path, FAIL_EVAL="1") == ["pack", "prepare", "train", "export", "quantize", "eval"]
+    assert not (tmp_path / "logs" / "frontier_h200.json").exists()
+    assert run_frontier(tmp_path, RESUME="1") == ["pack", "export", "quantize", "eval"]
+    runs = json.loads((tmp_path / "logs" / "frontier_h200.json").read_text())["runs"]
+    assert runs["default"]["steps"] == 9 and runs["default"]["val_bpb"] == 1.55
+    assert run_frontier(tmp_path) == ["pack", "train", "export", "quantize", "eval"]  # without RESUME: trained again
