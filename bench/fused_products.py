@@ -24,7 +24,9 @@ runs without the flag: the fair comparison). --tiles default times the default t
 --tuning NAME adds torch's MLP compiled with `train --compile-tuning NAME`'s Inductor settings
 (Triton templates benchmarked against cuBLAS for each product, the element-wise work fused
 into a chosen template's epilogue; the autotuning takes a minute or more). Where this GPU
-has float8 products, it also times the MLP with them (`train --fp8-mlp`), compiled.
+has float8 products, it also times the MLP with them (`train --fp8-mlp`), compiled, and where
+quack-kernels runs, quack's two products and the MLP through them (`train --fused-mlp
+--fused-mlp-products quack`).
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ from windowgpt_cli.model.fused_ops import FusedOps  # noqa: E402
 from windowgpt_cli.kernels.elementwise import MatmulTiles, leaky_square_matmul_with_product  # noqa: E402
 from windowgpt_cli.kernels.elementwise_backward import leaky_square_backward, leaky_square_grad_matmul  # noqa: E402
 from windowgpt_cli.kernels.fused_mlp import TRAINING_TILES, leaky_square_mlp  # noqa: E402
+from windowgpt_cli.kernels.quack_products import leaky_square_back, leaky_square_up, quack_targets  # noqa: E402
 from windowgpt_cli.kernels.fp8_products import fp8_available  # noqa: E402
 from windowgpt_cli.model.fp8_ops import Fp8Ops  # noqa: E402
 from windowgpt_cli.model.ops import TorchOps  # noqa: E402
@@ -127,6 +130,7 @@ def training_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
     grad = torch.randn(a.rows, dim, device=device).bfloat16()
     torch_ops = TorchOps()
     tile_choices = TRAINING_TILE_CHOICES if a.tiles == "all" else TRAINING_TILE_CHOICES[:1]
+    with_quack = quack_targets(device)  # `--fused-mlp-products quack` where quack-kernels is installed
     rows = []
     with torch.no_grad():
         product = torch.nn.functional.linear(x, up_w)
@@ -137,11 +141,17 @@ def training_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
         for t in tile_choices:
             rows.append(_timed_variant(f"forward: fused {t}", lambda t=t: leaky_square_matmul_with_product(
                 x, up_w, slope, t)[0], a.repeats, base_ms, lambda out: bf16_steps(out, activation)))
+        if with_quack:
+            rows.append(_timed_variant("forward: quack's product with the activation", lambda: leaky_square_up(
+                x, up_w, slope)[0], a.repeats, base_ms, lambda out: bf16_steps(out, activation)))
         base_ms = milliseconds(lambda: leaky_square_backward(grad @ down_w, product, slope), a.repeats)
         rows.append({"variant": "gradient: cuBLAS product, then the derivative", "ms": round(base_ms, 3)})
         for t in tile_choices:
             rows.append(_timed_variant(f"gradient: fused {t}", lambda t=t: leaky_square_grad_matmul(
                 grad, down_w, product, slope, t), a.repeats, base_ms, lambda out: bf16_steps(out, grad_product)))
+        if with_quack:
+            rows.append(_timed_variant("gradient: quack's product with the derivative", lambda: leaky_square_back(
+                grad, down_w, product, slope)[0], a.repeats, base_ms, lambda out: bf16_steps(out, grad_product)))
     params = [p.detach().clone().requires_grad_(True) for p in (x, up_w, down_w)]
 
     def step(mlp: Callable[..., torch.Tensor]) -> Callable[[], object]:
@@ -161,6 +171,9 @@ def training_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
     for t in tile_choices:
         rows.append(_timed_variant(f"MLP forward and backward: fused {t}",
                                    step(lambda *args, t=t: leaky_square_mlp(*args, tiles=t)), a.repeats, base_ms))
+    if with_quack:
+        rows.append(_timed_variant("MLP forward and backward: quack's products",
+                                   step(lambda *args: leaky_square_mlp(*args, products="quack")), a.repeats, base_ms))
     return rows
 
 

@@ -180,9 +180,13 @@ class TrainConfig:
                                       "cross-entropy's kernels; CUDA), so that the logits of a whole batch are "
                                       "never stored; 0 = the logits whole.")
     fused_mlp: bool = setting(False, "The MLP's LeakyReLU² in the epilogues of the training step's products "
-                                     "(Triton; Hopper or later): the activation as the up product is stored, "
-                                     "its derivative as the gradient comes back through the down product; off: "
-                                     "cuBLAS's products and the compiler's element-wise kernels.")
+                                     "(whose: fused_mlp_products; Hopper or later): the activation as the up "
+                                     "product is stored, its derivative as the gradient comes back through the "
+                                     "down product; off: cuBLAS's products and the compiler's element-wise "
+                                     "kernels.")
+    fused_mlp_products: str = setting("triton", "Whose products fused_mlp runs: triton (windowgpt's kernels) or "
+                                                "quack (the quack-kernels package's CuTe GEMMs, which flash-attn-4 "
+                                                "installs; Hopper or Blackwell; negative_slope in 0..1).")
     fp8_mlp: bool = setting(False, "The MLP's products in the training step in float8 (e4m3, a power-of-two "
                                    "scale per row; cuBLAS, compute capability 8.9 or later): forward and the "
                                    "gradients to their inputs, the weights' gradients in bfloat16. Rounds "
@@ -730,6 +734,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "ttt_lora_train_span": ("chunk", "window"),
     "ttt_lora_phase_span": ("share", "prefix"),
     "compile_tuning": ("default", "gemm", "full"),
+    "fused_mlp_products": ("triton", "quack"),
 }
 LORA_TARGETS = ("q", "k", "v", "o", "up", "down", "head")  # ttt_lora_targets' names
 MAX_PARAMETERS = 4_000_000_000  # about 150 times the reference model
@@ -866,6 +871,8 @@ def validate(cfg: RunConfig) -> None:
          "quant_gptq_embed needs tied embeddings (its Hessian is the output layer's input)"),
         (not ((t.fp8_mlp or t.fp8_attention) and t.fused_mlp), "fused_mlp",
          "fused_mlp runs the MLP's products in its own kernels: it cannot be combined with fp8_mlp or fp8_attention"),
+        (not (t.fused_mlp and t.fused_mlp_products == "quack") or 0 <= m.negative_slope <= 1, "fused_mlp_products",
+         f"fused_mlp_products=quack takes negative_slope in 0..1 (it is {m.negative_slope})"),
         (targets_problem is None, "ttt_lora_targets",
          f"ttt_lora_targets={cfg.ttt.ttt_lora_targets!r}: {targets_problem}"),
     ]

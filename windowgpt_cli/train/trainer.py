@@ -36,6 +36,7 @@ from ..distributed import DistContext, all_reduce_, average_gradients, barrier, 
 from ..errors import ConfigError, DataError, Interrupted, Terminated, TrainingDiverged
 from ..eval.scoring import evaluate_standard
 from ..kernels.fp8_products import fp8_available
+from ..kernels.quack_products import quack_targets
 from ..model.attention import window_kernel_builds
 from ..model.fp8_ops import Fp8Ops
 from ..model.gpt import GPT, build_model, check_fits
@@ -231,9 +232,19 @@ def fused_loss_on(cfg: RunConfig, device: torch.device) -> bool:
 
 
 def fused_mlp_on(cfg: RunConfig, device: torch.device) -> bool:
-    """Whether the training step runs the MLP's fused products: asked for, and on a GPU with
-    TMA (Hopper or later) with Triton."""
-    return cfg.train.fused_mlp and triton_available(device) and has_tma(device)
+    """Whether the training step runs the MLP's fused products: asked for, and where those
+    products run (Triton's: a GPU with TMA, Hopper or later; quack's: Hopper or Blackwell
+    with the package, whose absence there is an error)."""
+    if not cfg.train.fused_mlp:
+        return False
+    if cfg.train.fused_mlp_products == "triton":
+        return triton_available(device) and has_tma(device)
+    if quack_targets(device):
+        return True
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10):
+        raise ConfigError("fused_mlp_products quack needs the quack-kernels package, which flash-attn-4 installs "
+                          "(pip install 'windowgpt[fa4]')")
+    return False
 
 
 def fp8_kinds(cfg: RunConfig) -> tuple[str, ...]:
@@ -352,7 +363,7 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     if fused_mlp_on(cfg, ctx.device):
         from ..model.fused_train_ops import ProductEpilogueOps  # imports Triton: only when used
 
-        model.train_ops = ProductEpilogueOps()
+        model.train_ops = ProductEpilogueOps(products=cfg.train.fused_mlp_products)
     elif fp8_products_on(cfg, ctx.device):
         model.train_ops = Fp8Ops(fp8_kinds(cfg), mlp_kernels=cfg.train.fp8_mlp_kernels and triton_available(ctx.device))
     if cfg.train.qat_start_fraction > 0:  # the grids quantize will round the matrices to
@@ -645,7 +656,9 @@ class Trainer:
             asked = "fused_cross_entropy" if t.fused_cross_entropy else "loss_chunk_rows"
             self.log.line(f"{asked}: off on this device (its kernels need CUDA and Triton)")
         if t.fused_mlp and s.model.train_ops is None:
-            self.log.line("fused_mlp: off on this device (its kernels need Triton and a GPU with TMA, Hopper or later)")
+            needs = ("Triton and a GPU with TMA, Hopper or later" if t.fused_mlp_products == "triton"
+                     else "a Hopper or Blackwell GPU")
+            self.log.line(f"fused_mlp: off on this device (its {t.fused_mlp_products} products need {needs})")
         if fp8_kinds(s.cfg) and s.model.train_ops is None:
             asked = " and ".join(f"fp8_{kind}" for kind in fp8_kinds(s.cfg))
             self.log.line(f"{asked}: off on this device (float8 products need a GPU of compute capability 8.9 or "

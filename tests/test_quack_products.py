@@ -1,0 +1,149 @@
+"""`fused_mlp_products quack` (`kernels.quack_products`): LeakyReLU² as quack's GEMM epilogues
+compute it (the same bodies on tensors here), the fused op's wiring around quack's two
+products (stood in for by torch's on the CPU: the op, its saved tensors and its backward are
+what runs), the setting's checks, and on a Hopper GPU with quack-kernels the compiled step
+against the compiler's."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import compiled_step_on_cuda, interpret_kernels_without_cuda
+
+interpret_kernels_without_cuda()
+
+from windowgpt_cli.config import RunConfig, validate  # noqa: E402
+from windowgpt_cli.errors import ConfigError, SettingError  # noqa: E402
+from windowgpt_cli.kernels import fused_mlp  # noqa: E402
+from windowgpt_cli.kernels import quack_products as qp  # noqa: E402
+from windowgpt_cli.model.fused_train_ops import ProductEpilogueOps  # noqa: E402
+from windowgpt_cli.model.ops import TORCH_OPS  # noqa: E402
+from windowgpt_cli.train import trainer  # noqa: E402
+
+SLOPE = 0.5
+
+
+@pytest.mark.parametrize("slope", [0.0, 0.25, 0.5, 1.0])
+def test_the_epilogues_give_leaky_square_and_its_derivative(slope):
+    activation, derivative = qp.leaky_square_epilogues(slope, torch.maximum)
+    x = torch.linspace(-3, 3, 241, dtype=torch.float64).requires_grad_(True)
+    want = TORCH_OPS.leaky_square(x, slope)
+    dout = torch.randn(x.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (want_grad,) = torch.autograd.grad(want, x, dout)
+    grad, again = derivative(x.detach(), dout)
+    assert torch.allclose(activation(x.detach()), want.detach()) and torch.allclose(again, want.detach())
+    assert torch.allclose(grad, want_grad)
+
+
+def test_the_epilogues_take_pairs_of_values_as_quack_passes_them():
+    activation, derivative = qp.leaky_square_epilogues(SLOPE, torch.maximum)
+    a, b = torch.tensor([-2.0, 1.5]), torch.tensor([3.0, -0.5])
+    assert [t.tolist() for t in activation((a, b))] == [activation(a).tolist(), activation(b).tolist()]
+    (grad_a, grad_b), (out_a, out_b) = derivative((a, b), (b, a))
+    assert torch.equal(grad_a, derivative(a, b)[0]) and torch.equal(grad_b, derivative(b, a)[0])
+    assert torch.equal(out_a, activation(a)) and torch.equal(out_b, activation(b))
+
+
+def operands(rows: int = 24, dim: int = 32, hidden: int = 64):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(rows, dim, generator=g).bfloat16(), (0.3 * torch.randn(hidden, dim, generator=g)).bfloat16(),
+            (0.3 * torch.randn(dim, hidden, generator=g)).bfloat16())
+
+
+@pytest.fixture
+def torch_products(monkeypatch):
+    """quack's two products as torch computes them (float32 from the bf16 operands, stored
+    bf16), through the epilogue bodies above; counts each call."""
+    activation, derivative = qp.leaky_square_epilogues(SLOPE, torch.maximum)
+    calls = {"up": 0, "back": 0}
+
+    def up(x, up_w, slope):
+        calls["up"] += 1
+        product = F.linear(x.float(), up_w.float())
+        return activation(product).bfloat16(), product.bfloat16()
+
+    def back(grad, down_w, product, slope):
+        calls["back"] += 1
+        grad_product, hidden = derivative(product.float(), grad.float() @ down_w.float())
+        return grad_product.bfloat16(), hidden.bfloat16()
+
+    monkeypatch.setattr(fused_mlp, "leaky_square_up", up)
+    monkeypatch.setattr(fused_mlp, "leaky_square_back", back)
+    return calls
+
+
+def test_the_op_with_quacks_products_gives_torchs_output_and_gradients(torch_products):
+    x, up_w, down_w = operands()
+    results = []
+    for mlp in (lambda a, u, d: fused_mlp.leaky_square_mlp(a, u, d, SLOPE, products="quack"),
+                lambda a, u, d: F.linear(TORCH_OPS.leaky_square(F.linear(a.float(), u.float()), SLOPE), d.float())):
+        inputs = [t.detach().clone().requires_grad_(True) for t in (x, up_w, down_w)]
+        out = mlp(*inputs)
+        (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        results.append((out.detach().float(), [t.grad.float() for t in inputs]))
+    (got, got_grads), (want, want_grads) = results
+    assert torch_products == {"up": 1, "back": 1}
+    assert (got - want).abs().max() <= 2 ** -6 * want.abs().max()
+    for g, w in zip(got_grads, want_grads):
+        assert g.shape == w.shape and (g - w).abs().max() <= 2 ** -5 * w.abs().max()
+
+
+def test_the_op_keeps_no_activation_for_quacks_backward(torch_products):
+    """The backward's product stores the activation again, so the forward's is not saved."""
+    x, up_w, down_w = (t.requires_grad_(True) for t in operands())
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        fused_mlp.leaky_square_mlp(x, up_w, down_w, SLOPE, products="quack")
+    assert torch.Size([24, 64]) in saved and saved.count(torch.Size([24, 64])) == 1  # the product alone
+    assert torch.Size([0]) in saved
+
+
+def test_quacks_products_take_bf16_operands_in_whole_vectors():
+    x, up_w, down_w = operands()
+    assert fused_mlp.mlp_fits(x, up_w, down_w, fused_mlp.TRAINING_TILES, "quack")
+    assert not fused_mlp.mlp_fits(x.float(), up_w.float(), down_w.float(), fused_mlp.TRAINING_TILES, "quack")
+    assert not qp.quack_fits(x[:, :30], up_w[:, :30], down_w[:30])  # 30 columns: not whole 16-byte vectors
+    assert ProductEpilogueOps(products="quack").products == "quack"
+
+
+def test_the_setting_names_a_provider_and_quack_takes_slopes_up_to_one():
+    cfg = RunConfig()
+    cfg.train.fused_mlp_products = "cutlass"
+    with pytest.raises(SettingError, match="one of triton, quack"):
+        validate(cfg)
+    cfg = RunConfig()
+    cfg.train.fused_mlp, cfg.train.fused_mlp_products, cfg.model.negative_slope = True, "quack", 1.5
+    with pytest.raises(SettingError, match="negative_slope in 0..1"):
+        validate(cfg)
+    cfg.train.fused_mlp = False  # only the fused MLP's quack products need it
+    validate(cfg)
+
+
+def test_quacks_products_off_on_a_cpu_and_an_error_on_a_hopper_gpu_without_the_package(monkeypatch):
+    cfg = RunConfig()
+    cfg.train.fused_mlp, cfg.train.fused_mlp_products = True, "quack"
+    assert not trainer.fused_mlp_on(cfg, torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(trainer, "quack_targets", lambda device: False)
+    with pytest.raises(ConfigError, match="needs the quack-kernels package"):
+        trainer.fused_mlp_on(cfg, torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not trainer.fused_mlp_on(cfg, torch.device("cuda"))  # an Ampere GPU: off, as the Triton products
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and qp.quack_targets(torch.device("cuda"))),
+                    reason="needs a Hopper or Blackwell GPU with quack-kernels")
+def test_on_cuda_the_compiled_step_with_quacks_products_gives_the_same_loss_and_gradients():
+    """The full-size model's compiled training loss in bf16 autocast, at a micro-batch of 8
+    sequences: the loss within 1e-3 of the compiler's steps', the MLP banks' gradients within
+    2% of their size."""
+    (plain, plain_grads), (fused, fused_grads) = compiled_step_on_cuda(
+        [lambda model, ops=ops: setattr(model, "train_ops", ops)
+         for ops in (None, ProductEpilogueOps(products="quack"))],
+        lambda model: [model.mlp_up_bank.grad, model.mlp_down_bank.grad])
+    assert abs(plain - fused) < 1e-3
+    for got, want in zip(fused_grads, plain_grads):
+        assert want.abs().amax() > 0
+        assert (got - want).abs().max() <= 0.02 * want.abs().max()

@@ -1,0 +1,119 @@
+"""The fused MLP's two epilogue products (`fused_mlp`, `fused_mlp_products quack`) through the
+quack-kernels package's CuTe GEMMs, which flash-attn-4 installs (Hopper and Blackwell).
+
+LeakyReLU² with the model's slope joins quack's activations, so its GEMM with an activation
+stores the up product and the activation in one epilogue, and its GEMM with an activation's
+derivative brings the gradient back through the down projection, multiplied by the
+derivative at the stored product, and stores the activation again on the way (the down
+projection's weight gradient reads it, so the forward's copy need not be kept). Where
+windowgpt's own Triton products (`elementwise`) run at about half cuBLAS's rate at the
+training step's shapes, quack's are warp-specialized TMA kernels of cuBLAS's class.
+
+Importing this module imports neither quack nor CUTLASS: `quack_loads` and the products do.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+
+def quack_available() -> bool:
+    return importlib.util.find_spec("quack") is not None
+
+
+@functools.cache
+def quack_loads() -> bool:
+    """Whether quack's GEMM interface imports (a package built for another CUDA does not)."""
+    if not quack_available():
+        return False
+    try:
+        for module in ("quack.activation", "quack.gemm_interface"):
+            importlib.import_module(module)
+    except Exception:  # any failure to load the package means: not usable here
+        return False
+    return True
+
+
+def quack_targets(device: torch.device) -> bool:
+    """Whether quack's products run here: a Hopper or Blackwell GPU with the package loading."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10) and quack_loads()
+
+
+def leaky_square_epilogues(slope: float, larger: Callable[[Any, Any], Any]) -> tuple[Callable, Callable]:
+    """(activation, derivative) of LeakyReLU(slope)² for 0 <= slope <= 1, as quack's epilogues
+    call them: on float32 values or pairs of them, `larger` their element-wise maximum (the
+    same bodies run on tensors in the tests).
+
+    LeakyReLU(slope)(x) = max(x, slope x) for such a slope, and the derivative of its square,
+    2 leaky(x) leaky'(x), is 2x above zero and 2 (slope x) slope below it: 2 max(x, slope² x).
+    derivative(x, dout) gives (dout times that, the activation at x)."""
+    def activation(x):
+        if isinstance(x, tuple):
+            return tuple(activation(value) for value in x)
+        leaky = larger(x, x * slope)
+        return leaky * leaky
+
+    def derivative(x, dout):
+        if isinstance(x, tuple):
+            pairs = [derivative(value, grad) for value, grad in zip(x, dout)]
+            return tuple(pair[0] for pair in pairs), tuple(pair[1] for pair in pairs)
+        return dout * (2.0 * larger(x, x * (slope * slope))), activation(x)
+
+    return activation, derivative
+
+
+@functools.cache
+def quack_activation(slope: float) -> str:
+    """Registers LeakyReLU(slope)² and its derivative among quack's activations (once per
+    slope); the name its GEMMs take."""
+    from cutlass import Float32
+    from cutlass._mlir.dialects import arith
+    from cutlass.cutlass_dsl import dsl_user_op
+    from quack import activation as activations
+
+    def larger(a, b):  # max.f32, as quack's own ReLU computes it
+        return Float32(arith.maxnumf(Float32(a).ir_value(), Float32(b).ir_value()))
+
+    forward, backward = leaky_square_epilogues(slope, larger)
+
+    @dsl_user_op
+    def leaky_square(x, *, loc=None, ip=None):
+        return forward(x)
+
+    @dsl_user_op
+    def leaky_square_derivative(x, dout, *, loc=None, ip=None):
+        return backward(x, dout)
+
+    name = f"windowgpt_leaky_square_{slope!r}"
+    activations.act_fn_map[name] = leaky_square
+    activations.dact_fn_map[name] = leaky_square_derivative
+    return name
+
+
+def quack_fits(x: Tensor, up_w: Tensor, down_w: Tensor) -> bool:
+    """Whether quack's products take these operands: bf16, x [rows, dim] contiguous, up_w
+    [mlp_dim, dim] and down_w [dim, mlp_dim], each row a whole number of 16-byte vectors."""
+    return (x.dim() == 2 and x.is_contiguous() and all(t.dtype == torch.bfloat16 for t in (x, up_w, down_w))
+            and up_w.size(1) == x.size(1) and down_w.shape == (up_w.size(1), up_w.size(0))
+            and x.size(1) % 8 == 0 and up_w.size(0) % 8 == 0)
+
+
+def leaky_square_up(x: Tensor, up_w: Tensor, slope: float) -> tuple[Tensor, Tensor]:
+    """(leaky_square(x @ up_w.T), x @ up_w.T), both bf16 [rows, mlp_dim], in one product."""
+    from quack.gemm_interface import gemm_act
+
+    product, hidden = gemm_act(x, up_w.t(), activation=quack_activation(slope), store_preact=True)
+    return hidden, product
+
+
+def leaky_square_back(grad: Tensor, down_w: Tensor, product: Tensor, slope: float) -> tuple[Tensor, Tensor]:
+    """((grad @ down_w) times leaky_square's derivative at product, leaky_square(product)),
+    both [rows, mlp_dim], in one product; grad [rows, dim] contiguous."""
+    from quack.gemm_interface import gemm_dact
+
+    grad_product, hidden = gemm_dact(grad, down_w, product, activation=quack_activation(slope))
+    return grad_product, hidden
