@@ -25,8 +25,6 @@ from .elementwise import MatmulTiles, leaky_square_matmul_with_product, product_
 from .elementwise_backward import leaky_square_grad_matmul
 from .quack_products import leaky_square_back, leaky_square_up, quack_fits
 
-PRODUCTS = ("triton", "quack")  # whose epilogue products (`fused_mlp_products`)
-
 
 # Tiles of 128 x 128 (the scoring kernel's are 128 x 256): a persistent kernel loads the next
 # tile's operands while this tile's epilogue moves two more tiles through shared memory (the
@@ -100,7 +98,8 @@ def mlp_fits(x: Tensor, up_w: Tensor, down_w: Tensor, tiles: MatmulTiles, produc
 def leaky_square_mlp(x: Tensor, up_w: Tensor, down_w: Tensor, negative_slope: float,
                      tiles: MatmulTiles = TRAINING_TILES, products: str = "triton") -> Tensor:
     """leaky_square(x @ up_w.T) @ down_w.T, bf16, differentiable in x, up_w and down_w, for
-    operands that `mlp_fits`; x [..., dim]; products: whose epilogue products (PRODUCTS)."""
+    operands that `mlp_fits`; x [..., dim]; products: whose epilogue products, "triton" or
+    "quack" (`fused_mlp_products`)."""
     out = _mlp_op(x.reshape(-1, x.size(-1)), up_w, down_w, negative_slope, list(dataclasses.astuple(tiles)),
                   products)[0]
     return out.view(*x.shape[:-1], down_w.size(0))

@@ -5,9 +5,10 @@ LeakyReLU² with the model's slope joins quack's activations, so its GEMM with a
 stores the up product and the activation in one epilogue, and its GEMM with an activation's
 derivative brings the gradient back through the down projection, multiplied by the
 derivative at the stored product, and stores the activation again on the way (the down
-projection's weight gradient reads it, so the forward's copy need not be kept). Where
-windowgpt's own Triton products (`elementwise`) run at about half cuBLAS's rate at the
-training step's shapes, quack's are warp-specialized TMA kernels of cuBLAS's class.
+projection's weight gradient reads it, so the forward's copy need not be kept). windowgpt's
+own Triton products (`elementwise`) run at about half cuBLAS's rate at the training step's
+shapes; quack's are warp-specialized TMA kernels whose epilogue overlaps the next tile's
+products (how near cuBLAS they come here, `bench/fused_products.py --training` measures).
 
 Importing this module imports neither quack nor CUTLASS: `quack_loads` and the products do.
 """
