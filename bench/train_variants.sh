@@ -11,6 +11,7 @@
 #              preset's step with its loop on, as after 35% of a run)
 #   DATA       an existing data directory (default: WORK_DIR/data, the blog corpus encoded
 #              with sp1024 the first time; the frontier preset wants sp8192 data)
+#   TOP        kernels listed per category in each JSON (default 12)
 # Each variant leaves LOG_DIR/NAME.json (train_profile.py's JSON) and LOG_DIR/NAME.log;
 # LOG_DIR/train_variants.md holds the table.
 # usage: [VARIANTS=...] [FLAGS=...] bench/train_variants.sh SHARED_DIR WORK_DIR LOG_DIR
@@ -26,7 +27,7 @@ IFS=';' read -r -a entries <<< "$variants"
 for entry in "${entries[@]}"; do
   name=${entry%%:*} flags=${entry#*:}
   # shellcheck disable=SC2086  # the flags split into words
-  python3 "$repo/bench/train_profile.py" --data "$data" "${profile_flags[@]}" --top 12 --json "$logs/$name.json" \
+  python3 "$repo/bench/train_profile.py" --data "$data" "${profile_flags[@]}" --top "${TOP:-12}" --json "$logs/$name.json" \
     ${FLAGS:-} $flags > "$logs/$name.log" 2>&1 || { echo "variant $name failed:"; tail -5 "$logs/$name.log"; }
 done
 python3 "$repo/bench/train_variants.py" "$logs" | tee "$logs/train_variants.md"
