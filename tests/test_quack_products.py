@@ -132,6 +132,23 @@ def test_quacks_products_off_on_a_cpu_and_an_error_on_a_hopper_gpu_without_the_p
     assert not trainer.fused_mlp_on(cfg, torch.device("cuda"))  # an Ampere GPU: off, as the Triton products
 
 
+def test_a_product_quack_cannot_run_is_one_clear_error_and_memory_stays_memory():
+    def broken():
+        raise TypeError("gemm_act() got an unexpected keyword argument 'store_preact'\nmore lines")
+
+    with pytest.raises(ConfigError, match=r"^fused_mlp_products quack: quack-kernels could not run its product here "
+                                          r"\(TypeError: gemm_act\(\) got an unexpected keyword argument "
+                                          r"'store_preact'\); train without"):
+        qp.through_quack(broken)
+
+    def full():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        qp.through_quack(full)
+    assert qp.through_quack(lambda: 3) == 3
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and qp.quack_targets(torch.device("cuda"))),
                     reason="needs a Hopper or Blackwell GPU with quack-kernels")

@@ -21,6 +21,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from ..errors import ConfigError
+
 
 def quack_available() -> bool:
     return importlib.util.find_spec("quack") is not None
@@ -103,11 +105,26 @@ def quack_fits(x: Tensor, up_w: Tensor, down_w: Tensor) -> bool:
             and x.size(1) % 8 == 0 and up_w.size(0) % 8 == 0)
 
 
+def through_quack(product: Callable[[], Any]) -> Any:
+    """product() (a call of quack's, with its activation registered inside it); where quack
+    cannot build or run it here (another version's interface, a CUDA it was not built for),
+    one clear error instead of the library's trace."""
+    try:
+        return product()
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:
+        detail = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        raise ConfigError(f"fused_mlp_products quack: quack-kernels could not run its product here ({detail}); "
+                          "train without --fused-mlp-products quack") from error
+
+
 def leaky_square_up(x: Tensor, up_w: Tensor, slope: float) -> tuple[Tensor, Tensor]:
     """(leaky_square(x @ up_w.T), x @ up_w.T), both bf16 [rows, mlp_dim], in one product."""
     from quack.gemm_interface import gemm_act
 
-    product, hidden = gemm_act(x, up_w.t(), activation=quack_activation(slope), store_preact=True)
+    product, hidden = through_quack(
+        lambda: gemm_act(x, up_w.t(), activation=quack_activation(slope), store_preact=True))
     return hidden, product
 
 
@@ -116,5 +133,5 @@ def leaky_square_back(grad: Tensor, down_w: Tensor, product: Tensor, slope: floa
     both [rows, mlp_dim], in one product; grad [rows, dim] contiguous."""
     from quack.gemm_interface import gemm_dact
 
-    grad_product, hidden = gemm_dact(grad, down_w, product, activation=quack_activation(slope))
+    grad_product, hidden = through_quack(lambda: gemm_dact(grad, down_w, product, activation=quack_activation(slope)))
     return grad_product, hidden
