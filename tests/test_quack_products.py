@@ -164,3 +164,18 @@ def test_on_cuda_the_compiled_step_with_quacks_products_gives_the_same_loss_and_
     for got, want in zip(fused_grads, plain_grads):
         assert want.abs().amax() > 0
         assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a CPU does")
+def test_training_on_a_cpu_says_quacks_products_are_off(tiny_data_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from windowgpt_cli.cli.app import app
+
+    result = CliRunner().invoke(app, ["train", "--preset", "tiny", "--data", str(tiny_data_dir), "--out",
+                                      str(tmp_path / "run"), "--iterations", "2", "--fused-mlp",
+                                      "--fused-mlp-products", "quack"])
+    assert result.exit_code == 0, result.output
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "fused_mlp: off on this device (its quack products need a Hopper or Blackwell GPU)" in log
+    assert '"fused_mlp_products": "quack"' in (tmp_path / "run" / "config.json").read_text()
