@@ -27,7 +27,8 @@ IFS=';' read -r -a entries <<< "$variants"
 for entry in "${entries[@]}"; do
   name=${entry%%:*} flags=${entry#*:}
   # shellcheck disable=SC2086  # the flags split into words
-  python3 "$repo/bench/train_profile.py" --data "$data" "${profile_flags[@]}" --top "${TOP:-12}" --json "$logs/$name.json" \
-    ${FLAGS:-} $flags > "$logs/$name.log" 2>&1 || { echo "variant $name failed:"; tail -5 "$logs/$name.log"; }
+  python3 "$repo/bench/train_profile.py" --data "$data" "${profile_flags[@]}" --top "${TOP:-12}" \
+    --json "$logs/$name.json" ${FLAGS:-} $flags > "$logs/$name.log" 2>&1 \
+    || { echo "variant $name failed:"; tail -5 "$logs/$name.log"; }
 done
 python3 "$repo/bench/train_variants.py" "$logs" | tee "$logs/train_variants.md"
