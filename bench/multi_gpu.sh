@@ -13,7 +13,7 @@
 set -uo pipefail
 data=$(cd "$1" && pwd); mkdir -p "$2" "$3"; work=$(cd "$2" && pwd); logs=$(cd "$3" && pwd)
 repo=$(cd "$(dirname "$0")/.." && pwd)
-export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # an optional package (flash-attn-4) stays reachable
+export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # optional packages (flash-attn-4) stay reachable
 STEPS=${STEPS:-100} STRIDE=${STRIDE:-256} MIXED_STEPS=${MIXED_STEPS:-30} PARTS=${PARTS:-train,eval,mixed}
 part() { [[ ",$PARTS," == *",$1,"* ]]; }
 run2() { python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m windowgpt_cli "$@"; }

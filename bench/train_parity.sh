@@ -34,7 +34,7 @@ CONFIGS=${CONFIGS:-record_786k,full_786k,parity}
 STEP_ITERS=${STEP_ITERS:-40} PARITY_ITERS=${PARITY_ITERS:-200} STOP_AFTER_TRAINING=${STOP_AFTER_TRAINING:-1}
 RESULT_JSON=${RESULT_JSON:-$repo/bench/results/train_step_h200.json}
 logs=${LOG_DIR:-$work/logs}; mkdir -p "$logs"; logs=$(cd "$logs" && pwd)
-export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # an optional package (flash-attn-4) stays reachable
+export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # optional packages (flash-attn-4) stay reachable
 data=$work/datasets/fineweb10B_sp1024
 tok=$shared/data/tokenizers/fineweb_1024_bpe.model
 # EVAL_SEQ_LEN=64 skips the reference's sliding evaluation after training (validation still runs at 2048).
