@@ -148,6 +148,12 @@ def has_tma(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def hopper_or_blackwell(device: torch.device) -> bool:
+    """Whether a CUDA device is of compute capability 9 (Hopper) or 10 (Blackwell): the GPUs
+    FlashAttention-4 and quack's CuTe kernels build for."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
 def run_in_threads(tasks: Iterable[Callable[[], object]], device: torch.device) -> None:
     """Run tasks in parallel threads on `device`, without autograd; for kernel builds, which
     mostly wait on compiler processes, so that their waits overlap. Re-raises a task's error."""

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError
+from ..runtime import hopper_or_blackwell
 
 
 def quack_available() -> bool:
@@ -43,7 +44,7 @@ def quack_loads() -> bool:
 
 def quack_targets(device: torch.device) -> bool:
     """Whether quack's products run here: a Hopper or Blackwell GPU with the package loading."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10) and quack_loads()
+    return hopper_or_blackwell(device) and quack_loads()
 
 
 def leaky_square_epilogues(slope: float, larger: Callable[[Any, Any], Any]) -> tuple[Callable, Callable]:

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from ..runtime import triton_available
+from ..runtime import hopper_or_blackwell, triton_available
 
 BACKENDS = ("auto", "fa3", "fa4", "flex", "triton", "triton_fa4", "sdpa")
 FA4_FULL_LAYERS = ("fa4", "triton_fa4")  # backends whose full causal layers run FA4
@@ -61,8 +61,7 @@ def fa4_loads() -> bool:
 
 def fa4_targets(device: torch.device) -> bool:
     """Whether FlashAttention-4 is installed, loads, and builds for this GPU (sm_90, sm_100)."""
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10) and fa4_available()
-            and fa4_loads())
+    return hopper_or_blackwell(device) and fa4_available() and fa4_loads()
 
 
 def resolve_backend(name: str, device: torch.device, training: bool = False) -> str:

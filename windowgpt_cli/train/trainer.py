@@ -50,6 +50,7 @@ from ..runtime import (
     device_name,
     enable_fast_math,
     has_tma,
+    hopper_or_blackwell,
     phase,
     seed_everything,
     synchronize,
@@ -241,7 +242,7 @@ def fused_mlp_on(cfg: RunConfig, device: torch.device) -> bool:
         return triton_available(device) and has_tma(device)
     if quack_targets(device):
         return True
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10):
+    if hopper_or_blackwell(device):
         raise ConfigError("fused_mlp_products quack needs the quack-kernels package, which flash-attn-4 installs "
                           "(pip install 'windowgpt[fa4]')")
     return False
