@@ -6,16 +6,18 @@
 #       DIR/a holds its first 48 MB, DIR/b the rest and every other wheel (under 64 MB each)
 #   bash bench/fa4_wheels.sh receive DIR STAGE    (the GPU machine) copy DIR's files into
 #       STAGE; once both halves are there, join them and install every wheel into
-#       STAGE/site; prints the PYTHONPATH entries that import it (the DSL's .pth needs
-#       site.addsitedir). Run it once per half, the machine kept between the two.
+#       STAGE/site-packages (quack's compile cache takes code under a folder of that name for
+#       installed library code, as cutlass's is where pip installs it); prints the PYTHONPATH
+#       entries that import it (the DSL's .pth needs site.addsitedir). Run it once per half,
+#       the machine kept between the two.
 # Then: PYTHONPATH=$(bash bench/fa4_wheels.sh path STAGE):$PWD python3 ...
 set -euo pipefail
 BIG=nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
 PIP_FLAGS=(--no-deps --only-binary=:all: --python-version 3.12)
 
-site_path() {  # STAGE -> the sys.path entries a site directory STAGE/site adds, joined by ':'
+site_path() {  # STAGE -> the sys.path entries a site directory STAGE/site-packages adds, joined by ':'
   python3 -c "import site, sys; site.addsitedir(sys.argv[1]); \
-print(':'.join(p for p in sys.path if p.startswith(sys.argv[1])))" "$1/site"
+print(':'.join(p for p in sys.path if p.startswith(sys.argv[1])))" "$1/site-packages"
 }
 
 case ${1:-} in
@@ -36,7 +38,7 @@ case ${1:-} in
     cp "$src"/* "$stage/"
     if [ -f "$stage/cu13.part.aa" ] && [ -f "$stage/cu13.part.ab" ]; then
       cat "$stage/cu13.part.aa" "$stage/cu13.part.ab" > "$stage/$BIG" && rm "$stage"/cu13.part.*
-      pip install -q --no-deps --target "$stage/site" "$stage"/*.whl
+      pip install -q --no-deps --target "$stage/site-packages" "$stage"/*.whl
       site_path "$stage"
     else
       echo "one half in $stage; run again with the other"

@@ -5,6 +5,8 @@ what runs), the setting's checks, and on a Hopper GPU with quack-kernels the com
 against the compiler's."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,44 @@ def test_the_epilogues_take_pairs_of_values_as_quack_passes_them():
     (grad_a, grad_b), (out_a, out_b) = derivative((a, b), (b, a))
     assert torch.equal(grad_a, derivative(a, b)[0]) and torch.equal(grad_b, derivative(b, a)[0])
     assert torch.equal(out_a, activation(a)) and torch.equal(out_b, activation(b))
+
+
+def pass_through(function):
+    """A decorator like cutlass's `dsl_user_op` as far as naming goes (functools.wraps)."""
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        return function(*args, **kwargs)
+    return wrapper
+
+
+def test_each_slope_registers_its_epilogues_under_a_name_of_its_own_that_the_wrapper_keeps():
+    """quack keys an installed, wrapped epilogue by its qualified name alone: a name shared by
+    two slopes would hand one slope's compiled kernel to the other."""
+    activations, derivatives = {}, {}
+    slopes = (0.5, 0.25, 1e-05)
+    names = [qp.register_epilogues(slope, torch.maximum, pass_through, activations, derivatives) for slope in slopes]
+    assert len(set(names)) == len(slopes) and set(activations) == set(derivatives) == set(names)
+    x = torch.linspace(-2, 2, 9, dtype=torch.float64)
+    for slope, name in zip(slopes, names):
+        assert name.isidentifier()
+        assert activations[name].__qualname__ == name and derivatives[name].__qualname__ == f"{name}_derivative"
+        assert torch.allclose(activations[name](x), TORCH_OPS.leaky_square(x, slope))
+        grad, again = derivatives[name](x, torch.ones_like(x))
+        assert torch.allclose(grad, qp.leaky_square_epilogues(slope, torch.maximum)[1](x, torch.ones_like(x))[0])
+        assert torch.equal(again, activations[name](x))
+
+
+def test_the_code_digest_follows_what_a_function_computes_nested_functions_included():
+    def compiled(source: str):
+        scope: dict = {}
+        exec(compile(source, "<formulas>", "exec"), scope)
+        return scope["formulas"].__code__
+
+    base = "def formulas(s):\n    def inner(x):\n        return max(x, s * x) ** 2\n    return inner\n"
+    assert qp.code_digest(compiled(base)) == qp.code_digest(compiled(base))
+    for changed in (base.replace("** 2", "** 3"), base.replace("max", "min"), base.replace("s * x", "x * s")):
+        assert qp.code_digest(compiled(changed)) != qp.code_digest(compiled(base))
+    assert qp.code_digest(qp.leaky_square_epilogues.__code__)[:12] in qp.epilogue_name(SLOPE)
 
 
 def operands(rows: int = 24, dim: int = 32, hidden: int = 64):

@@ -15,7 +15,9 @@ Importing this module imports neither quack nor CUTLASS: `quack_loads` and the p
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
+import types
 from typing import Any, Callable
 
 import torch
@@ -70,6 +72,45 @@ def leaky_square_epilogues(slope: float, larger: Callable[[Any, Any], Any]) -> t
     return activation, derivative
 
 
+def code_digest(code: types.CodeType) -> str:
+    """A digest of what a function's code computes: its bytecode, names and constants, the
+    functions defined inside it included (their source may not be beside them)."""
+    parts = [code.co_code, repr(code.co_names).encode()]
+    parts += [code_digest(const).encode() if isinstance(const, types.CodeType) else repr(const).encode()
+              for const in code.co_consts]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()
+
+
+def epilogue_name(slope: float) -> str:
+    """The name LeakyReLU(slope)²'s epilogues are registered and known by. quack's compile
+    cache keys an epilogue that cutlass's decorator wraps by its qualified name alone (it takes
+    the wrapper for installed library code), on disk too: so the name carries the slope and a
+    digest of the formulas, and no kernel built for another slope or older formulas is reused."""
+    digest = code_digest(leaky_square_epilogues.__code__)[:12]
+    return f"windowgpt_leaky_square_{repr(float(slope)).replace('.', 'p').replace('-', 'm')}_{digest}"
+
+
+def register_epilogues(slope: float, larger: Callable[[Any, Any], Any], user_op: Callable[[Callable], Callable],
+                       activations: dict, derivatives: dict) -> str:
+    """Registers LeakyReLU(slope)² and its derivative, each wrapped by `user_op` (cutlass's
+    `dsl_user_op`) under `epilogue_name(slope)`, in quack's activation and derivative tables;
+    returns the name."""
+    forward, backward = leaky_square_epilogues(slope, larger)
+    name = epilogue_name(slope)
+
+    def leaky_square(x, *, loc=None, ip=None):
+        return forward(x)
+
+    def leaky_square_derivative(x, dout, *, loc=None, ip=None):
+        return backward(x, dout)
+
+    for function, qualname in ((leaky_square, name), (leaky_square_derivative, f"{name}_derivative")):
+        function.__name__ = function.__qualname__ = qualname  # before wrapping: the wrapper copies it
+    activations[name] = user_op(leaky_square)
+    derivatives[name] = user_op(leaky_square_derivative)
+    return name
+
+
 @functools.cache
 def quack_activation(slope: float) -> str:
     """Registers LeakyReLU(slope)² and its derivative among quack's activations (once per
@@ -82,20 +123,7 @@ def quack_activation(slope: float) -> str:
     def larger(a, b):  # max.f32, as quack's own ReLU computes it
         return Float32(arith.maxnumf(Float32(a).ir_value(), Float32(b).ir_value()))
 
-    forward, backward = leaky_square_epilogues(slope, larger)
-
-    @dsl_user_op
-    def leaky_square(x, *, loc=None, ip=None):
-        return forward(x)
-
-    @dsl_user_op
-    def leaky_square_derivative(x, dout, *, loc=None, ip=None):
-        return backward(x, dout)
-
-    name = f"windowgpt_leaky_square_{slope!r}"
-    activations.act_fn_map[name] = leaky_square
-    activations.dact_fn_map[name] = leaky_square_derivative
-    return name
+    return register_epilogues(slope, larger, dsl_user_op, activations.act_fn_map, activations.dact_fn_map)
 
 
 def quack_fits(x: Tensor, up_w: Tensor, down_w: Tensor) -> bool:
