@@ -26,7 +26,8 @@ runs without the flag: the fair comparison). --tiles default times the default t
 into a chosen template's epilogue; the autotuning takes a minute or more). Where this GPU
 has float8 products, it also times the MLP with them (`train --fp8-mlp`), compiled, and where
 quack-kernels runs, quack's two products and the MLP through them (`train --fused-mlp
---fused-mlp-products quack`).
+--fused-mlp-products quack`), the MLP also replayed as a CUDA graph beside the compiler's
+(the GPU's time alone, without the host's dispatch).
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from windowgpt_cli.challenge import RECORD_WINDOWS  # noqa: E402
 from windowgpt_cli.config import RunConfig  # noqa: E402
+from windowgpt_cli.eval.ttt import capture_cuda_graph  # noqa: E402
 from windowgpt_cli.model.fused_ops import FusedOps  # noqa: E402
 from windowgpt_cli.kernels.elementwise import MatmulTiles, leaky_square_matmul_with_product  # noqa: E402
 from windowgpt_cli.kernels.elementwise_backward import leaky_square_backward, leaky_square_grad_matmul  # noqa: E402
@@ -78,6 +80,26 @@ def milliseconds(fn: Callable[[], object], repeats: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def replayed(call: Callable[[], object]) -> Callable[[], None]:
+    """A call that replays call's kernels as a CUDA graph, captured at its first use after two
+    runs outside the capture (compiling, autotuning): the GPU's time without the host's
+    dispatch, which the training step's host, running ahead of its GPU, hides as well."""
+    replay = None
+
+    def run() -> None:
+        nonlocal replay
+        if replay is None:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                call()
+                call()
+            torch.cuda.current_stream().wait_stream(stream)
+            replay = capture_cuda_graph(call, stream)
+        replay()
+    return run
 
 
 def bf16_steps(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -172,8 +194,13 @@ def training_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
         rows.append(_timed_variant(f"MLP forward and backward: fused {t}",
                                    step(lambda *args, t=t: leaky_square_mlp(*args, tiles=t)), a.repeats, base_ms))
     if with_quack:
-        rows.append(_timed_variant("MLP forward and backward: quack's products",
-                                   step(lambda *args: leaky_square_mlp(*args, products="quack")), a.repeats, base_ms))
+        quack_step = step(lambda *args: leaky_square_mlp(*args, products="quack"))
+        rows.append(_timed_variant("MLP forward and backward: quack's products", quack_step, a.repeats, base_ms))
+        replayed_ms = milliseconds(replayed(step(compiled)), a.repeats)
+        rows.append({"variant": "MLP forward and backward: torch, compiled, replayed as a CUDA graph",
+                     "ms": round(replayed_ms, 3)})
+        rows.append(_timed_variant("MLP forward and backward: quack's products, replayed as a CUDA graph",
+                                   replayed(quack_step), a.repeats, replayed_ms))
     return rows
 
 
