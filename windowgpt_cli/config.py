@@ -187,6 +187,11 @@ class TrainConfig:
     fused_mlp_products: str = setting("triton", "Whose products fused_mlp runs: triton (windowgpt's kernels) or "
                                                 "quack (the quack-kernels package's CuTe GEMMs, which flash-attn-4 "
                                                 "installs; Hopper or Blackwell; negative_slope in 0..1).")
+    fold_output_scales: bool = setting(False, "In the training step, each block's attention and MLP output "
+                                              "scales multiplied into the rows of their output projections (a "
+                                              "product over [dim x width] weights) instead of into the "
+                                              "[tokens x dim] outputs, each way: the same function, rounded "
+                                              "elsewhere in bfloat16; off: the reference's order.")
     fp8_mlp: bool = setting(False, "The MLP's products in the training step in float8 (e4m3, a power-of-two "
                                    "scale per row; cuBLAS, compute capability 8.9 or later): forward and the "
                                    "gradients to their inputs, the weights' gradients in bfloat16. Rounds "

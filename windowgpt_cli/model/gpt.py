@@ -241,27 +241,41 @@ class Block(nn.Module):
     def forward(self, stream: Residual, x0: Any, weights: tuple[Tensor | None, ...], rotary: tuple[Tensor, Tensor],
                 v_embed: ValueInjection | None, queries: Tensor | None = None, ops: TorchOps = TORCH_OPS,
                 keep_input: bool = False, rows: Tensor | None = None,
-                keys: KeyRows | None = None) -> tuple[Tensor | None, Residual]:
+                keys: KeyRows | None = None, fold_scales: bool = False) -> tuple[Tensor | None, Residual]:
         """(the stream's sum at the block's input if keep_input, the stream at its output),
         at every position or, with `queries` [B, K] (or `rows`, see `CausalSelfAttention`),
-        only there."""
+        only there. fold_scales: see `output_weights`."""
         q_w, k_w, v_w, out_w, up_w, down_w = weights
+        out_w, down_w, attn_scale, mlp_scale = self.output_weights(out_w, down_w, fold_scales)
         kept, x_in, normed = ops.block_input(stream, x0, self.resid_mix, self.ln_scale_factor, keep_input)
         attn_out = self.attn(normed, q_w, k_w, v_w, out_w, rotary, v_embed, queries, ops, rows, keys)
         if queries is not None or rows is not None:
             x_in = pick_positions(x_in, queries if queries is not None else rows)
-        stream, normed = ops.residual_norm(Residual(x_in).plus(attn_out, self.attn_scale), self.ln_scale_factor)
+        stream, normed = ops.residual_norm(Residual(x_in).plus(attn_out, attn_scale), self.ln_scale_factor)
         mlp_out = self.mlp(normed, up_w, down_w, ops)
-        return kept, stream.plus(mlp_out, self.mlp_scale)
+        return kept, stream.plus(mlp_out, mlp_scale)
+
+    def output_weights(self, out_w: Tensor, down_w: Tensor, fold_scales: bool
+                       ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """(out_w, down_w, attn_scale, mlp_scale) as the block applies them. With fold_scales
+        (and no adapter, whose term the scale multiplies as well) each output scale is
+        multiplied into its projection's rows, a product over the weights instead of the
+        [tokens x dim] outputs, and comes back None: the same function, rounded elsewhere."""
+        if not fold_scales or self.attn.adapter is not None or self.mlp.adapter is not None:
+            return out_w, down_w, self.attn_scale, self.mlp_scale
+        return (out_w * self.attn_scale.to(out_w.dtype)[:, None], down_w * self.mlp_scale.to(down_w.dtype)[:, None],
+                None, None)
 
     def parallel(self, lanes: tuple[Residual, Residual], x0: Any, weights: tuple[Tensor | None, ...],
                  rotary: tuple[Tensor, Tensor], v_embed: ValueInjection | None, mix: Tensor,
-                 queries: Tensor | None = None, ops: TorchOps = TORCH_OPS) -> tuple[Residual, Residual]:
+                 queries: Tensor | None = None, ops: TorchOps = TORCH_OPS,
+                 fold_scales: bool = False) -> tuple[Residual, Residual]:
         """The block on two lanes side by side: the attention reads the first lane, the MLP
         the second (each mixed with x0 and normed as a block's input), and lane k becomes
         mix[2, k] * lane_k + mix[0, k] * attention + mix[1, k] * MLP (mix [3, 2]: the block's
         learned lane mix, `GPT.lane_mix`). With queries, only there."""
         q_w, k_w, v_w, out_w, up_w, down_w = weights
+        out_w, down_w, attn_scale, mlp_scale = self.output_weights(out_w, down_w, fold_scales)
         lane0, _, normed_attn = ops.block_input(lanes[0], x0, self.resid_mix, self.ln_scale_factor, True)
         lane1, _, normed_mlp = ops.block_input(lanes[1], x0, self.resid_mix, self.ln_scale_factor, True)
         attn_out = self.attn(normed_attn, q_w, k_w, v_w, out_w, rotary, v_embed, queries, ops)
@@ -269,7 +283,8 @@ class Block(nn.Module):
             lane0, lane1, normed_mlp = (pick_positions(t, queries) for t in (lane0, lane1, normed_mlp))
         mlp_out = self.mlp(normed_mlp, up_w, down_w, ops)
         dtype = lane0.dtype
-        outputs = (self.attn_scale.to(dtype) * attn_out, self.mlp_scale.to(dtype) * mlp_out)
+        outputs = tuple(out if scale is None else scale.to(dtype) * out
+                        for out, scale in ((attn_out, attn_scale), (mlp_out, mlp_scale)))
         mix = mix.to(dtype)
         return tuple(Residual(mix[2, k] * lane + mix[0, k] * outputs[0] + mix[1, k] * outputs[1])
                      for k, lane in enumerate((lane0, lane1)))
@@ -387,6 +402,7 @@ class GPT(nn.Module):
         self.fused_loss = False  # the training loss through kernels.cross_entropy (training sets it)
         self.loss_chunk_rows = 0  # with fused_loss: the output layer and loss over chunks of rows (training sets it)
         self.train_ops: TorchOps | None = None  # the training forward's steps, if not torch's (training sets it)
+        self.fold_output_scales = False  # the training forward's output scales in its weights (training sets it)
         # forward runs through train_ops while this is on (training turns it off to validate
         # where they change the numbers: float8 products)
         self.train_ops_on = True
@@ -544,7 +560,7 @@ class GPT(nn.Module):
                          self.cfg.doc_boundary_token)
 
     def hidden_states(self, input_ids: Tensor, queries: Tensor | None = None, ops: TorchOps = TORCH_OPS,
-                      query_runs: bool = False) -> Tensor:
+                      query_runs: bool = False, fold_scales: bool = False) -> Tensor:
         """The trunk: final-normed hidden states [B, T, model_dim], or [B, K, model_dim] at
         queries [B, K] only (the last block then runs its queries and MLP only there). With
         query_runs (each sequence's queries lie within K consecutive positions) and a last
@@ -555,9 +571,10 @@ class GPT(nn.Module):
         The encoder's outputs come back in reverse order as skips into the decoder. An
         encoder block's output is the next block's input sum, kept when that block forms it;
         the last one is the first decoder block's own input sum, so that block adds its sum
-        to itself."""
+        to itself. fold_scales: see `Block.output_weights`."""
         x0 = self.embed(input_ids, ops)
-        return self.trunk(input_ids, x0, self.rotary(input_ids.shape[1], input_ids.device), queries, ops, query_runs)
+        return self.trunk(input_ids, x0, self.rotary(input_ids.shape[1], input_ids.device), queries, ops, query_runs,
+                          fold_scales=fold_scales)
 
     def rotary(self, seq_len: int, device: torch.device, start: int = 0) -> tuple[Tensor, Tensor]:
         """cos and sin at positions start..seq_len - 1 of a sequence of seq_len tokens: up to
@@ -569,7 +586,7 @@ class GPT(nn.Module):
 
     def trunk(self, input_ids: Tensor, x0: Any, rotary: tuple[Tensor, Tensor], queries: Tensor | None = None,
               ops: TorchOps = TORCH_OPS, query_runs: bool = False,
-              weights: list[tuple[Tensor | None, ...]] | None = None) -> Tensor:
+              weights: list[tuple[Tensor | None, ...]] | None = None, fold_scales: bool = False) -> Tensor:
         """The blocks and the final norm over the positions of input_ids, whose x0 and rotary
         tables are given (see `hidden_states`); weights: `layer_weights`, cast already (a
         decoder casts them once, not at every token)."""
@@ -591,14 +608,14 @@ class GPT(nn.Module):
                 lanes = block.parallel((lanes[0].plus_skip(*skip) if skip else lanes[0], lanes[1]), x0,
                                        weights[layer], rotary, injection,
                                        self.lane_mix[layer - self.cfg.parallel_start_layer],
-                                       queries if i == last else None, ops)
+                                       queries if i == last else None, ops, fold_scales)
                 continue
             if skip:
                 stream = stream.plus_skip(*skip)
             keep = 0 < i < encoder
             if keys is None:
                 kept, stream = block(stream, x0, weights[layer], rotary, injection, queries if i == last else None,
-                                     ops, keep_input=keep)
+                                     ops, keep_input=keep, fold_scales=fold_scales)
             elif i == last - 1:  # past its attention, this block runs only where the last one reads
                 kept, stream = block(stream, x0, weights[layer], rotary, injection, ops=ops, keep_input=keep,
                                      rows=keys.positions)
@@ -681,10 +698,11 @@ class GPT(nn.Module):
         """Mean cross-entropy, as the reference's training forward (with fused_loss, the soft
         cap and the cross-entropy as one kernel each way, `kernels.cross_entropy`, and with
         loss_chunk_rows the output layer with them over chunks of rows; with train_ops, while
-        train_ops_on, its steps run through those ops)."""
+        train_ops_on, its steps run through those ops; with fold_output_scales, each block's
+        output scales multiply its weights, `Block.output_weights`)."""
         if ops is TORCH_OPS and self.train_ops is not None and self.train_ops_on:
             ops = self.train_ops
-        hidden = self.hidden_states(input_ids, ops=ops).flatten(0, 1)
+        hidden = self.hidden_states(input_ids, ops=ops, fold_scales=self.fold_output_scales).flatten(0, 1)
         if self.fused_loss:
             from ..kernels import cross_entropy  # imports Triton: only when used
 

@@ -37,14 +37,14 @@ class Residual:
     At the first block, base is x0 as the ops represent it (see `TorchOps.embed`)."""
 
     base: Any
-    deltas: tuple[tuple[Tensor, Tensor], ...] = ()
+    deltas: tuple[tuple[Tensor, Tensor | None], ...] = ()  # scale None: in the product that made the delta
     skip: Tensor | None = None
     skip_weight: Tensor | None = None
     skip_gate: Tensor | None = None  # with one: sigmoid(gate) * sum + (1 - sigmoid(gate)) * weight * skip
 
     # Built directly rather than with dataclasses.replace: decoding one token calls these
     # a dozen times, where replace's introspection would cost more than the arithmetic.
-    def plus(self, delta: Tensor, scale: Tensor) -> "Residual":
+    def plus(self, delta: Tensor, scale: Tensor | None) -> "Residual":
         return Residual(self.base, self.deltas + ((delta, scale),), self.skip, self.skip_weight, self.skip_gate)
 
     def plus_skip(self, skip: Tensor | None, weight: Tensor, gate: Tensor | None = None) -> "Residual":
@@ -96,7 +96,7 @@ class TorchOps:
     def stream_sum(self, stream: Residual) -> Tensor:
         x = stream.base
         for delta, scale in stream.deltas:
-            x = x + scale.to(dtype=x.dtype)[None, None, :] * delta
+            x = x + delta if scale is None else x + scale.to(dtype=x.dtype)[None, None, :] * delta
         if stream.skip_weight is not None:
             skip = x if stream.skip is None else stream.skip
             scaled = stream.skip_weight.to(dtype=x.dtype)[None, None, :] * skip

@@ -360,6 +360,7 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     model = build_model(cfg.model, ctx.device)
     model.set_attention_backend(cfg.train.attn_backend, ctx.device, training=True)
     model.fused_loss = fused_loss_on(cfg, ctx.device)
+    model.fold_output_scales = cfg.train.fold_output_scales
     model.loss_chunk_rows = cfg.train.loss_chunk_rows
     if fused_mlp_on(cfg, ctx.device):
         from ..model.fused_train_ops import ProductEpilogueOps  # imports Triton: only when used
