@@ -618,14 +618,14 @@ class GPT(nn.Module):
                                      ops, keep_input=keep, fold_scales=fold_scales)
             elif i == last - 1:  # past its attention, this block runs only where the last one reads
                 kept, stream = block(stream, x0, weights[layer], rotary, injection, ops=ops, keep_input=keep,
-                                     rows=keys.positions)
+                                     rows=keys.positions, fold_scales=fold_scales)
                 x0 = ops.at_rows(x0, keys.positions)
                 ve_shared = ops.at_rows(ve_shared, keys.positions) if ve_shared is not None else None
                 rotary = (table_rows(rotary[0], keys.positions), table_rows(rotary[1], keys.positions))
             else:
                 kept, stream = block(stream, x0, weights[layer], rotary, injection,
                                      keys.queries if i == last else None, ops, keep_input=keep,
-                                     keys=keys if i == last else None)
+                                     keys=keys if i == last else None, fold_scales=fold_scales)
             if keep:
                 skips.append(kept)
         if lanes is not None:  # the two lanes' mean
