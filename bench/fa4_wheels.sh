@@ -6,10 +6,10 @@
 #       DIR/a holds its first 48 MB, DIR/b the rest and every other wheel (under 64 MB each)
 #   bash bench/fa4_wheels.sh receive DIR STAGE    (the GPU machine) copy DIR's files into
 #       STAGE; once both halves are there, join them and install every wheel into
-#       STAGE/site-packages (quack's compile cache takes code under a folder of that name for
-#       installed library code, as cutlass's is where pip installs it); prints the PYTHONPATH
-#       entries that import it (the DSL's .pth needs site.addsitedir). Run it once per half,
-#       the machine kept between the two.
+#       STAGE/site-packages (named as pip's own: quack's compile cache takes the code under a
+#       folder of that name for installed library code); prints the PYTHONPATH entries that
+#       import it (the DSL's .pth needs site.addsitedir). Run it once per half, the machine
+#       kept between the two.
 # Then: PYTHONPATH=$(bash bench/fa4_wheels.sh path STAGE):$PWD python3 ...
 set -euo pipefail
 BIG=nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
