@@ -148,6 +148,16 @@ def has_tma(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def imports_cleanly(load: Callable[[], object]) -> bool:
+    """Whether load() (importing a kernel package's modules) succeeds: a package installed for
+    another CUDA or torch raises anything from ImportError to OSError, and then counts as absent."""
+    try:
+        load()
+    except Exception:  # whatever stops the import
+        return False
+    return True
+
+
 def hopper_or_blackwell(device: torch.device) -> bool:
     """Whether a CUDA device is of compute capability 9 (Hopper) or 10 (Blackwell): the GPUs
     FlashAttention-4 and quack's CuTe kernels build for."""

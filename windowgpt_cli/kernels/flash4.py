@@ -19,6 +19,8 @@ import importlib.util
 import torch
 from torch import Tensor
 
+from ..runtime import imports_cleanly
+
 FULL = -1  # window for plain causal attention
 
 
@@ -34,11 +36,7 @@ def fa4_available() -> bool:
 def fa4_loads() -> bool:
     """Whether FA4's interface imports here: the package may be installed for another CUDA
     or torch, where only a named `--attn-backend fa4` should fail, never `auto`."""
-    try:
-        _interface()
-    except Exception:  # whatever stops the import, auto takes another backend
-        return False
-    return True
+    return imports_cleanly(_interface)
 
 
 def _interface():

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError
-from ..runtime import hopper_or_blackwell
+from ..runtime import hopper_or_blackwell, imports_cleanly
 
 
 def quack_available() -> bool:
@@ -34,14 +34,8 @@ def quack_available() -> bool:
 @functools.cache
 def quack_loads() -> bool:
     """Whether quack's GEMM interface imports (a package built for another CUDA does not)."""
-    if not quack_available():
-        return False
-    try:
-        for module in ("quack.activation", "quack.gemm_interface"):
-            importlib.import_module(module)
-    except Exception:  # any failure to load the package means: not usable here
-        return False
-    return True
+    return quack_available() and imports_cleanly(
+        lambda: [importlib.import_module(module) for module in ("quack.activation", "quack.gemm_interface")])
 
 
 def quack_targets(device: torch.device) -> bool:
