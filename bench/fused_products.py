@@ -15,7 +15,7 @@ weights: speed does not depend on them. Prints one JSON object per line; --json 
 all to one file.
 
 --training times the training step's MLP instead (`kernels.fused_mlp.leaky_square_mlp`, what
-`train --fused-mlp` runs), at `rows` rows (default: a micro-batch of 48 sequences of 2048),
+`train --fused-mlp triton` runs), at `rows` rows (default: a micro-batch of 48 sequences of 2048),
 for each of TRAINING_TILE_CHOICES (the first is the default): its forward kernel (the
 product stored as well) against cuBLAS's product and torch's activation run eagerly (two
 kernels), its gradient kernel against cuBLAS's product and the derivative's kernel, and the
@@ -26,7 +26,7 @@ runs without the flag: the fair comparison). --tiles default times the default t
 into a chosen template's epilogue; the autotuning takes a minute or more). Where this GPU
 has float8 products, it also times the MLP with them (`train --fp8-mlp`), compiled, and where
 quack-kernels runs, quack's two products and the MLP through them (`train --fused-mlp
---fused-mlp-products quack`), the MLP also replayed as a CUDA graph beside the compiler's
+quack`, auto's choice there), the MLP also replayed as a CUDA graph beside the compiler's
 (the GPU's time alone, without the host's dispatch).
 """
 from __future__ import annotations
@@ -152,7 +152,7 @@ def training_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
     grad = torch.randn(a.rows, dim, device=device).bfloat16()
     torch_ops = TorchOps()
     tile_choices = TRAINING_TILE_CHOICES if a.tiles == "all" else TRAINING_TILE_CHOICES[:1]
-    with_quack = quack_targets(device)  # `--fused-mlp-products quack` where quack-kernels is installed
+    with_quack = quack_targets(device)  # `--fused-mlp quack` where quack-kernels is installed
     rows = []
     with torch.no_grad():
         product = torch.nn.functional.linear(x, up_w)

@@ -19,7 +19,7 @@
 # record_131k run of its own, record_131k's step time is read from the parity run (the same
 # model and batch, over steps 11..PARITY_ITERS). CONFIGS (comma-separated) picks the runs,
 # default record_786k,full_786k,parity, so that a long session can be split over calls.
-# OURS_FLAGS: more `windowgpt train` flags for every windowgpt run (e.g. "--fused-mlp").
+# OURS_FLAGS: more `windowgpt train` flags for every windowgpt run (e.g. "--fused-mlp off").
 # STOP_AFTER_TRAINING=1 (default) stops each process once its log holds what is compared
 # (the last step's train_loss, or for parity the final validation), skipping the reference's
 # quantization and evaluation that follow training.

@@ -3,7 +3,9 @@
 # variants of the train flags, one after another on the same GPU and data, and a table
 # that sets them side by side (bench/train_variants.py).
 #   VARIANTS   "NAME:FLAGS;NAME:FLAGS..." (default: base, fused_mlp, gemm, fused_mlp_gemm: the
-#              training step as is, with --fused-mlp, with --compile-tuning gemm, with both)
+#              training step as is, with --fused-mlp triton, with --compile-tuning gemm, with
+#              both; "off:--fused-mlp off --fold-output-scales off" is the step without the
+#              two levers that auto turns on where they run)
 #   FLAGS      more flags for every variant (e.g. "--train-batch-tokens 131072" or
 #              "--attn-backend triton_fa4")
 #   PROFILE_FLAGS  the model every variant profiles (default "--record": the record model's
@@ -16,7 +18,8 @@
 # LOG_DIR/train_variants.md holds the table.
 # usage: [VARIANTS=...] [FLAGS=...] bench/train_variants.sh SHARED_DIR WORK_DIR LOG_DIR
 source "$(dirname "$0")/lib.sh"
-variants=${VARIANTS:-"base:;fused_mlp:--fused-mlp;gemm:--compile-tuning gemm;fused_mlp_gemm:--fused-mlp --compile-tuning gemm"}
+variants=${VARIANTS:-"base:;fused_mlp:--fused-mlp triton;gemm:--compile-tuning gemm;fused_mlp_gemm:--fused-mlp triton \
+--compile-tuning gemm"}
 if [ -n "${DATA:-}" ]; then
   data=$DATA; [ -d "$data" ] || { echo "DATA $data: no such directory"; exit 1; }
 else

@@ -67,6 +67,21 @@ def test_a_retired_setting_in_a_stored_configuration_is_read_and_dropped(tmp_pat
     assert cfg.train.iterations == 7 and not hasattr(cfg.train, "window_atomic_dq")
 
 
+@pytest.mark.parametrize("stored, fused_mlp, fold", [
+    ('"fused_mlp": false, "fused_mlp_products": "quack", "fold_output_scales": false', "off", "off"),
+    ('"fused_mlp": true, "fused_mlp_products": "quack", "fold_output_scales": true', "quack", "on"),
+    ('"fused_mlp": true', "triton", "auto"),
+    ('"fused_mlp": "auto", "fold_output_scales": "off"', "auto", "off"),
+])
+def test_the_older_switches_of_the_training_kernels_load_as_the_choices_they_made(tmp_path: Path, stored, fused_mlp,
+                                                                                fold):
+    """Configurations from before fused_mlp and fold_output_scales could be auto keep their run's choice."""
+    path = tmp_path / "c.json"
+    path.write_text('{"train": {%s}}' % stored)
+    cfg = load_config_file(path, preset("tiny"))
+    assert (cfg.train.fused_mlp, cfg.train.fold_output_scales) == (fused_mlp, fold)
+
+
 def test_yaml_is_read_as_json_is(tmp_path: Path):
     pytest.importorskip("yaml")
     path = tmp_path / "c.yaml"

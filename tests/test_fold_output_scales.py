@@ -1,4 +1,4 @@
-"""`train --fold-output-scales`: each block's output scales multiplied into its output
+"""`train --fold-output-scales` (auto: on a CUDA device): each block's output scales multiplied into its output
 projections' rows in the training forward. The same function and gradients as the scales
 applied to the outputs (here in float32, where only rounding differs); not where an adapter
 adds a term the scale must multiply too."""
@@ -11,6 +11,7 @@ from windowgpt_cli.config import RunConfig
 from windowgpt_cli.model import gpt as gpt_module
 from windowgpt_cli.model.ops import Residual
 from windowgpt_cli.train.run import train
+from windowgpt_cli.train.trainer import fold_output_scales_on
 
 from test_model import perturbed_tiny
 from test_train import metrics, tiny_cfg
@@ -60,12 +61,22 @@ def test_training_with_folded_scales_follows_the_same_losses(tiny_data_dir, tmp_
     original = gpt_module.Block.output_weights
     monkeypatch.setattr(gpt_module.Block, "output_weights", lambda self, out_w, down_w, fold: folds.append(fold) or
                         original(self, out_w, down_w, fold))
-    for fold in (False, True):
+    for setting in ("off", "on"):
         folds.clear()
         cfg = tiny_cfg(tiny_data_dir, iterations=4, train_log_every=1, train_batch_tokens=2048,
-                       fold_output_scales=fold)
-        train(cfg, tmp_path / str(fold))
-        runs[fold] = [r["train_loss"] for r in metrics(tmp_path / str(fold)) if "train_loss" in r]
-        assert folds and any(folds) == fold  # validation and the training steps fold, or none does
-    assert len(runs[True]) == 4 and runs[True] == pytest.approx(runs[False], rel=1e-4)
-    assert RunConfig.load(tmp_path / "True" / "config.json").train.fold_output_scales
+                       fold_output_scales=setting)
+        train(cfg, tmp_path / setting)
+        runs[setting] = [r["train_loss"] for r in metrics(tmp_path / setting) if "train_loss" in r]
+        assert folds and any(folds) == (setting == "on")  # validation and the training steps fold, or none does
+        assert f"fold_output_scales:{setting}" in (tmp_path / setting / "train.log").read_text()
+    assert len(runs["on"]) == 4 and runs["on"] == pytest.approx(runs["off"], rel=1e-4)
+    assert RunConfig.load(tmp_path / "on" / "config.json").train.fold_output_scales == "on"
+
+
+def test_auto_folds_on_a_cuda_device_only():
+    cfg = RunConfig()
+    assert cfg.train.fold_output_scales == "auto"
+    assert fold_output_scales_on(cfg, torch.device("cuda")) and not fold_output_scales_on(cfg, torch.device("cpu"))
+    for setting, folds in (("on", True), ("off", False)):
+        cfg.train.fold_output_scales = setting
+        assert all(fold_output_scales_on(cfg, torch.device(kind)) == folds for kind in ("cpu", "cuda"))

@@ -168,7 +168,7 @@ def test_float8_and_fused_mlp_together_are_refused(tiny_data_dir, tmp_path, fp8_
     from windowgpt_cli.cli.app import app
 
     result = CliRunner().invoke(app, ["train", "--preset", "tiny", "--data", str(tiny_data_dir), "--out",
-                                      str(tmp_path / "run"), fp8_flag, "--fused-mlp"])
+                                      str(tmp_path / "run"), fp8_flag, "--fused-mlp", "triton"])
     assert result.exit_code in (1, 2) and "cannot be combined with fp8_mlp or fp8_attention" in result.output
     assert not (tmp_path / "run").exists()
 

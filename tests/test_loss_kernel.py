@@ -176,7 +176,7 @@ def test_the_op_refuses_misshapen_inputs():
 
 @pytest.mark.parametrize("flags,setting", [(["--fused-cross-entropy"], "fused_cross_entropy"),
                                            (["--loss-chunk-rows", "512"], "loss_chunk_rows"),
-                                           (["--fused-mlp"], "fused_mlp")])
+                                           (["--fused-mlp", "triton"], "fused_mlp")])
 def test_training_says_a_fused_kernel_is_off_where_it_cannot_run(tiny_data_dir, tmp_path, flags, setting):
     from typer.testing import CliRunner
 

@@ -1,4 +1,4 @@
-"""`fused_mlp_products quack` (`kernels.quack_products`): LeakyReLU² as quack's GEMM epilogues
+"""`fused_mlp quack` (`kernels.quack_products`): LeakyReLU² as quack's GEMM epilogues
 compute it (the same bodies on tensors here), the fused op's wiring around quack's two
 products (stood in for by torch's on the CPU: the op, its saved tensors and its backward are
 what runs), the setting's checks, and on a Hopper GPU with quack-kernels the compiled step
@@ -149,36 +149,62 @@ def test_quacks_products_take_bf16_operands_in_whole_vectors():
 
 def test_the_setting_names_a_provider_and_quack_takes_slopes_up_to_one():
     cfg = RunConfig()
-    cfg.train.fused_mlp_products = "cutlass"
-    with pytest.raises(SettingError, match="one of triton, quack"):
+    cfg.train.fused_mlp = "cutlass"
+    with pytest.raises(SettingError, match="one of auto, off, triton, quack"):
         validate(cfg)
     cfg = RunConfig()
-    cfg.train.fused_mlp, cfg.train.fused_mlp_products, cfg.model.negative_slope = True, "quack", 1.5
+    cfg.train.fused_mlp, cfg.model.negative_slope = "quack", 1.5
     with pytest.raises(SettingError, match="negative_slope in 0..1"):
         validate(cfg)
-    cfg.train.fused_mlp = False  # only the fused MLP's quack products need it
-    validate(cfg)
+    for other in ("auto", "off", "triton"):  # only quack's named products need it
+        cfg.train.fused_mlp = other
+        validate(cfg)
+
+
+def hopper(monkeypatch, quack: bool) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(trainer, "quack_targets", lambda device: quack)
 
 
 def test_quacks_products_off_on_a_cpu_and_an_error_on_a_hopper_gpu_without_the_package(monkeypatch):
     cfg = RunConfig()
-    cfg.train.fused_mlp, cfg.train.fused_mlp_products = True, "quack"
-    assert not trainer.fused_mlp_on(cfg, torch.device("cpu"))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(trainer, "quack_targets", lambda device: False)
+    cfg.train.fused_mlp = "quack"
+    assert trainer.fused_mlp_products(cfg, torch.device("cpu")) is None
+    hopper(monkeypatch, quack=False)
     with pytest.raises(ConfigError, match="needs the quack-kernels package"):
-        trainer.fused_mlp_on(cfg, torch.device("cuda"))
+        trainer.fused_mlp_products(cfg, torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert not trainer.fused_mlp_on(cfg, torch.device("cuda"))  # an Ampere GPU: off, as the Triton products
+    assert trainer.fused_mlp_products(cfg, torch.device("cuda")) is None  # an Ampere GPU: off, as the Triton products
+
+
+def test_auto_takes_quacks_products_where_they_run_for_bf16_products_of_a_slope_they_take(monkeypatch):
+    cfg = RunConfig()
+    assert cfg.train.fused_mlp == "auto"
+    assert trainer.fused_mlp_products(cfg, torch.device("cpu")) is None
+    hopper(monkeypatch, quack=False)
+    assert trainer.fused_mlp_products(cfg, torch.device("cuda")) is None  # no package: off, never an error
+    hopper(monkeypatch, quack=True)
+    assert trainer.fused_mlp_products(cfg, torch.device("cuda")) == "quack"
+    for setting, value in (("fp8_mlp", True), ("fp8_attention", True)):
+        changed = RunConfig()
+        setattr(changed.train, setting, value)
+        validate(changed)  # auto with float8 is no conflict: auto leaves the MLP to float8
+        assert trainer.fused_mlp_products(changed, torch.device("cuda")) is None, setting
+    steep = RunConfig()
+    steep.model.negative_slope = 1.5
+    assert trainer.fused_mlp_products(steep, torch.device("cuda")) is None
+    named = RunConfig()
+    named.train.fused_mlp = "off"
+    assert trainer.fused_mlp_products(named, torch.device("cuda")) is None
 
 
 def test_a_product_quack_cannot_run_is_one_clear_error_and_memory_stays_memory():
     def broken():
         raise TypeError("gemm_act() got an unexpected keyword argument 'store_preact'\nmore lines")
 
-    with pytest.raises(ConfigError, match=r"^fused_mlp_products quack: quack-kernels could not run its product here "
+    with pytest.raises(ConfigError, match=r"^fused_mlp quack: quack-kernels could not run its product here "
                                           r"\(TypeError: gemm_act\(\) got an unexpected keyword argument "
-                                          r"'store_preact'\); train without"):
+                                          r"'store_preact'\); train with --fused-mlp off$"):
         qp.through_quack(broken)
 
     def full():
@@ -213,9 +239,9 @@ def test_training_on_a_cpu_says_quacks_products_are_off(tiny_data_dir, tmp_path)
     from windowgpt_cli.cli.app import app
 
     result = CliRunner().invoke(app, ["train", "--preset", "tiny", "--data", str(tiny_data_dir), "--out",
-                                      str(tmp_path / "run"), "--iterations", "2", "--fused-mlp",
-                                      "--fused-mlp-products", "quack"])
+                                      str(tmp_path / "run"), "--iterations", "2", "--fused-mlp", "quack"])
     assert result.exit_code == 0, result.output
     log = (tmp_path / "run" / "train.log").read_text()
     assert "fused_mlp: off on this device (its quack products need a Hopper or Blackwell GPU)" in log
-    assert '"fused_mlp_products": "quack"' in (tmp_path / "run" / "config.json").read_text()
+    assert "fused_mlp:off fold_output_scales:off" in log
+    assert RunConfig.load(tmp_path / "run" / "config.json").train.fused_mlp == "quack"

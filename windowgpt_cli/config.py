@@ -179,19 +179,19 @@ class TrainConfig:
                                       "gradients in one op, this many rows at a time (the fused "
                                       "cross-entropy's kernels; CUDA), so that the logits of a whole batch are "
                                       "never stored; 0 = the logits whole.")
-    fused_mlp: bool = setting(False, "The MLP's LeakyReLU² in the epilogues of the training step's products "
-                                     "(whose: fused_mlp_products; Hopper or later): the activation as the up "
-                                     "product is stored, its derivative as the gradient comes back through the "
-                                     "down product; off: cuBLAS's products and the compiler's element-wise "
-                                     "kernels.")
-    fused_mlp_products: str = setting("triton", "Whose products fused_mlp runs: triton (windowgpt's kernels) or "
-                                                "quack (the quack-kernels package's CuTe GEMMs, which flash-attn-4 "
-                                                "installs; Hopper or Blackwell; negative_slope in 0..1).")
-    fold_output_scales: bool = setting(False, "In the training step, each block's attention and MLP output "
+    fused_mlp: str = setting("auto", "The MLP's LeakyReLU² in the epilogues of the training step's products: "
+                                     "the activation as the up product is stored, its derivative as the "
+                                     "gradient comes back through the down product. quack (the quack-kernels "
+                                     "package's CuTe GEMMs, which flash-attn-4 installs; Hopper or Blackwell; "
+                                     "negative_slope in 0..1), triton (windowgpt's kernels; Hopper or later), "
+                                     "off (cuBLAS's products and the compiler's element-wise kernels), or auto: "
+                                     "quack's where they run and the MLP's products are not float8, else off.")
+    fold_output_scales: str = setting("auto", "In the training step, each block's attention and MLP output "
                                               "scales multiplied into the rows of their output projections (a "
                                               "product over [dim x width] weights) instead of into the "
                                               "[tokens x dim] outputs, each way: the same function, rounded "
-                                              "elsewhere in bfloat16; off: the reference's order.")
+                                              "elsewhere in bfloat16. on, off (the reference's order), or auto: "
+                                              "on for a CUDA device, off elsewhere.")
     fp8_mlp: bool = setting(False, "The MLP's products in the training step in float8 (e4m3, a power-of-two "
                                    "scale per row; cuBLAS, compute capability 8.9 or later): forward and the "
                                    "gradients to their inputs, the weights' gradients in bfloat16. Rounds "
@@ -520,10 +520,23 @@ RETIRED_SETTINGS = {
 }
 
 
+def _older_forms_upgraded(values: dict[str, Any]) -> dict[str, Any]:
+    """Settings as older windowgpts wrote them, in their present form: fused_mlp and
+    fold_output_scales were switches (with fused_mlp_products naming the fused MLP's
+    kernels) before they could be auto; an old run's choice stays its choice."""
+    values = dict(values)
+    if isinstance(values.get("fused_mlp"), bool):
+        products = values.pop("fused_mlp_products", "triton")
+        values["fused_mlp"] = products if values["fused_mlp"] else "off"
+    if isinstance(values.get("fold_output_scales"), bool):
+        values["fold_output_scales"] = "on" if values["fold_output_scales"] else "off"
+    return values
+
+
 def _group_from_dict(base: Any, values: Any, source: str) -> Any:
     if not isinstance(values, dict):
         raise ConfigError(f"{source} must be an object")
-    values = {k: v for k, v in values.items() if k not in RETIRED_SETTINGS}
+    values = {k: v for k, v in _older_forms_upgraded(values).items() if k not in RETIRED_SETTINGS}
     hints = typing.get_type_hints(type(base))
     unknown = sorted(set(values) - set(hints))
     if unknown:
@@ -739,7 +752,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "ttt_lora_train_span": ("chunk", "window"),
     "ttt_lora_phase_span": ("share", "prefix"),
     "compile_tuning": ("default", "gemm", "full"),
-    "fused_mlp_products": ("triton", "quack"),
+    "fused_mlp": ("auto", "off", "triton", "quack"),
+    "fold_output_scales": ("auto", "on", "off"),
 }
 LORA_TARGETS = ("q", "k", "v", "o", "up", "down", "head")  # ttt_lora_targets' names
 MAX_PARAMETERS = 4_000_000_000  # about 150 times the reference model
@@ -874,10 +888,11 @@ def validate(cfg: RunConfig) -> None:
          "quant_gptq_embed needs use_gptq (--gptq)"),
         (not cfg.quant.quant_gptq_embed or m.tie_embeddings, "quant_gptq_embed",
          "quant_gptq_embed needs tied embeddings (its Hessian is the output layer's input)"),
-        (not ((t.fp8_mlp or t.fp8_attention) and t.fused_mlp), "fused_mlp",
-         "fused_mlp runs the MLP's products in its own kernels: it cannot be combined with fp8_mlp or fp8_attention"),
-        (not (t.fused_mlp and t.fused_mlp_products == "quack") or 0 <= m.negative_slope <= 1, "fused_mlp_products",
-         f"fused_mlp_products=quack takes negative_slope in 0..1 (it is {m.negative_slope})"),
+        (not ((t.fp8_mlp or t.fp8_attention) and t.fused_mlp in ("triton", "quack")), "fused_mlp",
+         f"fused_mlp={t.fused_mlp} runs the MLP's products in its own kernels: it cannot be combined with fp8_mlp "
+         "or fp8_attention"),
+        (t.fused_mlp != "quack" or 0 <= m.negative_slope <= 1, "fused_mlp",
+         f"fused_mlp=quack takes negative_slope in 0..1 (it is {m.negative_slope})"),
         (targets_problem is None, "ttt_lora_targets",
          f"ttt_lora_targets={cfg.ttt.ttt_lora_targets!r}: {targets_problem}"),
     ]

@@ -99,7 +99,7 @@ def leaky_square_mlp(x: Tensor, up_w: Tensor, down_w: Tensor, negative_slope: fl
                      tiles: MatmulTiles = TRAINING_TILES, products: str = "triton") -> Tensor:
     """leaky_square(x @ up_w.T) @ down_w.T, bf16, differentiable in x, up_w and down_w, for
     operands that `mlp_fits`; x [..., dim]; products: whose epilogue products, "triton" or
-    "quack" (`fused_mlp_products`)."""
+    "quack" (`fused_mlp`)."""
     out = _mlp_op(x.reshape(-1, x.size(-1)), up_w, down_w, negative_slope, list(dataclasses.astuple(tiles)),
                   products)[0]
     return out.view(*x.shape[:-1], down_w.size(0))

@@ -1,4 +1,4 @@
-"""The fused MLP's two epilogue products (`fused_mlp`, `fused_mlp_products quack`) through the
+"""The fused MLP's two epilogue products (`fused_mlp quack`, auto's choice where they run) through the
 quack-kernels package's CuTe GEMMs, which flash-attn-4 installs (Hopper and Blackwell).
 
 LeakyReLU² with the model's slope joins quack's activations, so its GEMM with an activation
@@ -138,8 +138,8 @@ def through_quack(product: Callable[[], Any]) -> Any:
         raise
     except Exception as error:
         detail = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-        raise ConfigError(f"fused_mlp_products quack: quack-kernels could not run its product here ({detail}); "
-                          "train without --fused-mlp-products quack") from error
+        raise ConfigError(f"fused_mlp quack: quack-kernels could not run its product here ({detail}); "
+                          "train with --fused-mlp off") from error
 
 
 def leaky_square_up(x: Tensor, up_w: Tensor, slope: float) -> tuple[Tensor, Tensor]:

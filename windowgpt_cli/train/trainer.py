@@ -232,20 +232,30 @@ def fused_loss_on(cfg: RunConfig, device: torch.device) -> bool:
     return (cfg.train.fused_cross_entropy or cfg.train.loss_chunk_rows > 0) and triton_available(device)
 
 
-def fused_mlp_on(cfg: RunConfig, device: torch.device) -> bool:
-    """Whether the training step runs the MLP's fused products: asked for, and where those
-    products run (Triton's: a GPU with TMA, Hopper or later; quack's: Hopper or Blackwell
-    with the package, whose absence there is an error)."""
-    if not cfg.train.fused_mlp:
-        return False
-    if cfg.train.fused_mlp_products == "triton":
-        return triton_available(device) and has_tma(device)
-    if quack_targets(device):
-        return True
-    if hopper_or_blackwell(device):
-        raise ConfigError("fused_mlp_products quack needs the quack-kernels package, which flash-attn-4 installs "
-                          "(pip install 'windowgpt[fa4]')")
-    return False
+def fused_mlp_products(cfg: RunConfig, device: torch.device) -> str | None:
+    """Whose products the training step's fused MLP runs ("triton" or "quack"), or None for
+    the compiler's MLP: as `fused_mlp` names them where they run (Triton's: a GPU with TMA,
+    Hopper or later; quack's: Hopper or Blackwell with the package, whose absence there is an
+    error), or for auto quack's where they run on bf16 products of a slope they take."""
+    asked = cfg.train.fused_mlp
+    if asked == "auto":
+        takes = not fp8_kinds(cfg) and 0 <= cfg.model.negative_slope <= 1
+        return "quack" if takes and quack_targets(device) else None
+    if asked == "triton":
+        return asked if triton_available(device) and has_tma(device) else None
+    if asked == "quack":
+        if quack_targets(device):
+            return asked
+        if hopper_or_blackwell(device):
+            raise ConfigError("fused_mlp quack needs the quack-kernels package, which flash-attn-4 installs "
+                              "(pip install 'windowgpt[fa4]')")
+    return None
+
+
+def fold_output_scales_on(cfg: RunConfig, device: torch.device) -> bool:
+    """Whether the training step folds the output scales into their projections
+    (`fold_output_scales`; auto: on a CUDA device, where it shortens the step)."""
+    return cfg.train.fold_output_scales == "on" or (cfg.train.fold_output_scales == "auto" and device.type == "cuda")
 
 
 def fp8_kinds(cfg: RunConfig) -> tuple[str, ...]:
@@ -360,12 +370,13 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     model = build_model(cfg.model, ctx.device)
     model.set_attention_backend(cfg.train.attn_backend, ctx.device, training=True)
     model.fused_loss = fused_loss_on(cfg, ctx.device)
-    model.fold_output_scales = cfg.train.fold_output_scales
+    model.fold_output_scales = fold_output_scales_on(cfg, ctx.device)
     model.loss_chunk_rows = cfg.train.loss_chunk_rows
-    if fused_mlp_on(cfg, ctx.device):
+    products = fused_mlp_products(cfg, ctx.device)
+    if products is not None:
         from ..model.fused_train_ops import ProductEpilogueOps  # imports Triton: only when used
 
-        model.train_ops = ProductEpilogueOps(products=cfg.train.fused_mlp_products)
+        model.train_ops = ProductEpilogueOps(products=products)
     elif fp8_products_on(cfg, ctx.device):
         model.train_ops = Fp8Ops(fp8_kinds(cfg), mlp_kernels=cfg.train.fp8_mlp_kernels and triton_available(ctx.device))
     if cfg.train.qat_start_fraction > 0:  # the grids quantize will round the matrices to
@@ -657,10 +668,10 @@ class Trainer:
         if (t.fused_cross_entropy or t.loss_chunk_rows) and not s.model.fused_loss:
             asked = "fused_cross_entropy" if t.fused_cross_entropy else "loss_chunk_rows"
             self.log.line(f"{asked}: off on this device (its kernels need CUDA and Triton)")
-        if t.fused_mlp and s.model.train_ops is None:
-            needs = ("Triton and a GPU with TMA, Hopper or later" if t.fused_mlp_products == "triton"
+        if t.fused_mlp in ("triton", "quack") and s.model.train_ops is None:
+            needs = ("Triton and a GPU with TMA, Hopper or later" if t.fused_mlp == "triton"
                      else "a Hopper or Blackwell GPU")
-            self.log.line(f"fused_mlp: off on this device (its {t.fused_mlp_products} products need {needs})")
+            self.log.line(f"fused_mlp: off on this device (its {t.fused_mlp} products need {needs})")
         if fp8_kinds(s.cfg) and s.model.train_ops is None:
             asked = " and ".join(f"fp8_{kind}" for kind in fp8_kinds(s.cfg))
             self.log.line(f"{asked}: off on this device (float8 products need a GPU of compute capability 8.9 or "
@@ -848,6 +859,8 @@ def describe(setup: Setup, log: RunLog) -> None:
     log.line(f"world_size:{ctx.world_size} grad_accum_steps:{setup.grad_accum_steps} "
              f"micro_batches_per_pass:{setup.micro_batches_per_pass} device:{ctx.device} "
              f"attn_backend:{model.blocks[0].attn.backend}")
+    log.line(f"fused_mlp:{getattr(model.train_ops, 'products', None) or 'off'} "
+             f"fold_output_scales:{'on' if model.fold_output_scales else 'off'}")
     log.line(f"rank_seq_lens:{gather_from_ranks(setup.seq_len)}")
     log.line(f"train_batch_tokens:{cfg.train.train_batch_tokens} train_seq_len:{cfg.train.train_seq_len} "
              f"iterations:{cfg.train.iterations} warmup_steps:{cfg.train.warmup_steps} "
