@@ -1,5 +1,6 @@
-"""The training benchmarks' pure parts: log comparison, the reference's sampler seed, and
-the profile's kernel classification and breakdown (plus one tiny profiled run on the CPU)."""
+"""The training benchmarks' pure parts: log comparison, the reference's sampler seed, the
+kernels' sources in generated code, and the profile's kernel classification and breakdown
+(plus one tiny profiled run on the CPU)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import compare_logs  # noqa: E402
+import kernel_sources  # noqa: E402
 import mix_order_kernels  # noqa: E402
 import reference_seed  # noqa: E402
 import train_profile  # noqa: E402
@@ -283,3 +285,54 @@ def test_the_mix_order_listing_refuses_a_missing_or_bad_input_and_its_input_as_o
     trace.write_text('{"traceEvents": []}')
     assert mix_order_kernels.main([str(code), str(trace), "--json", str(trace)]) == 1
     assert "--json" in capsys.readouterr().err and trace.read_text() == '{"traceEvents": []}'
+
+
+# --- kernel_sources ---------------------------------------------------------------------------
+
+def kernel_definition(name: str, nodes: str, aten: str, fragment: list[str], prefix: str = "") -> str:
+    """A kernel's definition in Inductor's generated code, with the comment block above it."""
+    lines = ["", "", f"# kernel path: /tmp/torchinductor/ab/{name}.py",
+             f"# Topologically Sorted Source Nodes: [{nodes}], Original ATen: [{aten}]",
+             "# Source node to ATen node mapping:", "#   x => mul_3", "# Graph fragment:",
+             *[f"#   {text}" for text in fragment],
+             f"{name} = async_compile.triton('{name}', '''", "import triton", "# a comment in the body",
+             "@triton.jit", f"def {name}(in_ptr0, out_ptr0):", "    pass", "''', device_str='cuda')"]
+    return "".join(f"{prefix}{line}\n" for line in lines)
+
+
+def test_each_named_kernel_is_described_by_its_own_comment_block(tmp_path, capsys):
+    prefix = "V1203 10:00:00.000000 745 torch/_inductor/graph.py:2552] [0/0] [__output_code] "
+    mix = ['%mul_4 : Tensor "bf16[196608, 512][512, 1]cuda:0" = call_function[target=torch.ops.aten.mul.Tensor]',
+           '%select_1 : Tensor "f32[512][1]cuda:0" = call_function[target=torch.ops.aten.select.int]']
+    code = tmp_path / "code.log"
+    code.write_text(kernel_definition("triton_poi_fused_mul_0", "mul, x0", "aten.mul, aten.select", mix, prefix)
+                    + kernel_definition("triton_red_fused_sum_1", "sum_2", "aten.sum", ["%sum_2 : [num_users=1]"])
+                    + "def call(args):\n    # Topologically Sorted Source Nodes: [launch], Original ATen: []\n"
+                    + "    triton_poi_fused_mul_0.run(buf0, buf1)\n"
+                    + kernel_definition("triton_poi_fused_mul_0", "mul_9", "aten.mul", []))
+    out = tmp_path / "sources.json"
+    assert kernel_sources.main([str(code), "triton_poi_fused_mul_0", "triton_missing", "--fragment-lines", "1",
+                                "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "triton_poi_fused_mul_0 (1 of 2)\n  source nodes: mul, x0\n  aten: aten.mul, aten.select\n" in printed
+    assert "triton_missing: not defined in this code" in printed and "select_1" not in printed  # one line shown
+    result = json.loads(out.read_text())
+    assert result["triton_missing"] == [] and len(result["triton_poi_fused_mul_0"]) == 2
+    first, second = result["triton_poi_fused_mul_0"]
+    assert first == {"source_nodes": ["mul", "x0"], "aten": ["aten.mul", "aten.select"], "fragment": mix[:1]}
+    assert second == {"source_nodes": ["mul_9"], "aten": ["aten.mul"], "fragment": []}
+    assert kernel_sources.kernel_sources(code.read_text().splitlines(), {"triton_red_fused_sum_1"}) == {
+        "triton_red_fused_sum_1": [{"source_nodes": ["sum_2"], "aten": ["aten.sum"],
+                                    "fragment": ["%sum_2 : [num_users=1]"]}]}
+
+
+def test_the_kernel_sources_refuse_a_missing_input_and_their_input_as_output(tmp_path, capsys):
+    code = tmp_path / "code.log"
+    assert kernel_sources.main([str(code), "k"]) == 1
+    assert "code.log: no such file" in capsys.readouterr().err
+    code.write_text("k = async_compile.triton('k', '')\n")
+    assert kernel_sources.main([str(code), "k", "--json", str(code)]) == 1
+    assert "--json" in capsys.readouterr().err and code.read_text() == "k = async_compile.triton('k', '')\n"
+    with pytest.raises(SystemExit) as info:
+        kernel_sources.main([str(code), "k", "--fragment-lines", "-1"])
+    assert info.value.code == 2
