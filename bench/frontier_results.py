@@ -33,6 +33,7 @@ def run_entry(folder: Path, code_bytes: int) -> dict:
         "training_plus_calibration_s": round(train["training_plus_calibration_ms"] / 1000.0, 1),
         "calibration_s": calibration.get("seconds"),
         "graphs_compiled_in_training": train.get("graphs_compiled_in_training"),
+        **({"kernels": train["kernels"]} if train.get("kernels") else {}),  # what auto chose, where recorded
         "pre_quant_val_bpb": train["post_ema_val_bpb"], "val_bpb": scored["val_bpb"],
         "ptz_bytes": quantize["model_bytes"], "code_bytes": code_bytes,
         "total_bytes": quantize["model_bytes"] + code_bytes,

@@ -4,6 +4,8 @@ applied to the outputs (here in float32, where only rounding differs); not where
 adds a term the scale must multiply too."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -69,6 +71,8 @@ def test_training_with_folded_scales_follows_the_same_losses(tiny_data_dir, tmp_
         runs[setting] = [r["train_loss"] for r in metrics(tmp_path / setting) if "train_loss" in r]
         assert folds and any(folds) == (setting == "on")  # validation and the training steps fold, or none does
         assert f"fold_output_scales:{setting}" in (tmp_path / setting / "train.log").read_text()
+        kernels = json.loads((tmp_path / setting / "summary.json").read_text())["kernels"]
+        assert kernels == {"attn_backend": kernels["attn_backend"], "fused_mlp": "off", "fold_output_scales": setting}
     assert len(runs["on"]) == 4 and runs["on"] == pytest.approx(runs["off"], rel=1e-4)
     assert RunConfig.load(tmp_path / "on" / "config.json").train.fold_output_scales == "on"
 

@@ -48,11 +48,16 @@ def summary_table(record: dict[str, Any], out_dir: Path) -> Table:
           if record.get("calibration") else []),
         ("val_bpb (final weights)", _bpb(record["val_bpb"])),
         ("val_bpb (EMA weights)", _bpb(record["post_ema_val_bpb"])),
+        *([("step kernels", _kernels_text(record["kernels"]))] if record.get("kernels") else []),
         ("checkpoint", record["checkpoint"]),
     ]
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def _kernels_text(kernels: dict[str, str]) -> str:
+    return f"attention {kernels['attn_backend']}, fused MLP {kernels['fused_mlp']}, fold {kernels['fold_output_scales']}"
 
 
 def _bpb(value: float | None) -> str:

@@ -227,4 +227,4 @@ def summary(result: TrainResult, cfg: RunConfig) -> dict[str, Any]:
             "max_wallclock_seconds": cfg.train.max_wallclock_seconds, "calibration": calibration,
             "training_plus_calibration_ms": round(total_ms, 1),
             "world_size": len(result.devices or [None]), "devices": result.devices,
-            "graphs_compiled_in_training": result.graphs_compiled_in_training}
+            "graphs_compiled_in_training": result.graphs_compiled_in_training, "kernels": result.kernels}

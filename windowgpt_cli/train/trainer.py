@@ -130,6 +130,7 @@ class TrainResult:
     # Graphs torch.compile built during the training loop, after the warm-up: 0 when every
     # variant (depth recurrence on and off, validation) was compiled ahead.
     graphs_compiled_in_training: int = 0
+    kernels: dict[str, str] | None = None  # what the settings left to auto chose here (`step_kernels`)
 
 
 class RunLog:
@@ -792,7 +793,7 @@ class Trainer:
         return TrainResult(self.step, self.training_time_ms, finished=True, val_loss=val_loss, val_bpb=val_bpb,
                            post_ema_val_loss=ema_loss, post_ema_val_bpb=ema_bpb, checkpoint=path,
                            calibration=calibration, devices=gather_from_ranks(device_name(s.ctx.device)),
-                           graphs_compiled_in_training=recompiled)
+                           graphs_compiled_in_training=recompiled, kernels=step_kernels(s.model))
 
     def calibrate_gptq(self, ema: dict[str, torch.Tensor]) -> dict[str, Any]:
         """GPTQ's Hessians from training batches under the EMA weights (loaded in the model),
@@ -844,6 +845,14 @@ class Trainer:
                          train_time_ms=round(self.training_time_ms, 1))
 
 
+def step_kernels(model: GPT) -> dict[str, str]:
+    """What the training step runs where a setting may be auto: the attention's kernels (the
+    first layer's backend), whose products the fused MLP runs, whether the scales fold."""
+    return {"attn_backend": model.blocks[0].attn.backend,
+            "fused_mlp": getattr(model.train_ops, "products", None) or "off",
+            "fold_output_scales": "on" if model.fold_output_scales else "off"}
+
+
 def describe(setup: Setup, log: RunLog) -> None:
     """The reference's preamble: what was built and how it will train (every rank calls
     it, since it gathers each rank's sequence length)."""
@@ -859,8 +868,8 @@ def describe(setup: Setup, log: RunLog) -> None:
     log.line(f"world_size:{ctx.world_size} grad_accum_steps:{setup.grad_accum_steps} "
              f"micro_batches_per_pass:{setup.micro_batches_per_pass} device:{ctx.device} "
              f"attn_backend:{model.blocks[0].attn.backend}")
-    log.line(f"fused_mlp:{getattr(model.train_ops, 'products', None) or 'off'} "
-             f"fold_output_scales:{'on' if model.fold_output_scales else 'off'}")
+    kernels = step_kernels(model)
+    log.line(f"fused_mlp:{kernels['fused_mlp']} fold_output_scales:{kernels['fold_output_scales']}")
     log.line(f"rank_seq_lens:{gather_from_ranks(setup.seq_len)}")
     log.line(f"train_batch_tokens:{cfg.train.train_batch_tokens} train_seq_len:{cfg.train.train_seq_len} "
              f"iterations:{cfg.train.iterations} warmup_steps:{cfg.train.warmup_steps} "
