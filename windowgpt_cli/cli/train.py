@@ -57,7 +57,8 @@ def summary_table(record: dict[str, Any], out_dir: Path) -> Table:
 
 
 def _kernels_text(kernels: dict[str, str]) -> str:
-    return f"attention {kernels['attn_backend']}, fused MLP {kernels['fused_mlp']}, fold {kernels['fold_output_scales']}"
+    attention, mlp, fold = kernels["attn_backend"], kernels["fused_mlp"], kernels["fold_output_scales"]
+    return f"attention {attention}, fused MLP {mlp}, fold {fold}"
 
 
 def _bpb(value: float | None) -> str:
