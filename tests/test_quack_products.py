@@ -245,3 +245,35 @@ def test_training_on_a_cpu_says_quacks_products_are_off(tiny_data_dir, tmp_path)
     assert "fused_mlp: off on this device (its quack products need a Hopper or Blackwell GPU)" in log
     assert "fused_mlp:off fold_output_scales:off" in log
     assert RunConfig.load(tmp_path / "run" / "config.json").train.fused_mlp == "quack"
+
+
+def test_auto_trains_with_the_compilers_mlp_where_quack_fails_at_its_first_product(tiny_data_dir, tmp_path,
+                                                                                    monkeypatch):
+    """quack loads but cannot build its product here (an install it was not built for): a
+    run left to auto goes on with the compiler's MLP, as `--fused-mlp off` trains, and says
+    so; a run that named quack ends with the one-line error."""
+    import json
+
+    from test_train import metrics, tiny_cfg
+    from windowgpt_cli.train.run import train
+
+    monkeypatch.setattr(trainer, "quack_targets", lambda device: True)
+    calls = []
+
+    def failing(self, x, up_w, down_w, negative_slope):
+        calls.append(x.shape)
+        return qp.through_quack(lambda: (_ for _ in ()).throw(RuntimeError("no kernel image for sm_90a\nmore")))
+
+    monkeypatch.setattr(ProductEpilogueOps, "mlp", failing)
+    losses = {}
+    for setting in ("auto", "off"):
+        train(tiny_cfg(tiny_data_dir, iterations=3, train_log_every=1, fused_mlp=setting), tmp_path / setting)
+        losses[setting] = [r["train_loss"] for r in metrics(tmp_path / setting) if "train_loss" in r]
+    log = (tmp_path / "auto" / "train.log").read_text()
+    assert calls and "fused_mlp:quack fold_output_scales:off" in log  # auto chose quack's products, which failed
+    assert ("fused_mlp: auto leaves quack's products (RuntimeError: no kernel image for sm_90a); the compiler's MLP "
+            "instead") in log
+    assert json.loads((tmp_path / "auto" / "summary.json").read_text())["kernels"]["fused_mlp"] == "off"
+    assert len(losses["auto"]) == 3 and losses["auto"] == losses["off"]  # the failed warm-up step left nothing
+    with pytest.raises(qp.QuackUnavailable, match="train with --fused-mlp off$"):
+        train(tiny_cfg(tiny_data_dir, iterations=3, fused_mlp="quack"), tmp_path / "quack")

@@ -128,6 +128,15 @@ def quack_fits(x: Tensor, up_w: Tensor, down_w: Tensor) -> bool:
             and x.size(1) % 8 == 0 and up_w.size(0) % 8 == 0)
 
 
+class QuackUnavailable(ConfigError):
+    """quack-kernels could not build or run a product here; `detail` says why in one line."""
+
+    def __init__(self, detail: str):
+        super().__init__(f"fused_mlp quack: quack-kernels could not run its product here ({detail}); "
+                         "train with --fused-mlp off")
+        self.detail = detail
+
+
 def through_quack(product: Callable[[], Any]) -> Any:
     """product() (a call of quack's, with its activation registered inside it); where quack
     cannot build or run it here (another version's interface, a CUDA it was not built for),
@@ -137,9 +146,8 @@ def through_quack(product: Callable[[], Any]) -> Any:
     except torch.OutOfMemoryError:
         raise
     except Exception as error:
-        detail = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-        raise ConfigError(f"fused_mlp quack: quack-kernels could not run its product here ({detail}); "
-                          "train with --fused-mlp off") from error
+        text = str(error).strip()
+        raise QuackUnavailable(f"{type(error).__name__}: {text.splitlines()[0] if text else ''}") from error
 
 
 def leaky_square_up(x: Tensor, up_w: Tensor, slope: float) -> tuple[Tensor, Tensor]:

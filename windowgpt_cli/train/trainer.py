@@ -36,7 +36,7 @@ from ..distributed import DistContext, all_reduce_, average_gradients, barrier, 
 from ..errors import ConfigError, DataError, Interrupted, Terminated, TrainingDiverged
 from ..eval.scoring import evaluate_standard
 from ..kernels.fp8_products import fp8_available
-from ..kernels.quack_products import quack_targets
+from ..kernels.quack_products import QuackUnavailable, quack_targets
 from ..model.attention import window_kernel_builds
 from ..model.fp8_ops import Fp8Ops
 from ..model.gpt import GPT, build_model, check_fits
@@ -482,13 +482,38 @@ class Trainer:
                                       eager=not s.compiled, backward=True)
         with self.phases.timed("warmup", sync=s.ctx.device), threads_meanwhile(builds, s.ctx.device):
             if t.warmup_steps > 0:
-                self._warm_up_steps(t.warmup_steps)
+                self._warm_up_steps_without_failing_auto(t.warmup_steps)
+
+    def _warm_up_steps_without_failing_auto(self, steps: int) -> None:
+        """The warm-up's steps; where `fused_mlp auto` chose quack's products and quack cannot
+        build or run them here (it loads, but an install it was not built for can still fail
+        at the first product), the compiler's MLP instead, said in the log: auto never ends a
+        run that `--fused-mlp off` would train. A named `--fused-mlp quack` stays an error."""
+        s = self.s
+        try:
+            self._warm_up_steps(steps)
+        except QuackUnavailable as error:
+            if s.cfg.train.fused_mlp != "auto":
+                raise
+            self.log.line(f"fused_mlp: auto leaves quack's products ({error.detail}); the compiler's MLP instead")
+            s.model.train_ops = None
+            s.model.zero_grad(set_to_none=True)  # the failed step's partial gradients
+            self._warm_up_steps(steps)
 
     def _warm_up_steps(self, steps: int) -> None:
         s = self.s
         model_state = {k: v.detach().clone() for k, v in s.model.state_dict().items()}
         optimizer_state = copy.deepcopy(s.optimizers.state_dict())
         stream_state = self.stream.state_dict()
+        try:
+            self._run_warm_up_steps(steps)
+        finally:  # a warm-up step that failed part way leaves nothing either
+            s.model.load_state_dict(model_state, strict=True)
+            s.optimizers.load_state_dict(optimizer_state)
+            self.stream.load_state_dict(stream_state)
+
+    def _run_warm_up_steps(self, steps: int) -> None:
+        s = self.s
         # With switches turned on part way (depth recurrence, rounding to the grid) or off to
         # validate (float8 products), the warm-up's steps run each state the run will take in
         # equal shares: every graph compiles here, none in training.
@@ -504,9 +529,6 @@ class Trainer:
                 self.log.line(f"warmup_step:{i + 1}/{steps}")
         for name in self._validation_off():  # on throughout training (the fractions' switches are set by the loop)
             setattr(s.model, name, True)
-        s.model.load_state_dict(model_state, strict=True)
-        s.optimizers.load_state_dict(optimizer_state)
-        self.stream.load_state_dict(stream_state)
 
     def _switch_fractions(self) -> dict[str, float]:
         """The model's switches this run turns on part way, with the fraction of its budget at
