@@ -260,9 +260,12 @@ def test_auto_trains_with_the_compilers_mlp_where_quack_fails_at_its_first_produ
     monkeypatch.setattr(trainer, "quack_targets", lambda device: True)
     calls = []
 
+    def unbuildable():
+        raise RuntimeError("no kernel image for sm_90a\nmore")
+
     def failing(self, x, up_w, down_w, negative_slope):
         calls.append(x.shape)
-        return qp.through_quack(lambda: (_ for _ in ()).throw(RuntimeError("no kernel image for sm_90a\nmore")))
+        return qp.through_quack(unbuildable)
 
     monkeypatch.setattr(ProductEpilogueOps, "mlp", failing)
     losses = {}

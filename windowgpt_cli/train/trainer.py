@@ -887,10 +887,10 @@ def describe(setup: Setup, log: RunLog) -> None:
     if windows:
         sinks = f" sink_tokens={cfg.model.num_sink_tokens}" if cfg.model.num_sink_tokens > 0 else ""
         log.line(f"window_attn:size={cfg.model.window_attn_size} layers:{windows}{sinks}")
+    kernels = step_kernels(model)
     log.line(f"world_size:{ctx.world_size} grad_accum_steps:{setup.grad_accum_steps} "
              f"micro_batches_per_pass:{setup.micro_batches_per_pass} device:{ctx.device} "
-             f"attn_backend:{model.blocks[0].attn.backend}")
-    kernels = step_kernels(model)
+             f"attn_backend:{kernels['attn_backend']}")
     log.line(f"fused_mlp:{kernels['fused_mlp']} fold_output_scales:{kernels['fold_output_scales']}")
     log.line(f"rank_seq_lens:{gather_from_ranks(setup.seq_len)}")
     log.line(f"train_batch_tokens:{cfg.train.train_batch_tokens} train_seq_len:{cfg.train.train_seq_len} "
