@@ -5,7 +5,8 @@
 #   VARIANTS   "NAME:FLAGS;NAME:FLAGS..." (default: base, fused_mlp, gemm, fused_mlp_gemm: the
 #              training step as is, with --fused-mlp triton, with --compile-tuning gemm, with
 #              both; "off:--fused-mlp off --fold-output-scales off" is the step without the
-#              two levers that auto turns on where they run)
+#              two levers that auto turns on where they run; "heads:--fused-head-prep on" the
+#              queries' and keys' per-head steps as one op)
 #   FLAGS      more flags for every variant (e.g. "--train-batch-tokens 131072" or
 #              "--attn-backend triton_fa4")
 #   PROFILE_FLAGS  the model every variant profiles (default "--record": the record model's

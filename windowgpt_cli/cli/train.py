@@ -58,7 +58,8 @@ def summary_table(record: dict[str, Any], out_dir: Path) -> Table:
 
 def _kernels_text(kernels: dict[str, str]) -> str:
     attention, mlp, fold = kernels["attn_backend"], kernels["fused_mlp"], kernels["fold_output_scales"]
-    return f"attention {attention}, fused MLP {mlp}, fold {fold}"
+    heads = kernels.get("fused_head_prep", "off")  # runs from before the setting had none: off
+    return f"attention {attention}, fused MLP {mlp}, fold {fold}, fused heads {heads}"
 
 
 def _bpb(value: float | None) -> str:

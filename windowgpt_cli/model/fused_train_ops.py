@@ -1,5 +1,5 @@
 """`TrainingOps`: the model's costliest element-wise steps in an eager training step as
-fused kernels that autograd differentiates (`kernels.elementwise_backward`).
+fused kernels that autograd differentiates (`kernels.fused_heads`, `kernels.elementwise_backward`).
 
 Test-time training runs its steps eagerly: compiling a backward graph costs more than the
 few hundred small steps it would speed up. Eagerly, torch runs each element-wise step as
@@ -19,25 +19,12 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ..kernels.elementwise import MatmulTiles, head_prep, head_tables, leaky_square, powers_of_two, rotated_half
+from ..kernels.elementwise import MatmulTiles, head_prep, leaky_square, powers_of_two, rotated_half
 from ..kernels.elementwise_backward import head_prep_backward, leaky_square_backward
+from ..kernels.fused_heads import fused_head_prep
 from ..kernels.fused_mlp import TRAINING_TILES, leaky_square_mlp, mlp_fits
 from .gpt import GPT
 from .ops import TorchOps
-
-
-class _HeadPrep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, gain: Tensor | None) -> Tensor:
-        x = x.contiguous()
-        ctx.save_for_backward(x, cos, sin, gain)
-        return head_prep(x, cos, sin, gain, x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, cos, sin, gain = ctx.saved_tensors
-        dx, dgain = head_prep_backward(grad, x, cos, sin, gain)
-        return dx, None, None, dgain
 
 
 class _LeakySquare(torch.autograd.Function):
@@ -58,11 +45,7 @@ class TrainingOps(TorchOps):
     """`TorchOps` whose costliest element-wise steps in an eager training step are fused
     kernels, forward and backward (see the module's docstring); the rest is torch's."""
 
-    def head_prep(self, x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None) -> Tensor:
-        tables = head_tables(x, cos, sin, rope_dims)
-        if tables is None:
-            return super().head_prep(x, cos, sin, rope_dims, gain)
-        return _HeadPrep.apply(x, *tables, gain)
+    fused_heads = staticmethod(fused_head_prep)
 
     def leaky_square(self, h: Tensor, negative_slope: float) -> Tensor:
         return _LeakySquare.apply(h, negative_slope)

@@ -7,7 +7,7 @@ reads them once."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +79,13 @@ class TorchOps:
     products (`product`), in plain torch: the model's definition (any device, autograd,
     torch.compile). `fused_ops.FusedOps` runs the same steps as fused GPU kernels.
 
-    x0 (the embedding every block mixes in) is whatever `embed` returns: here a tensor."""
+    x0 (the embedding every block mixes in) is whatever `embed` returns: here a tensor.
+
+    fused_heads: where set (training sets it, `kernels.fused_heads.fused_head_prep`), the
+    op that `head_prep` runs instead of torch's steps, for the heads it takes (it returns
+    None for the others)."""
+
+    fused_heads: Callable[[Tensor, Tensor, Tensor, int, Tensor | None], Tensor | None] | None = None
 
     def embed(self, ids: Tensor, table: Tensor, bigram: Tensor | None, bigram_scale: Tensor | None,
               gate: Tensor, boundary: int = -1) -> Tensor:
@@ -143,6 +149,10 @@ class TorchOps:
 
     def head_prep(self, x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None) -> Tensor:
         """Queries or keys [B, T, H, D]: each head normed, rotated, and scaled by its gain."""
+        if self.fused_heads is not None:
+            fused = self.fused_heads(x, cos, sin, rope_dims, gain)
+            if fused is not None:
+                return fused
         x = rms_norm(x)
         x = apply_rotary(x, cos.to(dtype=x.dtype), sin.to(dtype=x.dtype), rope_dims)
         return x if gain is None else x * gain.to(dtype=x.dtype)[None, None, :, None]

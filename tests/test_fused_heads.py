@@ -1,0 +1,176 @@
+"""The queries' and keys' per-head norm, rotation and gain as one op (`kernels.fused_heads`,
+`train --fused-head-prep`): torch's steps, forward and gradients, alone, compiled into one
+graph, and as the model's training forward; the setting's choices. On the CPU the kernels
+run in Triton's interpreter."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from windowgpt_cli.model.ops import TORCH_OPS, TorchOps
+from windowgpt_cli.model.rotary import rotary_inv_freq, rotary_tables
+
+from conftest import compiled_step_on_cuda, interpret_kernels_without_cuda
+from test_model import perturbed_tiny
+from test_train import tiny_cfg
+
+interpret_kernels_without_cuda()
+
+from windowgpt_cli.config import RunConfig  # noqa: E402
+from windowgpt_cli.kernels import elementwise, elementwise_backward  # noqa: E402
+from windowgpt_cli.kernels.fused_heads import fused_head_prep  # noqa: E402
+from windowgpt_cli.train import trainer  # noqa: E402
+from windowgpt_cli.train.run import train  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("interpreter_fixes")
+ROPE_DIMS = 8
+
+
+def heads(t: int = 24, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries [2, t, 4, 16], a gain per head, and rotary tables over ROPE_DIMS of 16 channels."""
+    g = torch.Generator().manual_seed(seed)
+    cos, sin = rotary_tables(t, rotary_inv_freq(ROPE_DIMS, 10000.0, t, t))
+    return torch.randn(2, t, 4, 16, generator=g), torch.rand(4, generator=g) + 0.5, cos, sin
+
+
+def output_and_grads(fn, x: torch.Tensor, gain: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    inputs = [t.detach().clone().requires_grad_(True) for t in (x, gain)]
+    out = fn(*inputs)
+    (out.float() * torch.randn(out.shape, generator=torch.Generator().manual_seed(9))).sum().backward()
+    return out.detach(), [t.grad for t in inputs]
+
+
+def close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
+    return bool(((got.float() - want.float()).abs().max() <= tol * want.float().abs().max().clamp(min=1.0)).item())
+
+
+def counted(monkeypatch, module, name: str, launches: list[str]) -> None:
+    """Record each launch of module's kernel `name` in launches."""
+    original = getattr(module, name)
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(name)
+            return original[grid]
+
+    monkeypatch.setattr(module, name, Counted())
+
+
+@pytest.mark.parametrize("with_gain", [True, False])  # queries, keys
+def test_the_op_gives_torchs_steps_and_their_gradients(with_gain):
+    x, gain, cos, sin = heads()
+    (out, grads), (want, want_grads) = (
+        output_and_grads(lambda x, g: fn(x, cos, sin, ROPE_DIMS, g if with_gain else None) * g.sum(), x, gain)
+        for fn in (fused_head_prep, TORCH_OPS.head_prep))
+    assert close(out, want, 1e-5) and all(close(a, b, 1e-5) for a, b in zip(grads, want_grads))
+
+
+def test_in_bfloat16_the_op_keeps_the_dtype_and_stays_within_rounding():
+    x, gain, cos, sin = heads()
+    out, (dx, dgain) = output_and_grads(lambda x, g: fused_head_prep(x, cos, sin, ROPE_DIMS, g), x.bfloat16(), gain)
+    want, (want_dx, want_dgain) = output_and_grads(lambda x, g: TORCH_OPS.head_prep(x, cos, sin, ROPE_DIMS, g), x, gain)
+    assert out.dtype == dx.dtype == torch.bfloat16 and dgain.dtype == torch.float32
+    assert close(out, want, 2 ** -6) and close(dx, want_dx, 2 ** -5) and close(dgain, want_dgain, 2 ** -5)
+
+
+def test_heads_the_kernels_cannot_take_are_left_to_torch():
+    x, gain, cos, sin = heads()
+    assert fused_head_prep(x[..., :12], cos, sin, ROPE_DIMS, gain) is None  # 12 channels: not a power of two
+    ops = TorchOps()
+    ops.fused_heads = fused_head_prep
+    assert torch.equal(ops.head_prep(x[..., :12], cos, sin, ROPE_DIMS, gain),
+                       TORCH_OPS.head_prep(x[..., :12], cos, sin, ROPE_DIMS, gain))
+
+
+def test_inside_a_compiled_function_the_op_stays_one_graph():
+    from torch._dynamo.testing import CompileCounter
+
+    x, gain, cos, sin = heads()
+    ops, counter = TorchOps(), CompileCounter()
+    ops.fused_heads = fused_head_prep
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, g: ops.head_prep(x * 2, cos, sin, ROPE_DIMS, g), backend=counter,
+                             fullgraph=True)
+    out, grads = output_and_grads(compiled, x, gain)
+    want, want_grads = output_and_grads(lambda x, g: TORCH_OPS.head_prep(x * 2, cos, sin, ROPE_DIMS, g), x, gain)
+    assert counter.frame_count == 1
+    assert close(out, want, 1e-5) and all(close(a, b, 1e-5) for a, b in zip(grads, want_grads))
+
+
+@pytest.mark.slow
+def test_the_models_training_forward_runs_the_op_for_every_query_and_key(monkeypatch):
+    """The tiny model's training loss under bf16 autocast with the op set: one launch each
+    way for the queries and the keys of every block, the loss and gradients of torch's steps
+    to bfloat16 rounding."""
+    launches: list[str] = []
+    counted(monkeypatch, elementwise, "_head_prep_kernel", launches)
+    counted(monkeypatch, elementwise_backward, "_head_prep_backward_kernel", launches)
+    ids = torch.randint(0, 1024, (2, 25), generator=torch.Generator().manual_seed(5))
+    results = []
+    for fused in (False, True):
+        model = perturbed_tiny().train()
+        model.train_ops = TorchOps()
+        model.train_ops.fused_heads = fused_head_prep if fused else None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (plain, plain_grads), (fused, fused_grads) = results
+    layers = perturbed_tiny().cfg.num_layers
+    assert launches.count("_head_prep_kernel") == launches.count("_head_prep_backward_kernel") == 2 * layers
+    assert torch.allclose(plain, fused, atol=2e-3) and plain_grads.keys() == fused_grads.keys()
+    for name in ("qo_bank", "kv_bank", "blocks.0.attn.q_gain", "tok_emb.weight"):
+        assert close(fused_grads[name], plain_grads[name], 2 ** -4), name
+
+
+def test_auto_is_on_for_a_cuda_device_where_triton_runs(monkeypatch):
+    cfg = RunConfig()
+    assert cfg.train.fused_head_prep == "off"
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(trainer, "triton_available", lambda device: device.type == "cuda")
+    for setting, on_cpu, on_cuda in (("off", False, False), ("auto", False, True), ("on", False, True)):
+        cfg.train.fused_head_prep = setting
+        assert (trainer.fused_head_prep_on(cfg, cpu), trainer.fused_head_prep_on(cfg, cuda)) == (on_cpu, on_cuda)
+    monkeypatch.setattr(trainer, "triton_available", lambda device: False)  # CUDA without Triton
+    assert not trainer.fused_head_prep_on(cfg, cuda)
+
+
+def test_a_run_with_the_setting_on_passes_its_heads_through_the_op(tiny_data_dir, tmp_path, monkeypatch):
+    """The setting reaches the training step (the op stood in for by one that records its
+    calls and leaves the heads to torch: the interpreter's kernels would take minutes a
+    step), and the log, summary and configuration say which ran."""
+    from windowgpt_cli.kernels import fused_heads
+
+    monkeypatch.setattr(trainer, "triton_available", lambda device: True)
+    calls = {"off": 0, "on": 0}
+    for setting in calls:
+        monkeypatch.setattr(fused_heads, "fused_head_prep", lambda *args, setting=setting: calls.update(
+            {setting: calls[setting] + 1}))
+        cfg = tiny_cfg(tiny_data_dir, iterations=2, train_batch_tokens=2048, fused_head_prep=setting)
+        train(cfg, tmp_path / setting)
+        assert f"fused_head_prep:{setting}" in (tmp_path / setting / "train.log").read_text()
+        assert json.loads((tmp_path / setting / "summary.json").read_text())["kernels"]["fused_head_prep"] == setting
+    # queries and keys of every block in each training forward (2 micro-batches a step; validation adds more)
+    assert calls["off"] == 0 and calls["on"] >= 2 * cfg.model.num_layers * 2 * 2
+    assert RunConfig.load(tmp_path / "on" / "config.json").train.fused_head_prep == "on"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_compiled_step_with_the_op_gives_the_same_loss_and_gradients():
+    """The full-size model's compiled training loss in bf16 autocast, at a micro-batch of 8
+    sequences: within 1e-3 of the compiler's steps', the attention banks' and the gains'
+    gradients within 2% of their size."""
+    def with_op(model, fused):
+        model.train_ops = TorchOps()
+        model.train_ops.fused_heads = fused_head_prep if fused else None
+
+    (plain, plain_grads), (fused, fused_grads) = compiled_step_on_cuda(
+        [lambda model, fused=fused: with_op(model, fused) for fused in (False, True)],
+        lambda model: [model.qo_bank.grad, model.kv_bank.grad, model.blocks[0].attn.q_gain.grad])
+    assert abs(plain - fused) < 1e-3
+    for got, want in zip(fused_grads, plain_grads):
+        assert want.abs().amax() > 0
+        assert (got - want).abs().max() <= 0.02 * want.abs().max()

@@ -1,0 +1,65 @@
+"""Each query or key head's RMSNorm, partial rotation and gain as one differentiable op
+(`fused_head_prep`): one Triton kernel forward (`elementwise._head_prep_kernel`) and one
+backward (`elementwise_backward._head_prep_backward_kernel`), each reading the heads once.
+Left to the compiler, the same steps take four passes over the queries forward (the norm's
+statistics, the rotated channels, the concatenation with the others, the gain) and three
+back, on a tensor as large as the residual stream.
+
+A custom op, opaque to torch.compile (its fake implementation gives the shapes), with its own
+backward op, so a compiled step keeps one graph; eager test-time training runs the same op.
+Importing this module imports Triton.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .elementwise import head_prep, head_tables
+from .elementwise_backward import head_prep_backward
+
+
+@torch.library.custom_op("windowgpt::head_prep", mutates_args=())
+def _head_prep_op(x: Tensor, cos: Tensor, sin: Tensor, gain: Optional[Tensor]) -> Tensor:
+    return head_prep(x, cos, sin, gain, x.dtype)
+
+
+@_head_prep_op.register_fake
+def _head_prep_shape(x, cos, sin, gain):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("windowgpt::head_prep_backward", mutates_args=())
+def _head_prep_backward_op(grad: Tensor, x: Tensor, cos: Tensor, sin: Tensor,
+                           gain: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    dx, dgain = head_prep_backward(grad, x.contiguous(), cos, sin, gain)
+    return dx, (dgain if dgain is not None else cos.new_empty(0))  # an op returns tensors, never None
+
+
+@_head_prep_backward_op.register_fake
+def _head_prep_backward_shapes(grad, x, cos, sin, gain):
+    return x.new_empty(x.shape), (gain.new_empty(gain.shape) if gain is not None else cos.new_empty(0))
+
+
+def _save_for_backward(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _head_prep_grads(ctx, grad):
+    x, cos, sin, gain = ctx.saved_tensors
+    dx, dgain = _head_prep_backward_op(grad, x, cos, sin, gain)
+    return dx, None, None, (dgain if gain is not None else None)
+
+
+_head_prep_op.register_autograd(_head_prep_grads, setup_context=_save_for_backward)
+
+
+def fused_head_prep(x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None) -> Tensor | None:
+    """`model.ops.TorchOps.head_prep` of queries or keys x [B, T, H, D] as the fused op, in
+    x's dtype, differentiable in x and gain; None where the kernels cannot take x's heads (a
+    head or its rotated half not a power of two: the caller runs torch's steps)."""
+    tables = head_tables(x, cos, sin, rope_dims)
+    if tables is None:
+        return None
+    return _head_prep_op(x, *tables, gain)
