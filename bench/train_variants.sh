@@ -6,7 +6,8 @@
 #              training step as is, with --fused-mlp triton, with --compile-tuning gemm, with
 #              both; "off:--fused-mlp off --fold-output-scales off" is the step without the
 #              two levers that auto turns on where they run; "heads:--fused-head-prep on" the
-#              queries' and keys' per-head steps as one op)
+#              queries' and keys' per-head steps as one op, "xsa:--fused-xsa on" XSA and the
+#              output gate as one)
 #   FLAGS      more flags for every variant (e.g. "--train-batch-tokens 131072" or
 #              "--attn-backend triton_fa4")
 #   PROFILE_FLAGS  the model every variant profiles (default "--record": the record model's

@@ -126,15 +126,16 @@ def test_the_models_training_forward_runs_the_op_for_every_query_and_key(monkeyp
 
 
 def test_auto_is_on_for_a_cuda_device_where_triton_runs(monkeypatch):
+    """Both fused ops' settings (`fused_head_prep`, `fused_xsa`) resolve alike."""
     cfg = RunConfig()
     assert cfg.train.fused_head_prep == "off"
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(trainer, "triton_available", lambda device: device.type == "cuda")
+    assert cfg.train.fused_xsa == "off"
     for setting, on_cpu, on_cuda in (("off", False, False), ("auto", False, True), ("on", False, True)):
-        cfg.train.fused_head_prep = setting
-        assert (trainer.fused_head_prep_on(cfg, cpu), trainer.fused_head_prep_on(cfg, cuda)) == (on_cpu, on_cuda)
+        assert (trainer.fused_op_on(setting, cpu), trainer.fused_op_on(setting, cuda)) == (on_cpu, on_cuda)
     monkeypatch.setattr(trainer, "triton_available", lambda device: False)  # CUDA without Triton
-    assert not trainer.fused_head_prep_on(cfg, cuda)
+    assert not trainer.fused_op_on("on", cuda)
 
 
 def test_a_run_with_the_setting_on_passes_its_heads_through_the_op(tiny_data_dir, tmp_path, monkeypatch):

@@ -198,6 +198,11 @@ class TrainConfig:
                                           "compiler's kernels pass over the queries four times forward and "
                                           "three times back. on, off (the compiler's kernels), or auto: on for "
                                           "a CUDA device. Either runs only where Triton does (CUDA).")
+    fused_xsa: str = setting("off", "XSA and the sparse output gate over the attention's output in the training "
+                                    "step as one Triton kernel forward and one backward (an op the compiler "
+                                    "keeps whole), each reading the heads and their values once. on, off (the "
+                                    "compiler's kernels), or auto: on for a CUDA device. Either runs only where "
+                                    "Triton does (CUDA), and only on layers with XSA.")
     fp8_mlp: bool = setting(False, "The MLP's products in the training step in float8 (e4m3, a power-of-two "
                                    "scale per row; cuBLAS, compute capability 8.9 or later): forward and the "
                                    "gradients to their inputs, the weights' gradients in bfloat16. Rounds "
@@ -761,6 +766,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "fused_mlp": ("auto", "off", "triton", "quack"),
     "fold_output_scales": ("auto", "on", "off"),
     "fused_head_prep": ("auto", "on", "off"),
+    "fused_xsa": ("auto", "on", "off"),
 }
 LORA_TARGETS = ("q", "k", "v", "o", "up", "down", "head")  # ttt_lora_targets' names
 MAX_PARAMETERS = 4_000_000_000  # about 150 times the reference model

@@ -58,8 +58,9 @@ def summary_table(record: dict[str, Any], out_dir: Path) -> Table:
 
 def _kernels_text(kernels: dict[str, str]) -> str:
     attention, mlp, fold = kernels["attn_backend"], kernels["fused_mlp"], kernels["fold_output_scales"]
-    heads = kernels.get("fused_head_prep", "off")  # runs from before the setting had none: off
-    return f"attention {attention}, fused MLP {mlp}, fold {fold}, fused heads {heads}"
+    # runs from before the fused heads and XSA had settings ran neither
+    heads, xsa = kernels.get("fused_head_prep", "off"), kernels.get("fused_xsa", "off")
+    return f"attention {attention}, fused MLP {mlp}, fold {fold}, fused heads {heads}, fused XSA {xsa}"
 
 
 def _bpb(value: float | None) -> str:

@@ -118,22 +118,20 @@ class CausalSelfAttention(nn.Module):
             y = attention_at(q, keys.spread(k), keys.spread(v), pick_positions(keys.positions, queries), self.window,
                              self.sinks)
             v_q = pick_positions(v_xsa, queries)
-        if self.use_xsa:
-            y = ops.exclude_self_value(y, v_q)
-        if self.attn_gate is not None:
-            y = self._gated(y, x_q if rows is None else pick_positions(x, rows))
-        y = y.reshape(b, y.size(1), dim)
+        gate = (None if self.attn_gate is None
+                else self._gate(x_q if rows is None else pick_positions(x, rows), y.dtype))
+        y = ops.attention_output(y, v_q if self.use_xsa else None, gate).reshape(b, y.size(1), dim)
         self._observe(("proj",), y)
         return adapted(self.adapter, self._name("proj"), y, ops.product(y, out_w, "attention"))
 
     def _name(self, weight: str) -> str:
         return f"blocks.{self.layer}.attn.{weight}.weight"
 
-    def _gated(self, y: Tensor, x: Tensor) -> Tensor:
-        """Each head's output y [B, T, H, D] times sigmoid(scale * its gate . x[..., :width]),
-        x [B, T, dim] the attention's input at the same positions."""
+    def _gate(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        """Each head's output gate [B, T, H] in dtype: sigmoid(scale * its gate . x[..., :width]),
+        x [B, T, dim] the attention's input at the outputs' positions."""
         logits = F.linear(x[..., :self.gate_width], self.attn_gate.to(x.dtype)) * self.gate_scale
-        return y * torch.sigmoid(logits.float()).to(y.dtype)[..., None]
+        return torch.sigmoid(logits.float()).to(dtype)
 
     def _adapted_qkv(self, x_q: Tensor, x: Tensor, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k and v, each plus what the adapter adds (q's input is x_q, k's and v's x)."""

@@ -81,11 +81,13 @@ class TorchOps:
 
     x0 (the embedding every block mixes in) is whatever `embed` returns: here a tensor.
 
-    fused_heads: where set (training sets it, `kernels.fused_heads.fused_head_prep`), the
-    op that `head_prep` runs instead of torch's steps, for the heads it takes (it returns
-    None for the others)."""
+    fused_heads and fused_output: where set (training sets them,
+    `kernels.fused_heads.fused_head_prep`, `kernels.attention_output.fused_attention_output`),
+    the ops that `head_prep` and `attention_output` run instead of torch's steps, for the
+    tensors they take (they return None for the others)."""
 
     fused_heads: Callable[[Tensor, Tensor, Tensor, int, Tensor | None], Tensor | None] | None = None
+    fused_output: Callable[[Tensor, Tensor, Tensor | None], Tensor | None] | None = None
 
     def embed(self, ids: Tensor, table: Tensor, bigram: Tensor | None, bigram_scale: Tensor | None,
               gate: Tensor, boundary: int = -1) -> Tensor:
@@ -159,6 +161,18 @@ class TorchOps:
 
     def exclude_self_value(self, y: Tensor, v: Tensor) -> Tensor:
         return exclude_self_value(y, v)
+
+    def attention_output(self, y: Tensor, v: Tensor | None, gate: Tensor | None) -> Tensor:
+        """The attention's output y [B, T, H, D] before its projection: XSA against the values
+        v [B, T, Hkv, D] where given (`exclude_self_value`), then each head times its gate
+        [B, T, H] where given."""
+        if v is not None and self.fused_output is not None:
+            fused = self.fused_output(y, v, gate)
+            if fused is not None:
+                return fused
+        if v is not None:
+            y = self.exclude_self_value(y, v)
+        return y if gate is None else y * gate[..., None]
 
     def leaky_square(self, h: Tensor, negative_slope: float) -> Tensor:
         return F.leaky_relu(h, negative_slope=negative_slope).square()

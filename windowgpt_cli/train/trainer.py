@@ -260,11 +260,23 @@ def fold_output_scales_on(cfg: RunConfig, device: torch.device) -> bool:
     return cfg.train.fold_output_scales == "on" or (cfg.train.fold_output_scales == "auto" and device.type == "cuda")
 
 
-def fused_head_prep_on(cfg: RunConfig, device: torch.device) -> bool:
-    """Whether the training step runs the queries' and keys' per-head steps as one fused op
-    (`fused_head_prep`: on, or auto on a CUDA device; either where Triton runs)."""
-    asked = cfg.train.fused_head_prep
+def fused_op_on(asked: str, device: torch.device) -> bool:
+    """Whether the training step runs one of its fused Triton ops (`fused_head_prep`,
+    `fused_xsa`) set to `asked`: on, or auto on a CUDA device; either where Triton runs."""
     return (asked == "on" or (asked == "auto" and device.type == "cuda")) and triton_available(device)
+
+
+def set_fused_ops(model: GPT, cfg: RunConfig, device: torch.device) -> None:
+    """The training step's fused Triton ops that the settings ask for, in its ops."""
+    heads, output = fused_op_on(cfg.train.fused_head_prep, device), fused_op_on(cfg.train.fused_xsa, device)
+    if not (heads or output):
+        return
+    from ..kernels.attention_output import fused_attention_output  # imports Triton: only when used
+    from ..kernels.fused_heads import fused_head_prep
+
+    model.train_ops = model.train_ops or TorchOps()
+    model.train_ops.fused_heads = fused_head_prep if heads else None
+    model.train_ops.fused_output = fused_attention_output if output else None
 
 
 def fp8_kinds(cfg: RunConfig) -> tuple[str, ...]:
@@ -388,11 +400,7 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
         model.train_ops = ProductEpilogueOps(products=products)
     elif fp8_products_on(cfg, ctx.device):
         model.train_ops = Fp8Ops(fp8_kinds(cfg), mlp_kernels=cfg.train.fp8_mlp_kernels and triton_available(ctx.device))
-    if fused_head_prep_on(cfg, ctx.device):
-        from ..kernels.fused_heads import fused_head_prep  # imports Triton: only when used
-
-        model.train_ops = model.train_ops or TorchOps()
-        model.train_ops.fused_heads = fused_head_prep
+    set_fused_ops(model, cfg, ctx.device)
     if cfg.train.qat_start_fraction > 0:  # the grids quantize will round the matrices to
         grids = bank_grids(QuantPlan.from_config(cfg.quant), dict(model.named_parameters()), cfg.model.num_layers)
         model.weight_grids = grids if any(grids) else None
@@ -883,11 +891,12 @@ class Trainer:
 def step_kernels(model: GPT) -> dict[str, str]:
     """What the training step runs where a setting may be auto: the attention's kernels (the
     first layer's backend), whose products the fused MLP runs, whether the scales fold,
-    whether the heads' steps are the fused op."""
+    whether the heads' steps and XSA are fused ops."""
     return {"attn_backend": model.blocks[0].attn.backend,
             "fused_mlp": getattr(model.train_ops, "products", None) or "off",
             "fold_output_scales": "on" if model.fold_output_scales else "off",
-            "fused_head_prep": "on" if getattr(model.train_ops, "fused_heads", None) is not None else "off"}
+            "fused_head_prep": "on" if getattr(model.train_ops, "fused_heads", None) is not None else "off",
+            "fused_xsa": "on" if getattr(model.train_ops, "fused_output", None) is not None else "off"}
 
 
 def describe(setup: Setup, log: RunLog) -> None:
@@ -906,8 +915,8 @@ def describe(setup: Setup, log: RunLog) -> None:
     log.line(f"world_size:{ctx.world_size} grad_accum_steps:{setup.grad_accum_steps} "
              f"micro_batches_per_pass:{setup.micro_batches_per_pass} device:{ctx.device} "
              f"attn_backend:{kernels['attn_backend']}")
-    log.line(f"fused_mlp:{kernels['fused_mlp']} fold_output_scales:{kernels['fold_output_scales']} "
-             f"fused_head_prep:{kernels['fused_head_prep']}")
+    log.line(" ".join(f"{name}:{kernels[name]}" for name in
+                      ("fused_mlp", "fold_output_scales", "fused_head_prep", "fused_xsa")))
     log.line(f"rank_seq_lens:{gather_from_ranks(setup.seq_len)}")
     log.line(f"train_batch_tokens:{cfg.train.train_batch_tokens} train_seq_len:{cfg.train.train_seq_len} "
              f"iterations:{cfg.train.iterations} warmup_steps:{cfg.train.warmup_steps} "

@@ -1,0 +1,161 @@
+"""XSA and the sparse output gate as one op (`kernels.attention_output`, `train --fused-xsa`):
+torch's steps (`TorchOps.attention_output`), forward and gradients, alone, compiled into one
+graph, and as the model's training forward. On the CPU the kernels run in Triton's
+interpreter."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from windowgpt_cli.model.ops import TORCH_OPS, TorchOps
+
+from conftest import compiled_step_on_cuda, interpret_kernels_without_cuda
+from test_model import perturbed_tiny
+from test_train import tiny_cfg
+
+interpret_kernels_without_cuda()
+
+from windowgpt_cli.kernels import attention_output  # noqa: E402
+from windowgpt_cli.kernels.attention_output import fused_attention_output  # noqa: E402
+from windowgpt_cli.train import trainer  # noqa: E402
+from windowgpt_cli.train.run import train  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("interpreter_fixes")
+
+
+def operands(t: int = 21, heads: int = 4, value_heads: int = 2, seed: int = 0):
+    """y [2, t, heads, 16], v [2, t, value_heads, 16] (one value shorter than F.normalize's
+    floor of 1e-12), a gate [2, t, heads] in (0, 1). 2 x 21 x 2 rows: the last program
+    part-filled."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(2, t, value_heads, 16, generator=g)
+    v[0, 3, 1] *= 1e-14
+    return (torch.randn(2, t, heads, 16, generator=g), v, torch.sigmoid(torch.randn(2, t, heads, generator=g)))
+
+
+def output_and_grads(fn, *tensors: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    inputs = [t.detach().clone().requires_grad_(True) for t in tensors]
+    out = fn(*inputs)
+    (out.float() * torch.randn(out.shape, generator=torch.Generator().manual_seed(9))).sum().backward()
+    return out.detach(), [t.grad for t in inputs]
+
+
+def close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
+    return bool(((got.float() - want.float()).abs().max() <= tol * want.float().abs().max().clamp(min=1.0)).item())
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("value_heads", [2, 4])  # groups of two query heads a value, or one each
+def test_the_op_gives_torchs_steps_and_their_gradients(gated, value_heads):
+    y, v, gate = operands(value_heads=value_heads)
+    (out, grads), (want, want_grads) = (
+        output_and_grads(lambda y, v, g: fn(y, v, g if gated else None) * g.sum(), y, v, gate)
+        for fn in (fused_attention_output, TORCH_OPS.attention_output))
+    assert all(torch.isfinite(grad).all() for grad in grads)
+    assert close(out, want, 1e-5) and all(close(a, b, 1e-5) for a, b in zip(grads, want_grads))
+
+
+def test_in_bfloat16_the_op_keeps_the_dtypes_and_stays_within_rounding():
+    y, v, gate = operands()
+    out, grads = output_and_grads(fused_attention_output, y.bfloat16(), v.bfloat16(), gate.bfloat16())
+    want, want_grads = output_and_grads(TORCH_OPS.attention_output, y, v, gate)
+    assert out.dtype == torch.bfloat16 and all(grad.dtype == torch.bfloat16 for grad in grads)
+    assert close(out, want, 2 ** -6) and all(close(a, b, 2 ** -5) for a, b in zip(grads, want_grads))
+
+
+def test_heads_the_kernels_cannot_take_are_left_to_torch():
+    y, v, gate = operands()
+    assert fused_attention_output(y[..., :12], v[..., :12], gate) is None  # 12 channels: not a power of two
+    assert fused_attention_output(y[:, :, :3], v, gate[..., :3]) is None  # 3 heads over 2 values
+    ops = TorchOps()
+    ops.fused_output = fused_attention_output
+    assert torch.equal(ops.attention_output(y[..., :12], v[..., :12], gate),
+                       TORCH_OPS.attention_output(y[..., :12], v[..., :12], gate))
+    assert torch.equal(ops.attention_output(y, None, gate), y * gate[..., None])  # no XSA: torch's gate alone
+
+
+def test_inside_a_compiled_function_the_op_stays_one_graph():
+    from torch._dynamo.testing import CompileCounter
+
+    y, v, gate = operands()
+    ops, counter = TorchOps(), CompileCounter()
+    ops.fused_output = fused_attention_output
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda y, v, g: ops.attention_output(y * 2, v, torch.sigmoid(g)), backend=counter,
+                             fullgraph=True)
+    out, grads = output_and_grads(compiled, y, v, gate)
+    want, want_grads = output_and_grads(lambda y, v, g: TORCH_OPS.attention_output(y * 2, v, torch.sigmoid(g)),
+                                        y, v, gate)
+    assert counter.frame_count == 1
+    assert close(out, want, 1e-5) and all(close(a, b, 1e-5) for a, b in zip(grads, want_grads))
+
+
+@pytest.mark.slow
+def test_the_models_training_forward_runs_the_op_on_every_xsa_layer(monkeypatch):
+    """A tiny model with XSA and the output gate on every layer, under bf16 autocast: one
+    launch each way per layer, the loss and gradients of torch's steps to bfloat16 rounding."""
+    launches = []
+    for name in ("_xsa_forward_kernel", "_xsa_backward_kernel"):
+        original = getattr(attention_output, name)
+
+        class Counted:
+            def __getitem__(self, grid, original=original, name=name):
+                launches.append(name)
+                return original[grid]
+
+        monkeypatch.setattr(attention_output, name, Counted())
+    options = {"xsa_last_n": 4, "attn_out_gate_width": 12, "attn_out_gate_scale": 0.5}
+    ids = torch.randint(0, 1024, (2, 25), generator=torch.Generator().manual_seed(5))
+    results = []
+    for fused in (False, True):
+        model = perturbed_tiny(**options).train()
+        model.train_ops = TorchOps()
+        model.train_ops.fused_output = fused_attention_output if fused else None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (plain, plain_grads), (fused, fused_grads) = results
+    layers = perturbed_tiny(**options).cfg.num_layers
+    assert launches.count("_xsa_forward_kernel") == launches.count("_xsa_backward_kernel") == layers
+    assert torch.allclose(plain, fused, atol=2e-3) and plain_grads.keys() == fused_grads.keys()
+    for name in ("qo_bank", "kv_bank", "blocks.0.attn.attn_gate", "tok_emb.weight"):
+        assert close(fused_grads[name], plain_grads[name], 2 ** -4), name
+
+
+def test_a_run_with_the_setting_on_passes_its_outputs_through_the_op(tiny_data_dir, tmp_path, monkeypatch):
+    """The setting reaches the training step's XSA layers (the op stood in for by one that
+    counts its calls and leaves the outputs to torch), and the log and summary say so."""
+    monkeypatch.setattr(trainer, "triton_available", lambda device: True)
+    calls = {"off": 0, "on": 0}
+    for setting in calls:
+        monkeypatch.setattr(attention_output, "fused_attention_output", lambda *args, setting=setting: calls.update(
+            {setting: calls[setting] + 1}))
+        cfg = tiny_cfg(tiny_data_dir, iterations=2, train_batch_tokens=2048, fused_xsa=setting)
+        train(cfg, tmp_path / setting)
+        assert f"fused_xsa:{setting}" in (tmp_path / setting / "train.log").read_text()
+        kernels = json.loads((tmp_path / setting / "summary.json").read_text())["kernels"]
+        assert kernels["fused_xsa"] == setting and kernels["fused_head_prep"] == "off"
+    # the XSA layers of each training forward (2 micro-batches a step; validation adds more)
+    assert calls["off"] == 0 and calls["on"] >= cfg.model.xsa_last_n * 2 * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_compiled_step_with_the_op_gives_the_same_loss_and_gradients():
+    """The full-size model's compiled training loss in bf16 autocast, at a micro-batch of 8
+    sequences: within 1e-3 of the compiler's steps', the attention banks' gradients within 2%
+    of their size."""
+    def with_op(model, fused):
+        model.train_ops = TorchOps()
+        model.train_ops.fused_output = fused_attention_output if fused else None
+
+    (plain, plain_grads), (fused, fused_grads) = compiled_step_on_cuda(
+        [lambda model, fused=fused: with_op(model, fused) for fused in (False, True)],
+        lambda model: [model.qo_bank.grad, model.kv_bank.grad])
+    assert abs(plain - fused) < 1e-3
+    for got, want in zip(fused_grads, plain_grads):
+        assert want.abs().amax() > 0
+        assert (got - want).abs().max() <= 0.02 * want.abs().max()
