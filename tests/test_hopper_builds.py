@@ -3,7 +3,8 @@ compiled for sm_90 by Triton (ptxas included) in a fresh process (the other CPU 
 kernels in Triton's interpreter, which builds nothing) and must fit a Hopper
 multiprocessor's shared memory. A kernel that needs more fails at its first launch on the
 GPU; this finds it without one. The float8 MLP's kernels build too, and divide as the
-interpreter does (correctly rounded), not by the GPU's approximate division."""
+interpreter does (correctly rounded), not by the GPU's approximate division; so do the
+training step's XSA op's kernels."""
 from __future__ import annotations
 
 import importlib.util
@@ -23,7 +24,8 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from windowgpt_cli.kernels import elementwise, elementwise_backward, fp8_mlp, fused_mlp, window_attention
+from windowgpt_cli.kernels import (attention_output, elementwise, elementwise_backward, fp8_mlp, fused_mlp,
+                                   window_attention)
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -81,7 +83,16 @@ def key_gradients(tuning):
     return build(window_attention._attention_dkdv_kernel, types, constants, tuning.bwd_warps, tuning.bwd_stages)
 
 
+def xsa(kernel):
+    """The training step's XSA op at the record model's heads (8 over 4 values), gated."""
+    types = lambda name: "*bf16" if name.endswith("_ptr") else "fp32" if name == "eps" else "i32"
+    constants = {"HAS_GATE": True, "GROUP": 2, "HEAD_DIM": 64, "ROWS": attention_output.ROWS}
+    return build(kernel, types, constants, attention_output.WARPS, 3)
+
+
 print(json.dumps({
+    "xsa_forward": xsa(attention_output._xsa_forward_kernel),
+    "xsa_backward": xsa(attention_output._xsa_backward_kernel),
     "scoring_up_product": up_product(elementwise.MatmulTiles(), False),
     "training_up_product": up_product(fused_mlp.TRAINING_TILES, True),
     "training_gradient_product": gradient_product(fused_mlp.TRAINING_TILES),
@@ -105,4 +116,5 @@ def test_the_largest_tiles_fit_a_hopper_multiprocessors_shared_memory():
     assert done.returncode == 0, done.stderr[-3000:]
     shared = json.loads(done.stdout.strip().splitlines()[-1])
     assert shared.pop("fp8_approximate_divisions") == 0
+    assert all(0 < shared.pop(name) <= HOPPER_SHARED_BYTES for name in ("xsa_forward", "xsa_backward"))
     assert len(shared) == 4 and all(0 < size <= HOPPER_SHARED_BYTES for size in shared.values()), shared
