@@ -8,8 +8,10 @@ the `fa4` extra); those epilogue products through quack's CuTe GEMMs, LeakyReLUÂ
 its activations (`quack_products`, quack-kernels, which the `fa4` extra installs); the
 training step's products in float8 through cuBLAS (`fp8_products`, plain torch) and its
 MLP in float8 with LeakyReLUÂ² and the rounding of its rows in one kernel each way
-(`fp8_mlp`). Nothing here knows the model. Importing a Triton kernel's
-module imports Triton: they are imported only where a GPU path runs.
+(`fp8_mlp`); the queries' and keys' per-head norm, rotation and gain (`fused_heads`) and
+XSA with the output gate (`attention_output`) as the training step's custom ops. Nothing
+here knows the model. Importing a Triton kernel's module imports Triton: they are imported
+only where a GPU path runs.
 
 May import: ground.
 """
