@@ -1,26 +1,21 @@
 """XSA and the sparse output gate as one op (`kernels.attention_output`, `train --fused-xsa`):
 torch's steps (`TorchOps.attention_output`), forward and gradients, alone, compiled into one
-graph, and as the model's training forward. On the CPU the kernels run in Triton's
-interpreter."""
+graph, and as the model's training forward (a run with it on: `test_fused_heads.py`). On the
+CPU the kernels run in Triton's interpreter."""
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 
 from windowgpt_cli.model.ops import TORCH_OPS, TorchOps
 
-from conftest import compiled_step_on_cuda, interpret_kernels_without_cuda
+from conftest import compiled_step_with_and_without, count_launches, interpret_kernels_without_cuda
 from test_model import perturbed_tiny
-from test_train import tiny_cfg
 
 interpret_kernels_without_cuda()
 
 from windowgpt_cli.kernels import attention_output  # noqa: E402
 from windowgpt_cli.kernels.attention_output import fused_attention_output  # noqa: E402
-from windowgpt_cli.train import trainer  # noqa: E402
-from windowgpt_cli.train.run import train  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("interpreter_fixes")
 
@@ -96,16 +91,9 @@ def test_inside_a_compiled_function_the_op_stays_one_graph():
 def test_the_models_training_forward_runs_the_op_on_every_xsa_layer(monkeypatch):
     """A tiny model with XSA and the output gate on every layer, under bf16 autocast: one
     launch each way per layer, the loss and gradients of torch's steps to bfloat16 rounding."""
-    launches = []
+    launches: list[str] = []
     for name in ("_xsa_forward_kernel", "_xsa_backward_kernel"):
-        original = getattr(attention_output, name)
-
-        class Counted:
-            def __getitem__(self, grid, original=original, name=name):
-                launches.append(name)
-                return original[grid]
-
-        monkeypatch.setattr(attention_output, name, Counted())
+        count_launches(monkeypatch, attention_output, name, launches)
     options = {"xsa_last_n": 4, "attn_out_gate_width": 12, "attn_out_gate_scale": 0.5}
     ids = torch.randint(0, 1024, (2, 25), generator=torch.Generator().manual_seed(5))
     results = []
@@ -125,37 +113,11 @@ def test_the_models_training_forward_runs_the_op_on_every_xsa_layer(monkeypatch)
         assert close(fused_grads[name], plain_grads[name], 2 ** -4), name
 
 
-def test_a_run_with_the_setting_on_passes_its_outputs_through_the_op(tiny_data_dir, tmp_path, monkeypatch):
-    """The setting reaches the training step's XSA layers (the op stood in for by one that
-    counts its calls and leaves the outputs to torch), and the log and summary say so."""
-    monkeypatch.setattr(trainer, "triton_available", lambda device: True)
-    calls = {"off": 0, "on": 0}
-    for setting in calls:
-        monkeypatch.setattr(attention_output, "fused_attention_output", lambda *args, setting=setting: calls.update(
-            {setting: calls[setting] + 1}))
-        cfg = tiny_cfg(tiny_data_dir, iterations=2, train_batch_tokens=2048, fused_xsa=setting)
-        train(cfg, tmp_path / setting)
-        assert f"fused_xsa:{setting}" in (tmp_path / setting / "train.log").read_text()
-        kernels = json.loads((tmp_path / setting / "summary.json").read_text())["kernels"]
-        assert kernels["fused_xsa"] == setting and kernels["fused_head_prep"] == "off"
-    # the XSA layers of each training forward (2 micro-batches a step; validation adds more)
-    assert calls["off"] == 0 and calls["on"] >= cfg.model.xsa_last_n * 2 * 2
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_compiled_step_with_the_op_gives_the_same_loss_and_gradients():
     """The full-size model's compiled training loss in bf16 autocast, at a micro-batch of 8
     sequences: within 1e-3 of the compiler's steps', the attention banks' gradients within 2%
     of their size."""
-    def with_op(model, fused):
-        model.train_ops = TorchOps()
-        model.train_ops.fused_output = fused_attention_output if fused else None
-
-    (plain, plain_grads), (fused, fused_grads) = compiled_step_on_cuda(
-        [lambda model, fused=fused: with_op(model, fused) for fused in (False, True)],
-        lambda model: [model.qo_bank.grad, model.kv_bank.grad])
-    assert abs(plain - fused) < 1e-3
-    for got, want in zip(fused_grads, plain_grads):
-        assert want.abs().amax() > 0
-        assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    compiled_step_with_and_without("fused_output", fused_attention_output,
+                                   lambda model: [model.qo_bank.grad, model.kv_bank.grad])

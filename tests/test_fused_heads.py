@@ -1,7 +1,7 @@
 """The queries' and keys' per-head norm, rotation and gain as one op (`kernels.fused_heads`,
 `train --fused-head-prep`): torch's steps, forward and gradients, alone, compiled into one
-graph, and as the model's training forward; the setting's choices. On the CPU the kernels
-run in Triton's interpreter."""
+graph, and as the model's training forward; the choices of this setting and `--fused-xsa`,
+and a run with either on. On the CPU the kernels run in Triton's interpreter."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ import torch
 from windowgpt_cli.model.ops import TORCH_OPS, TorchOps
 from windowgpt_cli.model.rotary import rotary_inv_freq, rotary_tables
 
-from conftest import compiled_step_on_cuda, interpret_kernels_without_cuda
+from conftest import compiled_step_with_and_without, count_launches, interpret_kernels_without_cuda
 from test_model import perturbed_tiny
 from test_train import tiny_cfg
 
@@ -44,18 +44,6 @@ def output_and_grads(fn, x: torch.Tensor, gain: torch.Tensor) -> tuple[torch.Ten
 
 def close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
     return bool(((got.float() - want.float()).abs().max() <= tol * want.float().abs().max().clamp(min=1.0)).item())
-
-
-def counted(monkeypatch, module, name: str, launches: list[str]) -> None:
-    """Record each launch of module's kernel `name` in launches."""
-    original = getattr(module, name)
-
-    class Counted:
-        def __getitem__(self, grid):
-            launches.append(name)
-            return original[grid]
-
-    monkeypatch.setattr(module, name, Counted())
 
 
 @pytest.mark.parametrize("with_gain", [True, False])  # queries, keys
@@ -105,8 +93,8 @@ def test_the_models_training_forward_runs_the_op_for_every_query_and_key(monkeyp
     way for the queries and the keys of every block, the loss and gradients of torch's steps
     to bfloat16 rounding."""
     launches: list[str] = []
-    counted(monkeypatch, elementwise, "_head_prep_kernel", launches)
-    counted(monkeypatch, elementwise_backward, "_head_prep_backward_kernel", launches)
+    count_launches(monkeypatch, elementwise, "_head_prep_kernel", launches)
+    count_launches(monkeypatch, elementwise_backward, "_head_prep_backward_kernel", launches)
     ids = torch.randint(0, 1024, (2, 25), generator=torch.Generator().manual_seed(5))
     results = []
     for fused in (False, True):
@@ -138,24 +126,30 @@ def test_auto_is_on_for_a_cuda_device_where_triton_runs(monkeypatch):
     assert not trainer.fused_op_on("on", cuda)
 
 
-def test_a_run_with_the_setting_on_passes_its_heads_through_the_op(tiny_data_dir, tmp_path, monkeypatch):
-    """The setting reaches the training step (the op stood in for by one that records its
-    calls and leaves the heads to torch: the interpreter's kernels would take minutes a
+@pytest.mark.parametrize("setting, module, op, calls_per_forward", [
+    ("fused_head_prep", "fused_heads", "fused_head_prep", lambda model: 2 * model.num_layers),  # queries, keys
+    ("fused_xsa", "attention_output", "fused_attention_output", lambda model: model.xsa_last_n),
+])
+def test_a_run_with_a_fused_op_on_passes_through_it(setting, module, op, calls_per_forward, tiny_data_dir,
+                                                      tmp_path, monkeypatch):
+    """The setting reaches the training step (the op stood in for by one that counts its
+    calls and leaves the tensors to torch: the interpreter's kernels would take minutes a
     step), and the log, summary and configuration say which ran."""
-    from windowgpt_cli.kernels import fused_heads
+    import importlib
 
     monkeypatch.setattr(trainer, "triton_available", lambda device: True)
     calls = {"off": 0, "on": 0}
-    for setting in calls:
-        monkeypatch.setattr(fused_heads, "fused_head_prep", lambda *args, setting=setting: calls.update(
-            {setting: calls[setting] + 1}))
-        cfg = tiny_cfg(tiny_data_dir, iterations=2, train_batch_tokens=2048, fused_head_prep=setting)
-        train(cfg, tmp_path / setting)
-        assert f"fused_head_prep:{setting}" in (tmp_path / setting / "train.log").read_text()
-        assert json.loads((tmp_path / setting / "summary.json").read_text())["kernels"]["fused_head_prep"] == setting
-    # queries and keys of every block in each training forward (2 micro-batches a step; validation adds more)
-    assert calls["off"] == 0 and calls["on"] >= 2 * cfg.model.num_layers * 2 * 2
-    assert RunConfig.load(tmp_path / "on" / "config.json").train.fused_head_prep == "on"
+    for value in calls:
+        monkeypatch.setattr(importlib.import_module(f"windowgpt_cli.kernels.{module}"), op,
+                            lambda *args, value=value: calls.update({value: calls[value] + 1}))
+        cfg = tiny_cfg(tiny_data_dir, iterations=2, train_batch_tokens=2048, **{setting: value})
+        train(cfg, tmp_path / value)
+        assert f"{setting}:{value}" in (tmp_path / value / "train.log").read_text()
+        kernels = json.loads((tmp_path / value / "summary.json").read_text())["kernels"]
+        assert kernels[setting] == value and {kernels["fused_head_prep"], kernels["fused_xsa"]} <= {value, "off"}
+        assert getattr(RunConfig.load(tmp_path / value / "config.json").train, setting) == value
+    # in each training forward (2 micro-batches a step; validation adds more)
+    assert calls["off"] == 0 and calls["on"] >= calls_per_forward(cfg.model) * 2 * 2
 
 
 @pytest.mark.gpu
@@ -164,14 +158,6 @@ def test_on_cuda_the_compiled_step_with_the_op_gives_the_same_loss_and_gradients
     """The full-size model's compiled training loss in bf16 autocast, at a micro-batch of 8
     sequences: within 1e-3 of the compiler's steps', the attention banks' and the gains'
     gradients within 2% of their size."""
-    def with_op(model, fused):
-        model.train_ops = TorchOps()
-        model.train_ops.fused_heads = fused_head_prep if fused else None
-
-    (plain, plain_grads), (fused, fused_grads) = compiled_step_on_cuda(
-        [lambda model, fused=fused: with_op(model, fused) for fused in (False, True)],
-        lambda model: [model.qo_bank.grad, model.kv_bank.grad, model.blocks[0].attn.q_gain.grad])
-    assert abs(plain - fused) < 1e-3
-    for got, want in zip(fused_grads, plain_grads):
-        assert want.abs().amax() > 0
-        assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    compiled_step_with_and_without("fused_heads", fused_head_prep,
+                                   lambda model: [model.qo_bank.grad, model.kv_bank.grad,
+                                                  model.blocks[0].attn.q_gain.grad])
