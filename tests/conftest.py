@@ -81,22 +81,28 @@ def count_launches(monkeypatch, module, name: str, launches: list[str]) -> None:
     monkeypatch.setattr(module, name, Counted())
 
 
-def compiled_step_with_and_without(attribute: str, op, grads_of) -> None:
-    """The compiled step (`compiled_step_on_cuda`) with the training ops' fused op
-    `attribute` unset, then set to op: the losses within 1e-3, each gradient of grads_of
-    within 2% of its size."""
-    from windowgpt_cli.model.ops import TorchOps
-
-    def with_op(model, on: bool) -> None:
-        model.train_ops = TorchOps()
-        setattr(model.train_ops, attribute, op if on else None)
-
+def compiled_steps_agree(plain_ops, fused_ops, grads_of) -> None:
+    """The compiled step (`compiled_step_on_cuda`) with the training ops plain_ops, then
+    fused_ops: the losses within 1e-3, each gradient of grads_of within 2% of its size."""
     (plain, plain_grads), (fused, fused_grads) = compiled_step_on_cuda(
-        [lambda model, on=on: with_op(model, on) for on in (False, True)], grads_of)
+        [lambda model, ops=ops: setattr(model, "train_ops", ops) for ops in (plain_ops, fused_ops)], grads_of)
     assert abs(plain - fused) < 1e-3
     for got, want in zip(fused_grads, plain_grads):
         assert want.abs().amax() > 0
         assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
+def bf16_training_step(model, inputs, targets, ops=None) -> tuple:
+    """The model's training loss under bf16 autocast on the CPU, its steps through the
+    training ops `ops` (None: torch's), and every parameter's gradient: (loss, {name: grad})."""
+    import torch
+
+    model.train()
+    model.train_ops = ops
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(inputs, targets)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
 def compiled_step_on_cuda(variants, grads_of) -> list[tuple[float, list]]:

@@ -9,7 +9,7 @@ import torch
 
 from windowgpt_cli.model.ops import TORCH_OPS, TorchOps
 
-from conftest import compiled_step_with_and_without, count_launches, interpret_kernels_without_cuda
+from conftest import bf16_training_step, compiled_steps_agree, count_launches, interpret_kernels_without_cuda
 from test_model import perturbed_tiny
 
 interpret_kernels_without_cuda()
@@ -28,6 +28,13 @@ def operands(t: int = 21, heads: int = 4, value_heads: int = 2, seed: int = 0):
     v = torch.randn(2, t, value_heads, 16, generator=g)
     v[0, 3, 1] *= 1e-14
     return (torch.randn(2, t, heads, 16, generator=g), v, torch.sigmoid(torch.randn(2, t, heads, generator=g)))
+
+
+def with_xsa() -> TorchOps:
+    """Training ops whose XSA and output gate are the fused op."""
+    ops = TorchOps()
+    ops.fused_output = fused_attention_output
+    return ops
 
 
 def output_and_grads(fn, *tensors: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -64,8 +71,7 @@ def test_heads_the_kernels_cannot_take_are_left_to_torch():
     y, v, gate = operands()
     assert fused_attention_output(y[..., :12], v[..., :12], gate) is None  # 12 channels: not a power of two
     assert fused_attention_output(y[:, :, :3], v, gate[..., :3]) is None  # 3 heads over 2 values
-    ops = TorchOps()
-    ops.fused_output = fused_attention_output
+    ops = with_xsa()
     assert torch.equal(ops.attention_output(y[..., :12], v[..., :12], gate),
                        TORCH_OPS.attention_output(y[..., :12], v[..., :12], gate))
     assert torch.equal(ops.attention_output(y, None, gate), y * gate[..., None])  # no XSA: torch's gate alone
@@ -75,8 +81,7 @@ def test_inside_a_compiled_function_the_op_stays_one_graph():
     from torch._dynamo.testing import CompileCounter
 
     y, v, gate = operands()
-    ops, counter = TorchOps(), CompileCounter()
-    ops.fused_output = fused_attention_output
+    ops, counter = with_xsa(), CompileCounter()
     torch._dynamo.reset()
     compiled = torch.compile(lambda y, v, g: ops.attention_output(y * 2, v, torch.sigmoid(g)), backend=counter,
                              fullgraph=True)
@@ -96,16 +101,8 @@ def test_the_models_training_forward_runs_the_op_on_every_xsa_layer(monkeypatch)
         count_launches(monkeypatch, attention_output, name, launches)
     options = {"xsa_last_n": 4, "attn_out_gate_width": 12, "attn_out_gate_scale": 0.5}
     ids = torch.randint(0, 1024, (2, 25), generator=torch.Generator().manual_seed(5))
-    results = []
-    for fused in (False, True):
-        model = perturbed_tiny(**options).train()
-        model.train_ops = TorchOps()
-        model.train_ops.fused_output = fused_attention_output if fused else None
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(ids[:, :-1], ids[:, 1:])
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-    (plain, plain_grads), (fused, fused_grads) = results
+    (plain, plain_grads), (fused, fused_grads) = (
+        bf16_training_step(perturbed_tiny(**options), ids[:, :-1], ids[:, 1:], ops) for ops in (None, with_xsa()))
     layers = perturbed_tiny(**options).cfg.num_layers
     assert launches.count("_xsa_forward_kernel") == launches.count("_xsa_backward_kernel") == layers
     assert torch.allclose(plain, fused, atol=2e-3) and plain_grads.keys() == fused_grads.keys()
@@ -119,5 +116,4 @@ def test_on_cuda_the_compiled_step_with_the_op_gives_the_same_loss_and_gradients
     """The full-size model's compiled training loss in bf16 autocast, at a micro-batch of 8
     sequences: within 1e-3 of the compiler's steps', the attention banks' gradients within 2%
     of their size."""
-    compiled_step_with_and_without("fused_output", fused_attention_output,
-                                   lambda model: [model.qo_bank.grad, model.kv_bank.grad])
+    compiled_steps_agree(None, with_xsa(), lambda model: [model.qo_bank.grad, model.kv_bank.grad])

@@ -12,7 +12,7 @@ import torch
 from windowgpt_cli.model.ops import TORCH_OPS, TorchOps
 from windowgpt_cli.model.rotary import rotary_inv_freq, rotary_tables
 
-from conftest import compiled_step_with_and_without, count_launches, interpret_kernels_without_cuda
+from conftest import bf16_training_step, compiled_steps_agree, count_launches, interpret_kernels_without_cuda
 from test_model import perturbed_tiny
 from test_train import tiny_cfg
 
@@ -33,6 +33,13 @@ def heads(t: int = 24, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch
     g = torch.Generator().manual_seed(seed)
     cos, sin = rotary_tables(t, rotary_inv_freq(ROPE_DIMS, 10000.0, t, t))
     return torch.randn(2, t, 4, 16, generator=g), torch.rand(4, generator=g) + 0.5, cos, sin
+
+
+def with_heads() -> TorchOps:
+    """Training ops whose queries' and keys' steps are the fused op."""
+    ops = TorchOps()
+    ops.fused_heads = fused_head_prep
+    return ops
 
 
 def output_and_grads(fn, x: torch.Tensor, gain: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -66,8 +73,7 @@ def test_in_bfloat16_the_op_keeps_the_dtype_and_stays_within_rounding():
 def test_heads_the_kernels_cannot_take_are_left_to_torch():
     x, gain, cos, sin = heads()
     assert fused_head_prep(x[..., :12], cos, sin, ROPE_DIMS, gain) is None  # 12 channels: not a power of two
-    ops = TorchOps()
-    ops.fused_heads = fused_head_prep
+    ops = with_heads()
     assert torch.equal(ops.head_prep(x[..., :12], cos, sin, ROPE_DIMS, gain),
                        TORCH_OPS.head_prep(x[..., :12], cos, sin, ROPE_DIMS, gain))
 
@@ -76,8 +82,7 @@ def test_inside_a_compiled_function_the_op_stays_one_graph():
     from torch._dynamo.testing import CompileCounter
 
     x, gain, cos, sin = heads()
-    ops, counter = TorchOps(), CompileCounter()
-    ops.fused_heads = fused_head_prep
+    ops, counter = with_heads(), CompileCounter()
     torch._dynamo.reset()
     compiled = torch.compile(lambda x, g: ops.head_prep(x * 2, cos, sin, ROPE_DIMS, g), backend=counter,
                              fullgraph=True)
@@ -96,16 +101,8 @@ def test_the_models_training_forward_runs_the_op_for_every_query_and_key(monkeyp
     count_launches(monkeypatch, elementwise, "_head_prep_kernel", launches)
     count_launches(monkeypatch, elementwise_backward, "_head_prep_backward_kernel", launches)
     ids = torch.randint(0, 1024, (2, 25), generator=torch.Generator().manual_seed(5))
-    results = []
-    for fused in (False, True):
-        model = perturbed_tiny().train()
-        model.train_ops = TorchOps()
-        model.train_ops.fused_heads = fused_head_prep if fused else None
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(ids[:, :-1], ids[:, 1:])
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-    (plain, plain_grads), (fused, fused_grads) = results
+    (plain, plain_grads), (fused, fused_grads) = (bf16_training_step(perturbed_tiny(), ids[:, :-1], ids[:, 1:], ops)
+                                                  for ops in (None, with_heads()))
     layers = perturbed_tiny().cfg.num_layers
     assert launches.count("_head_prep_kernel") == launches.count("_head_prep_backward_kernel") == 2 * layers
     assert torch.allclose(plain, fused, atol=2e-3) and plain_grads.keys() == fused_grads.keys()
@@ -158,6 +155,5 @@ def test_on_cuda_the_compiled_step_with_the_op_gives_the_same_loss_and_gradients
     """The full-size model's compiled training loss in bf16 autocast, at a micro-batch of 8
     sequences: within 1e-3 of the compiler's steps', the attention banks' and the gains'
     gradients within 2% of their size."""
-    compiled_step_with_and_without("fused_heads", fused_head_prep,
-                                   lambda model: [model.qo_bank.grad, model.kv_bank.grad,
-                                                  model.blocks[0].attn.q_gain.grad])
+    compiled_steps_agree(None, with_heads(), lambda model: [model.qo_bank.grad, model.kv_bank.grad,
+                                                            model.blocks[0].attn.q_gain.grad])

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import compiled_step_on_cuda, interpret_kernels_without_cuda
+from conftest import compiled_steps_agree, interpret_kernels_without_cuda
 
 interpret_kernels_without_cuda()
 
@@ -222,14 +222,8 @@ def test_on_cuda_the_compiled_step_with_quacks_products_gives_the_same_loss_and_
     """The full-size model's compiled training loss in bf16 autocast, at a micro-batch of 8
     sequences: the loss within 1e-3 of the compiler's steps', the MLP banks' gradients within
     2% of their size."""
-    (plain, plain_grads), (fused, fused_grads) = compiled_step_on_cuda(
-        [lambda model, ops=ops: setattr(model, "train_ops", ops)
-         for ops in (None, ProductEpilogueOps(products="quack"))],
-        lambda model: [model.mlp_up_bank.grad, model.mlp_down_bank.grad])
-    assert abs(plain - fused) < 1e-3
-    for got, want in zip(fused_grads, plain_grads):
-        assert want.abs().amax() > 0
-        assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    compiled_steps_agree(None, ProductEpilogueOps(products="quack"),
+                         lambda model: [model.mlp_up_bank.grad, model.mlp_down_bank.grad])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what a CPU does")
