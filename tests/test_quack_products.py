@@ -274,3 +274,25 @@ def test_auto_trains_with_the_compilers_mlp_where_quack_fails_at_its_first_produ
     assert len(losses["auto"]) == 3 and losses["auto"] == losses["off"]  # the failed warm-up step left nothing
     with pytest.raises(qp.QuackUnavailable, match="train with --fused-mlp off$"):
         train(tiny_cfg(tiny_data_dir, iterations=3, fused_mlp="quack"), tmp_path / "quack")
+
+
+def test_where_auto_leaves_quacks_products_the_other_fused_ops_stay(tiny_data_dir, tmp_path, monkeypatch):
+    """The fallback to the compiler's MLP keeps `--fused-head-prep on` (the op stood in for by
+    one that counts its calls and leaves the heads to torch)."""
+    import json
+
+    from test_train import tiny_cfg
+    from windowgpt_cli.kernels import fused_heads
+    from windowgpt_cli.train.run import train
+
+    monkeypatch.setattr(trainer, "quack_targets", lambda device: True)
+    monkeypatch.setattr(trainer, "triton_available", lambda device: True)
+    def unbuildable():
+        raise RuntimeError("no kernel image for sm_90a")
+
+    monkeypatch.setattr(ProductEpilogueOps, "mlp", lambda self, *args: qp.through_quack(unbuildable))
+    calls = []
+    monkeypatch.setattr(fused_heads, "fused_head_prep", lambda *args: calls.append(args[0].shape))
+    train(tiny_cfg(tiny_data_dir, iterations=2, fused_mlp="auto", fused_head_prep="on"), tmp_path / "run")
+    kernels = json.loads((tmp_path / "run" / "summary.json").read_text())["kernels"]
+    assert kernels["fused_mlp"] == "off" and kernels["fused_head_prep"] == "on" and calls

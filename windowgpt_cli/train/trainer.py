@@ -518,6 +518,7 @@ class Trainer:
                 raise
             self.log.line(f"fused_mlp: auto leaves quack's products ({error.detail}); the compiler's MLP instead")
             s.model.train_ops = None
+            set_fused_ops(s.model, s.cfg, s.ctx.device)  # the other fused ops stay as asked
             s.model.zero_grad(set_to_none=True)  # the failed step's partial gradients
             self._warm_up_steps(steps)
 
