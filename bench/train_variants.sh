@@ -4,10 +4,10 @@
 # that sets them side by side (bench/train_variants.py).
 #   VARIANTS   "NAME:FLAGS;NAME:FLAGS..." (default: base, fused_mlp, gemm, fused_mlp_gemm: the
 #              training step as is, with --fused-mlp triton, with --compile-tuning gemm, with
-#              both; "off:--fused-mlp off --fold-output-scales off" is the step without the
-#              two levers that auto turns on where they run; "heads:--fused-head-prep on" the
-#              queries' and keys' per-head steps as one op, "xsa:--fused-xsa on" XSA and the
-#              output gate as one)
+#              both; "off:--fused-mlp off --fold-output-scales off --fused-head-prep off
+#              --fused-xsa off" is the step without the four levers that auto turns on where
+#              they run; "heads:--fused-head-prep off" the queries' and keys' per-head steps
+#              left to the compiler, "xsa:--fused-xsa off" XSA and the output gate)
 #   FLAGS      more flags for every variant (e.g. "--train-batch-tokens 131072" or
 #              "--attn-backend triton_fa4")
 #   PROFILE_FLAGS  the model every variant profiles (default "--record": the record model's

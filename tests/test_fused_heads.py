@@ -113,10 +113,10 @@ def test_the_models_training_forward_runs_the_op_for_every_query_and_key(monkeyp
 def test_auto_is_on_for_a_cuda_device_where_triton_runs(monkeypatch):
     """Both fused ops' settings (`fused_head_prep`, `fused_xsa`) resolve alike."""
     cfg = RunConfig()
-    assert cfg.train.fused_head_prep == "off"
+    assert cfg.train.fused_head_prep == "auto"
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(trainer, "triton_available", lambda device: device.type == "cuda")
-    assert cfg.train.fused_xsa == "off"
+    assert cfg.train.fused_xsa == "auto"
     for setting, on_cpu, on_cuda in (("off", False, False), ("auto", False, True), ("on", False, True)):
         assert (trainer.fused_op_on(setting, cpu), trainer.fused_op_on(setting, cuda)) == (on_cpu, on_cuda)
     monkeypatch.setattr(trainer, "triton_available", lambda device: False)  # CUDA without Triton

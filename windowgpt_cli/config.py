@@ -192,13 +192,13 @@ class TrainConfig:
                                               "[tokens x dim] outputs, each way: the same function, rounded "
                                               "elsewhere in bfloat16. on, off (the reference's order), or auto: "
                                               "on for a CUDA device, off elsewhere.")
-    fused_head_prep: str = setting("off", "Each query and key head's RMSNorm, partial rotation and gain in the "
+    fused_head_prep: str = setting("auto", "Each query and key head's RMSNorm, partial rotation and gain in the "
                                           "training step as one Triton kernel forward and one backward (an op "
                                           "the compiler keeps whole), each reading the heads once, where the "
                                           "compiler's kernels pass over the queries four times forward and "
                                           "three times back. on, off (the compiler's kernels), or auto: on for "
                                           "a CUDA device. Either runs only where Triton does (CUDA).")
-    fused_xsa: str = setting("off", "XSA and the sparse output gate over the attention's output in the training "
+    fused_xsa: str = setting("auto", "XSA and the sparse output gate over the attention's output in the training "
                                     "step as one Triton kernel forward and one backward (an op the compiler "
                                     "keeps whole), each reading the heads and their values once. on, off (the "
                                     "compiler's kernels), or auto: on for a CUDA device. Either runs only where "
