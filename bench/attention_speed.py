@@ -11,7 +11,7 @@ evaluation batch (B=512: forward in inference mode), it times
 - sdpa:   SDPA's full causal attention (as the model's full causal layers), a yardstick
           that does about twice the work;
 - where flash-attn-4 is installed: fa4 (`--attn-backend fa4`'s windowed layer, compiled:
-          FA4's window, the sinks merged through its log-sum-exp), fa4_no_sinks (FA4's
+          FA4's window, the sinks folded in by `attention_sinks`' kernels), fa4_no_sinks (FA4's
           window alone) and fa4_full (FA4's full causal attention, beside sdpa);
 
 with CUDA events after a warm-up, as milliseconds and TFLOP/s counting only the (query,

@@ -7,6 +7,8 @@ import fcntl
 import importlib.util
 import os
 import shutil
+import sys
+import types
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -53,6 +55,21 @@ def shared_dir(pytestconfig: pytest.Config) -> Path:
     if not shared.is_dir():
         pytest.skip(f"no shared reference folder at {shared} (pass --shared DIR)")
     return shared.resolve()
+
+
+# --- A stand-in for FlashAttention-4 ---------------------------------------------------
+
+@pytest.fixture
+def fake_fa4(monkeypatch):
+    """flash-attn-4's interface as `fake_fa4.FakeFA4` computes it, importable as
+    flash_attn.cute.interface."""
+    from fake_fa4 import FakeFA4
+
+    interface = types.SimpleNamespace(flash_attn_func=FakeFA4.flash_attn_func,
+                                      _flash_attn_bwd=FakeFA4._flash_attn_bwd)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", types.ModuleType("flash_attn.cute"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
 
 
 # --- Triton's interpreter ---------------------------------------------------------------

@@ -4,7 +4,7 @@ kernels in Triton's interpreter, which builds nothing) and must fit a Hopper
 multiprocessor's shared memory. A kernel that needs more fails at its first launch on the
 GPU; this finds it without one. The float8 MLP's kernels build too, and divide as the
 interpreter does (correctly rounded), not by the GPU's approximate division; so do the
-training step's XSA op's kernels."""
+training step's XSA op's kernels and FA4's window's sink kernels."""
 from __future__ import annotations
 
 import importlib.util
@@ -24,8 +24,8 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from windowgpt_cli.kernels import (attention_output, elementwise, elementwise_backward, fp8_mlp, fused_mlp,
-                                   window_attention)
+from windowgpt_cli.kernels import (attention_output, attention_sinks, elementwise, elementwise_backward, fp8_mlp,
+                                   fused_mlp, window_attention)
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -90,7 +90,19 @@ def xsa(kernel):
     return build(kernel, types, constants, attention_output.WARPS, 3)
 
 
+def sinks(kernel):
+    """FA4's window's sink kernels at the record model's head size and four sinks."""
+    def types(name):
+        if name.endswith("_ptr"):
+            return "*fp32" if name in ("lse_ptr", "dk_ptr", "dv_ptr") else "*bf16"
+        return "fp32" if name == "scale" else "i32"
+    constants = {"BLOCK_M": attention_sinks.BLOCK_M, "SINKS_PAD": 16, "HEAD_DIM": 64}
+    return build(kernel, types, constants, 4, 3)
+
+
 print(json.dumps({
+    "sinks_forward": sinks(attention_sinks._attention_sinks_forward_kernel),
+    "sinks_backward": sinks(attention_sinks._attention_sinks_backward_kernel),
     "xsa_forward": xsa(attention_output._xsa_forward_kernel),
     "xsa_backward": xsa(attention_output._xsa_backward_kernel),
     "scoring_up_product": up_product(elementwise.MatmulTiles(), False),
@@ -116,5 +128,6 @@ def test_the_largest_tiles_fit_a_hopper_multiprocessors_shared_memory():
     assert done.returncode == 0, done.stderr[-3000:]
     shared = json.loads(done.stdout.strip().splitlines()[-1])
     assert shared.pop("fp8_approximate_divisions") == 0
-    assert all(0 < shared.pop(name) <= HOPPER_SHARED_BYTES for name in ("xsa_forward", "xsa_backward"))
+    assert all(0 < shared.pop(name) <= HOPPER_SHARED_BYTES
+               for name in ("xsa_forward", "xsa_backward", "sinks_forward", "sinks_backward"))
     assert len(shared) == 4 and all(0 < size <= HOPPER_SHARED_BYTES for size in shared.values()), shared

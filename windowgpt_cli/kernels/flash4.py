@@ -2,11 +2,12 @@
 torch custom op, `windowgpt::fa4_attention`, that returns the output and its log-sum-exp,
 both differentiable, so that torch.compile keeps a step that calls it in one graph.
 
-The sink tokens of a windowed layer are not FA4's: `model.attention` attends to them apart
-and merges the two softmaxes through their log-sum-exps, so the gradient reaches the
-window's scores through the log-sum-exp as well as through the output. FA4's public
-function has no backward of its own to call; the op's backward calls the package's
-`_flash_attn_bwd`, an internal function, which is why the `fa4` extra pins its version.
+The sink tokens of a windowed layer are not FA4's: `fa4_window_sinks` runs FA4 over the
+window and `attention_sinks`' Triton kernels over the sinks outside it, merged through the
+log-sum-exps forward, and backward FA4's kernels handed the merged output and log-sum-exp
+(the window keys' exact gradients) with the sinks' share added. FA4's public function has no
+backward of its own to call; the ops' backwards call the package's `_flash_attn_bwd`, an
+internal function, which is why the `fa4` extra pins its version.
 
 Nothing here knows the model. The package is imported at the first call.
 """
@@ -94,3 +95,56 @@ def _backward(ctx, dout: Tensor | None, dlse: Tensor | None):
 
 
 fa4_attention.register_autograd(_backward, setup_context=_setup)
+
+
+@torch.library.custom_op("windowgpt::fa4_window_sinks", mutates_args=())
+def fa4_window_sinks(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int) -> tuple[Tensor, Tensor]:
+    """(out, lse) of attention in which query i sees keys i - window .. i and the first
+    `sinks` keys (`attention.may_attend`'s rule, window > 0)."""
+    from .attention_sinks import merge_sinks_  # imports Triton
+
+    out, lse = _interface().flash_attn_func(q, k, v, causal=True, window_size=(window, None), return_lse=True)
+    merge_sinks_(q, k, v, out, lse, window, sinks)
+    return out, lse
+
+
+@fa4_window_sinks.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int) -> tuple[Tensor, Tensor]:
+    b, t, h, _ = q.shape
+    return torch.empty_like(q), q.new_empty((b, h, t), dtype=torch.float32)
+
+
+@torch.library.custom_op("windowgpt::fa4_window_sinks_backward", mutates_args=())
+def fa4_window_sinks_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, window: int,
+                              sinks: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of q, k, v from the output's: FA4's over the window, from the merged
+    output and log-sum-exp, plus the sinks'."""
+    from .attention_sinks import add_sink_grads_
+
+    dout = dout.contiguous()
+    dq, dk, dv = _interface()._flash_attn_bwd(q, k, v, out, dout, lse, causal=True, window_size_left=window,
+                                              window_size_right=None)
+    add_sink_grads_(dq, dk, dv, q, k, v, out, dout, lse, window, sinks)
+    return dq, dk, dv
+
+
+@fa4_window_sinks_backward.register_fake
+def _(dout, q, k, v, out, lse, window, sinks):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_sinks(ctx, inputs, output) -> None:
+    q, k, v, window, sinks = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.window, ctx.sinks = window, sinks
+
+
+def _backward_sinks(ctx, dout: Tensor | None, dlse: Tensor | None):
+    q, k, v, out, lse = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout  # the lse is for the backward, not a result to train
+    dq, dk, dv = fa4_window_sinks_backward(dout, q, k, v, out, lse, ctx.window, ctx.sinks)
+    return dq, dk, dv, None, None
+
+
+fa4_window_sinks.register_autograd(_backward_sinks, setup_context=_setup_sinks)

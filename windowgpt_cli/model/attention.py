@@ -6,8 +6,8 @@ i - j <= window or j < sinks (window 0 means the whole causal prefix).
 
 - fa3:  FlashAttention-3 (`flash_attn_interface`), when installed.
 - fa4:  FlashAttention-4 (`flash_attn.cute`, the `fa4` extra), through `kernels.flash4`'s
-  custom op; never chosen by auto (its windows with sinks merged apart are slower than the
-  Triton kernels).
+  custom ops, the sinks outside a window merged by `kernels.attention_sinks`' Triton
+  kernels; never chosen by auto (not measured faster than the Triton window kernels).
 - flex: FlexAttention for windowed layers, SDPA (flash kernel) for full causal layers.
   Called eagerly on CUDA (sliding evaluation, test-time training), windowed layers run the
   Triton kernels instead, which start at once where FlexAttention compiles for seconds.
@@ -103,7 +103,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, backend:
     if backend == "fa4":
         if sinks <= 0:
             return _fa4(q, k, v, window)[0]
-        return merge_sinks(q, k, v, window, sinks, *_fa4(q, k, v, window))
+        return _fa4_window_sinks(q, k, v, window, sinks)
     if runs_window_kernels(backend, eager_on_cuda=_eager_on_cuda(q)):
         return _triton_window(q, k, v, window, sinks)
     if backend == "flex":
@@ -248,6 +248,13 @@ def _fa4(q: Tensor, k: Tensor, v: Tensor, window: int | None) -> tuple[Tensor, T
     from ..kernels.flash4 import FULL, fa4_attention  # imports flash_attn.cute at the first call
 
     return fa4_attention(q, k, v, FULL if window is None else window)
+
+
+def _fa4_window_sinks(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int) -> Tensor:
+    """FA4 over the window, the sinks outside it merged by Triton kernels (`kernels.flash4`)."""
+    from ..kernels.flash4 import fa4_window_sinks  # imports flash_attn.cute at the first call
+
+    return fa4_window_sinks(q, k, v, window, sinks)[0]
 
 
 # --- Sink tokens beside a window kernel -----------------------------------------------------
