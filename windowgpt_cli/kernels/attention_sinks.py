@@ -99,8 +99,8 @@ def _attention_sinks_backward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, grad_ptr, lse
         stride_vb, stride_vt, stride_vh, stride_vd, seq_len, num_heads, group, window, sinks, scale,
         BLOCK_M, SINKS_PAD, HEAD_DIM)
     dims = tl.arange(0, HEAD_DIM)
-    tile = rows[:, None] * stride_ot + dims[None, :] * stride_od
-    out = tl.load(out_ptr + batch * stride_ob + head * stride_oh + tile, mask=live[:, None], other=0.0)
+    out = tl.load(out_ptr + batch * stride_ob + head * stride_oh + rows[:, None] * stride_ot
+                  + dims[None, :] * stride_od, mask=live[:, None], other=0.0)
     grad = tl.load(grad_ptr + batch * stride_gb + head * stride_gh + rows[:, None] * stride_gt
                    + dims[None, :] * stride_gd, mask=live[:, None], other=0.0)
     delta = tl.sum(out.to(tl.float32) * grad.to(tl.float32), 1)
