@@ -19,9 +19,10 @@ key) pairs each computes (2 matrix products forward, 5 backward). "first call" i
 time of each kernel's first call at that shape: compilation or kernel builds included. By
 default the compiler caches are emptied first (a fresh machine); --warm-caches keeps them.
 It then compares out, dq, dk and dv of triton and flex (and fa4) on the training batch (max
-abs difference, and each one's difference from a float32 reference). --sweep times a few block/warps/stages
-settings of the Triton forward and backward at the training shape and prints the best.
---json PATH writes every number. Takes under a minute on an H200.
+abs difference, and each one's difference from a float32 reference). --sweep times a dozen
+block/warps/stages settings of each of the Triton forward, dK/dV and dQ kernels at the
+training shape and prints the best. --json PATH writes every number. Takes under a minute on
+an H200 without --sweep.
 """
 from __future__ import annotations
 
@@ -48,11 +49,15 @@ HEADS, KV_HEADS, HEAD_DIM, SEQ_LEN, WINDOW, SINKS = 8, 4, 64, 2048, 512, 4
 TRAIN_BATCH, EVAL_BATCH = 48, 512
 FWD_MATMULS, BWD_MATMULS = 2, 5
 
-# (fwd_block_m, fwd_block_n, warps, stages) and (bwd_block_own, bwd_block_loop, warps, stages)
+# (block owned, block looped over, warps, stages) of the forward (queries, keys), the dK/dV
+# kernel (keys, queries) and the dQ kernel (queries, keys), each swept with the others at
+# their defaults
 FWD_SWEEP = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 4), (64, 32, 4, 3), (64, 16, 4, 4),
-             (32, 32, 4, 4), (64, 32, 2, 4)]
-BWD_SWEEP = [(128, 32, 8, 3), (64, 32, 4, 3), (64, 32, 4, 4), (64, 32, 4, 2), (64, 16, 4, 3), (32, 32, 4, 3),
-             (64, 32, 2, 3), (64, 64, 4, 2)]
+             (32, 32, 4, 4), (64, 32, 2, 4), (128, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 5)]
+DKDV_SWEEP = [(64, 32, 4, 3), (64, 32, 4, 4), (64, 32, 4, 5), (64, 32, 4, 2), (64, 16, 4, 3), (64, 64, 4, 2),
+              (128, 32, 4, 3), (128, 32, 4, 4), (128, 32, 8, 3), (128, 64, 8, 2), (32, 32, 4, 3), (32, 64, 4, 3)]
+DQ_SWEEP = [(64, 32, 4, 3), (64, 32, 4, 4), (64, 32, 4, 5), (64, 64, 4, 3), (64, 16, 4, 3), (128, 32, 4, 3),
+            (128, 32, 8, 3), (128, 64, 8, 3), (128, 32, 4, 5), (32, 32, 4, 3), (32, 64, 4, 3), (64, 32, 2, 3)]
 
 console = Console(width=140)
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -188,23 +193,28 @@ def errors(impls: dict[str, Attention]) -> dict[str, dict]:
 
 def sweep(iters: int) -> dict[str, list]:
     """Forward time per forward setting, backward time (forward + backward less forward) per
-    backward setting, at the training shape; the first of each list is the fastest."""
+    dK/dV setting and per dQ setting, at the training shape; the first of each list is the
+    fastest."""
     from windowgpt_cli.kernels.window_attention import DEFAULT_TUNING
 
     q, k, v = inputs(TRAIN_BATCH, requires_grad=True)
     grad = torch.randn_like(q)
-    fwd, bwd = [], []
+    fwd = []
     for m, n, warps, stages in FWD_SWEEP:
         tuning = dataclasses.replace(DEFAULT_TUNING, fwd_block_m=m, fwd_block_n=n, fwd_warps=warps, fwd_stages=stages)
         fn = kernels(tuning)["triton"]
         fwd.append({"setting": [m, n, warps, stages], "fwd_ms": cuda_ms(lambda: fn(q, k, v), iters)})
     base_fwd = cuda_ms(lambda: kernels()["triton"](q, k, v), iters)
-    for own, loop, warps, stages in BWD_SWEEP:
-        tuning = dataclasses.replace(DEFAULT_TUNING, bwd_block_own=own, bwd_block_loop=loop, bwd_warps=warps,
-                                     bwd_stages=stages)
-        step_ms = cuda_ms(forward_backward(kernels(tuning)["triton"], q, k, v, grad), iters)
-        bwd.append({"setting": [own, loop, warps, stages], "bwd_ms": step_ms - base_fwd})
-    return {"fwd": sorted(fwd, key=lambda r: r["fwd_ms"]), "bwd": sorted(bwd, key=lambda r: r["bwd_ms"])}
+    found = {"fwd": sorted(fwd, key=lambda r: r["fwd_ms"])}
+    for part, settings in (("bwd", DKDV_SWEEP), ("dq", DQ_SWEEP)):
+        rows = []
+        for own, loop, warps, stages in settings:
+            tuning = dataclasses.replace(DEFAULT_TUNING, **{f"{part}_block_own": own, f"{part}_block_loop": loop,
+                                                            f"{part}_warps": warps, f"{part}_stages": stages})
+            step_ms = cuda_ms(forward_backward(kernels(tuning)["triton"], q, k, v, grad), iters)
+            rows.append({"setting": [own, loop, warps, stages], "bwd_ms": step_ms - base_fwd})
+        found[part] = sorted(rows, key=lambda r: r["bwd_ms"])
+    return found
 
 
 def show(results: dict) -> None:
@@ -222,7 +232,7 @@ def show(results: dict) -> None:
         console.print(f"max abs diff {label:15s} " + "  ".join(f"{n} {d:.2e}" for n, d in diffs.items()))
     if "sweep" in results:
         for part, rows in results["sweep"].items():
-            key = f"{part}_ms"
+            key = "fwd_ms" if part == "fwd" else "bwd_ms"
             console.print(f"sweep {part}: " + ", ".join(f"{r['setting']} {r[key]:.2f} ms" for r in rows))
             console.print(f"best {part} (block, block, warps, stages): {rows[0]['setting']}")
 

@@ -24,13 +24,23 @@ INTERPRETED = not torch.cuda.is_available()
 
 from windowgpt_cli.kernels.window_attention import Tuning, window_attention  # noqa: E402
 
-TINY = Tuning(fwd_block_m=16, fwd_block_n=16, fwd_warps=1, fwd_stages=1,
-              bwd_block_own=16, bwd_block_loop=16, bwd_warps=1, bwd_stages=1)
-# Blocks of queries and keys of different sizes, either way round.
-WIDE = Tuning(fwd_block_m=32, fwd_block_n=16, fwd_warps=1, fwd_stages=1,
-              bwd_block_own=32, bwd_block_loop=16, bwd_warps=1, bwd_stages=1)
-NARROW = Tuning(fwd_block_m=16, fwd_block_n=32, fwd_warps=1, fwd_stages=1,
-                bwd_block_own=16, bwd_block_loop=32, bwd_warps=1, bwd_stages=1)
+
+
+def interpreted(own: int, loop: int, dq_own: int | None = None, dq_loop: int | None = None) -> Tuning:
+    """Blocks for the interpreter: programs own `own` queries forward and keys for dK/dV,
+    `dq_own` queries for dQ (own unless given), and loop over the other side `loop` (dq_loop)
+    at a time."""
+    dq_own, dq_loop = dq_own or own, dq_loop or loop
+    return Tuning(fwd_block_m=own, fwd_block_n=loop, fwd_warps=1, fwd_stages=1, bwd_block_own=own,
+                  bwd_block_loop=loop, bwd_warps=1, bwd_stages=1, dq_block_own=dq_own, dq_block_loop=dq_loop,
+                  dq_warps=1, dq_stages=1)
+
+
+TINY = interpreted(16, 16)
+# Blocks of queries and keys of different sizes, either way round; dQ's apart from dK/dV's.
+WIDE = interpreted(32, 16)
+NARROW = interpreted(16, 32)
+SPLIT = interpreted(32, 16, dq_own=16, dq_loop=32)
 
 
 pytestmark = pytest.mark.usefixtures("interpreter_fixes")
@@ -60,6 +70,7 @@ def outputs_and_grads(fn, q, k, v, grad):
 # the window with T not a multiple of the blocks; sinks over two key blocks; a window longer
 # than the sequence; windows wide enough for blocks that need no mask. GQA groups of 2 and 1.
 # Sinks over several sequences and kv heads: the dK/dV kernel launches their sink blocks first.
+# dQ's blocks other than dK/dV's.
 CASES = [
     (2, 40, 2, 1, 0, 0, TINY),
     (1, 40, 2, 2, 5, 0, TINY),
@@ -69,6 +80,7 @@ CASES = [
     (1, 40, 2, 1, 100, 2, TINY),
     (1, 80, 2, 1, 40, 4, WIDE),
     (1, 61, 2, 1, 33, 20, NARROW),
+    (2, 70, 4, 2, 24, 4, SPLIT),
 ]
 
 

@@ -22,7 +22,7 @@ such. Triton is imported here alone; `runtime.triton_available` says whether the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Callable
 
 import torch
@@ -41,10 +41,11 @@ _MAX_START: tl.constexpr = tl.constexpr(-1.0e30)
 @dataclass(frozen=True)
 class Tuning:
     """Block sizes, warps and pipeline stages. The forward's programs own fwd_block_m queries
-    and loop over keys fwd_block_n at a time. Each backward program owns bwd_block_own keys
-    (dK, dV) or queries (dQ) and loops over the other side bwd_block_loop at a time. The
-    defaults suit Hopper at head size 64 (bench/attention_speed.py --sweep); tests in the
-    interpreter use tiny blocks."""
+    and loop over keys fwd_block_n at a time. The dK/dV programs own bwd_block_own keys and
+    loop over queries bwd_block_loop at a time (the delta kernel's programs own bwd_block_own
+    rows); the dQ programs own dq_block_own queries and loop over keys dq_block_loop at a
+    time. The defaults suit Hopper at head size 64 (bench/attention_speed.py --sweep); tests
+    in the interpreter use tiny blocks."""
 
     fwd_block_m: int = 64
     fwd_block_n: int = 32
@@ -54,10 +55,13 @@ class Tuning:
     bwd_block_loop: int = 32
     bwd_warps: int = 4
     bwd_stages: int = 3
+    dq_block_own: int = 64
+    dq_block_loop: int = 32
+    dq_warps: int = 4
+    dq_stages: int = 3
 
     def as_list(self) -> list[int]:
-        return [self.fwd_block_m, self.fwd_block_n, self.fwd_warps, self.fwd_stages,
-                self.bwd_block_own, self.bwd_block_loop, self.bwd_warps, self.bwd_stages]
+        return list(astuple(self))
 
 
 DEFAULT_TUNING = Tuning()
@@ -413,9 +417,9 @@ def _query_grads(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, del
     b, t, h, d = q.shape
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     strides, sizes, rule = _gradient_arguments(grad, q, k, v, window, sinks)
-    _attention_dq_kernel[(triton.cdiv(t, tuning.bwd_block_own), b * h)](
-        q, k, v, grad, lse, delta, dq, *strides, *sizes, *rule, BLOCK_M=tuning.bwd_block_own,
-        BLOCK_N=tuning.bwd_block_loop, HEAD_DIM=d, num_warps=tuning.bwd_warps, num_stages=tuning.bwd_stages)
+    _attention_dq_kernel[(triton.cdiv(t, tuning.dq_block_own), b * h)](
+        q, k, v, grad, lse, delta, dq, *strides, *sizes, *rule, BLOCK_M=tuning.dq_block_own,
+        BLOCK_N=tuning.dq_block_loop, HEAD_DIM=d, num_warps=tuning.dq_warps, num_stages=tuning.dq_stages)
     return dq
 
 
