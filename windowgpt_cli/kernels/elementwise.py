@@ -30,8 +30,20 @@ NORMALIZE_EPS = 1e-12  # F.normalize's
 # Rows per program: a program per row of a million-row batch would spend its time starting.
 STREAM_ROWS, STREAM_WARPS = 4, 4  # rows of the residual stream (model_dim wide), warps per program
 HEAD_ROWS, HEAD_WARPS = 32, 4  # rows of one head (head_dim wide)
-HEAD_POSITIONS = 32  # positions per program of a kernel that loops over their heads
 ELEMENTS = 4096  # elements per program of an element-wise kernel
+
+
+@dataclass(frozen=True)
+class HeadLaunch:
+    """Positions per program and warps of a kernel that loops over each position's heads
+    (`head_prep`, `elementwise_backward.head_prep_backward`; bench/head_kernels_speed.py
+    times others)."""
+
+    positions: int = 32
+    warps: int = HEAD_WARPS
+
+
+HEAD_LAUNCH = HeadLaunch()
 
 
 # --- Kernels -----------------------------------------------------------------------------
@@ -349,15 +361,16 @@ def head_table_strides(table: Tensor) -> tuple[int, int]:
     return (table.stride(0) if table.size(0) > 1 else 0), table.stride(1)
 
 
-def head_prep(x: Tensor, cos: Tensor, sin: Tensor, gain: Tensor | None, dtype: torch.dtype) -> Tensor:
+def head_prep(x: Tensor, cos: Tensor, sin: Tensor, gain: Tensor | None, dtype: torch.dtype,
+              launch: HeadLaunch = HEAD_LAUNCH) -> Tensor:
     """`_head_prep_kernel` over queries or keys x [B, T, H, D], the tables as `head_tables`
     gives them; the result in dtype."""
     b, t, heads, head_dim = x.shape
     out = torch.empty(b, t, heads, head_dim, device=x.device, dtype=dtype)
-    _head_prep_kernel[(triton.cdiv(b * t, HEAD_POSITIONS),)](
+    _head_prep_kernel[(triton.cdiv(b * t, launch.positions),)](
         x.contiguous(), cos, sin, float32_values(gain, cos), out, b * t, t, *head_table_strides(cos), FLOAT32_EPS,
-        heads, int(gain is not None), HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1), POSITIONS=HEAD_POSITIONS,
-        num_warps=HEAD_WARPS)
+        heads, int(gain is not None), HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1), POSITIONS=launch.positions,
+        num_warps=launch.warps)
     return out
 
 

@@ -18,8 +18,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .elementwise import (
     ELEMENTS,
     FLOAT32_EPS,
-    HEAD_POSITIONS,
-    HEAD_WARPS,
+    HEAD_LAUNCH,
+    HeadLaunch,
     MatmulTiles,
     float32_values,
     head_positions,
@@ -107,16 +107,16 @@ def _leaky_square_grad_matmul_kernel(g_desc, w_desc, h_desc, out_desc, rows, col
 
 # --- Launches ----------------------------------------------------------------------------
 
-def head_prep_backward(grad: Tensor, x: Tensor, cos: Tensor, sin: Tensor,
-                       gain: Tensor | None) -> tuple[Tensor, Tensor | None]:
+def head_prep_backward(grad: Tensor, x: Tensor, cos: Tensor, sin: Tensor, gain: Tensor | None,
+                       launch: HeadLaunch = HEAD_LAUNCH) -> tuple[Tensor, Tensor | None]:
     """(the gradient with respect to x, and to gain if given) of `kernels.head_prep`."""
     b, t, heads, head_dim = x.shape
     dx = torch.empty_like(x)
     gain_rows = torch.empty(b * t * heads, device=x.device, dtype=torch.float32) if gain is not None else cos
-    _head_prep_backward_kernel[(triton.cdiv(b * t, HEAD_POSITIONS),)](
+    _head_prep_backward_kernel[(triton.cdiv(b * t, launch.positions),)](
         grad.contiguous(), x, cos, sin, float32_values(gain, cos), dx, gain_rows, b * t, t, *head_table_strides(cos),
         FLOAT32_EPS, heads, int(gain is not None), HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1),
-        POSITIONS=HEAD_POSITIONS, num_warps=HEAD_WARPS)
+        POSITIONS=launch.positions, num_warps=launch.warps)
     return dx, (gain_rows.view(-1, heads).sum(0) if gain is not None else None)
 
 
