@@ -122,6 +122,22 @@ def bf16_training_step(model, inputs, targets, ops=None) -> tuple:
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+def within(got, want, tol: float) -> bool:
+    """got within tol of want, relative to want's largest value (at least 1)."""
+    return bool(((got.float() - want.float()).abs().max() <= tol * want.float().abs().max().clamp(min=1.0)).item())
+
+
+def training_steps_agree(plain_step: tuple, fused_step: tuple, names, close) -> None:
+    """Two `bf16_training_step` results: the losses within 2e-3, the same parameters with
+    gradients, and each named one's gradients within 2^-4 by close(got, want, tol)."""
+    import torch
+
+    (plain, plain_grads), (fused, fused_grads) = plain_step, fused_step
+    assert torch.allclose(plain, fused, atol=2e-3) and plain_grads.keys() == fused_grads.keys()
+    for name in names:
+        assert close(fused_grads[name], plain_grads[name], 2 ** -4), name
+
+
 def compiled_step_on_cuda(variants, grads_of) -> list[tuple[float, list]]:
     """The full-size model's compiled training loss in bf16 autocast at a micro-batch of 8
     sequences, once per variant (a function that sets the model up): (loss, grads_of(model)).
