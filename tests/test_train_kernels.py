@@ -58,6 +58,22 @@ def test_head_prep_forward_and_gradients(rope_dims, per_sequence, t):
         assert all(agree(f, r) for f, r in zip(fused_grads, reference_grads))
 
 
+def test_head_kernels_give_the_same_numbers_at_every_launch_shape():
+    """Positions per program change only how the rows are split among programs (the last
+    one part-filled at 37 positions): the default and the shapes bench/head_kernels_speed.py
+    times give the same bits."""
+    from windowgpt_cli.kernels import elementwise, elementwise_backward
+
+    torch.manual_seed(0)
+    x, grad, gain = torch.randn(1, 37, 3, 16), torch.randn(1, 37, 3, 16), torch.rand(3) + 0.5
+    cos, sin = elementwise.head_tables(x, *rotary_tables(37, rotary_inv_freq(8, 10000.0, 37, 37)), 8)
+    results = [(elementwise.head_prep(x, cos, sin, gain, torch.float32, launch),
+                *elementwise_backward.head_prep_backward(grad, x, cos, sin, gain, launch))
+               for launch in (elementwise.HEAD_LAUNCH, elementwise.HeadLaunch(32, 4), elementwise.HeadLaunch(8, 2))]
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
 def test_leaky_square_forward_and_gradient():
     torch.manual_seed(0)
     h = torch.randn(3, 7, 40)  # a size that no block of the kernel divides

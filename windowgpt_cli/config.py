@@ -232,9 +232,10 @@ class TrainConfig:
                                   "generate); 0 = torch's choice, one per core. A small model runs faster on "
                                   "one (threads contend on a busy machine), and CPU results depend on the "
                                   "count in their last digits.")
-    attn_backend: str = setting("auto", "Attention kernels: auto, fa3, fa4, flex, triton, triton_fa4 (Triton for "
-                                        "windowed layers, FlashAttention-4 for full ones; auto's choice for "
-                                        "training where FA4 is installed on Hopper or Blackwell) or sdpa.")
+    attn_backend: str = setting("auto", "Attention kernels: auto, fa3, fa4 (FlashAttention-4 for every layer, "
+                                        "the sinks merged by Triton; auto's choice for training where FA4 is "
+                                        "installed on Hopper or Blackwell), flex, triton, triton_fa4 (Triton for "
+                                        "windowed layers, FA4 for full ones) or sdpa.")
     compile: bool = setting(True, "torch.compile the model (on CUDA only).")
     compile_tuning: str = setting("default", "What torch.compile tunes in the training step: default (its "
                                              "element-wise kernels), gemm (also Triton matrix-product templates "
