@@ -4,7 +4,7 @@ kernels in Triton's interpreter, which builds nothing) and must fit a Hopper
 multiprocessor's shared memory. A kernel that needs more fails at its first launch on the
 GPU; this finds it without one. The float8 MLP's kernels build too, and divide as the
 interpreter does (correctly rounded), not by the GPU's approximate division; so do the
-training step's XSA op's kernels and FA4's window's sink kernels."""
+training step's XSA op's kernels, the heads' kernels and FA4's window's sink kernels."""
 from __future__ import annotations
 
 import importlib.util
@@ -90,6 +90,17 @@ def xsa(kernel):
     return build(kernel, types, constants, attention_output.WARPS, 3)
 
 
+def heads(kernel):
+    """The heads' norm, rotation and gain at the record model's head size and rotated half,
+    at the default launch."""
+    def types(name):
+        if name.endswith("_ptr"):
+            return "*fp32" if name in ("cos_ptr", "sin_ptr", "gain_ptr", "gain_rows_ptr") else "*bf16"
+        return "fp32" if name == "eps" else "i32"
+    constants = {"HEAD_DIM": 64, "ROPE_HALF": 8, "ROWS": elementwise.HEAD_LAUNCH.rows}
+    return build(kernel, types, constants, elementwise.HEAD_LAUNCH.warps, 3)
+
+
 def sinks(kernel):
     """FA4's window's sink kernels at the record model's head size and four sinks."""
     def types(name):
@@ -103,6 +114,8 @@ def sinks(kernel):
 print(json.dumps({
     "sinks_forward": sinks(attention_sinks._attention_sinks_forward_kernel),
     "sinks_backward": sinks(attention_sinks._attention_sinks_backward_kernel),
+    "heads_forward": heads(elementwise._head_prep_kernel),
+    "heads_backward": heads(elementwise_backward._head_prep_backward_kernel),
     "xsa_forward": xsa(attention_output._xsa_forward_kernel),
     "xsa_backward": xsa(attention_output._xsa_backward_kernel),
     "scoring_up_product": up_product(elementwise.MatmulTiles(), False),
@@ -128,6 +141,7 @@ def test_the_largest_tiles_fit_a_hopper_multiprocessors_shared_memory():
     assert done.returncode == 0, done.stderr[-3000:]
     shared = json.loads(done.stdout.strip().splitlines()[-1])
     assert shared.pop("fp8_approximate_divisions") == 0
+    assert all(0 <= shared.pop(name) <= HOPPER_SHARED_BYTES for name in ("heads_forward", "heads_backward"))
     assert all(0 < shared.pop(name) <= HOPPER_SHARED_BYTES
                for name in ("xsa_forward", "xsa_backward", "sinks_forward", "sinks_backward"))
     assert len(shared) == 4 and all(0 < size <= HOPPER_SHARED_BYTES for size in shared.values()), shared
