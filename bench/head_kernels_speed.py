@@ -9,9 +9,10 @@ for the same head steps.
 
 positions: one forward pass of the record step (two micro-batches of 48 x 2,048 on one
 H200), 8 query heads over 4 key heads of 64, 16 rotated channels. A launch RxW is
-`elementwise.HeadLaunch(rows=R, warps=W)`, R heads (each at one position) a program. For each: milliseconds (the median of
-`repeats`) and GB/s forward and backward, queries and keys together, and whether its outputs
-equal the default launch's. Prints the JSON object; --json writes it to a file.
+`elementwise.HeadLaunch(rows=R, warps=W)`: R heads (each at one position) a program. For
+each: milliseconds (the median of `repeats`) and GB/s forward and backward, queries and keys
+together, and whether its outputs equal the default launch's. Prints the JSON object;
+--json writes it to a file.
 """
 from __future__ import annotations
 
