@@ -24,9 +24,9 @@
 # (the last step's train_loss, or for parity the final validation), skipping the reference's
 # quantization and evaluation that follow training.
 #
-# Logs: LOG_DIR (default WORK_DIR/logs) gets ref_NAME.log, ours_NAME.log and gpu.txt; then
-# bench/compare_logs.py prints a markdown table and writes RESULT_JSON (default
-# bench/results/train_step_h200.json; see compare_logs.py for its shape).
+# Logs: LOG_DIR (default WORK_DIR/logs) gets ref_NAME.log, ours_NAME.log and gpu.txt;
+# bench/compare_logs.py writes RESULT_JSON (default bench/results/train_step_h200.json; see
+# compare_logs.py for its shape) after each pair, and prints a markdown table at the end.
 set -euo pipefail
 shared=$(cd "$1" && pwd); mkdir -p "$2"; work=$(cd "$2" && pwd); gpu_ref=${3:-0}; gpu_ours=${4:-0}
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -107,6 +107,9 @@ run_pair() {
   for log in "$logs/ref_$name.log" "$logs/ours_$name.log"; do
     grep -qs -- "$marker" "$log" || { echo "   $(basename "$log") never logged '$marker'; its end:"; tail -n 5 "$log"; }
   done
+  # RESULT_JSON after every pair (the runs still to come null): a call stopped at its time
+  # limit keeps what it measured.
+  python3 "$repo/bench/compare_logs.py" "$logs" --json "$RESULT_JSON" > /dev/null || true
 }
 
 step_run() {  # NAME "REFERENCE SETTINGS" "OUR FLAGS": STEP_ITERS steps, logged every 10
