@@ -4,15 +4,14 @@ launch shape given, XSA with the output gate forward and backward, beside a plai
 the queries (the memory speed an element-wise kernel can reach) and the compiler's kernels
 for the same head steps.
 
-    python bench/head_kernels_speed.py [--positions 196608] [--launches 64x4,128x4,...]
+    python bench/head_kernels_speed.py [--positions 196608] [--launches 32x4,64x4,...]
                                        [--repeats 20] [--json PATH]
 
 positions: one forward pass of the record step (two micro-batches of 48 x 2,048 on one
-H200), 8 query heads over 4 key heads of 64, 16 rotated channels. A launch RxW is
-`elementwise.HeadLaunch(rows=R, warps=W)`: R heads (each at one position) a program. For
-each: milliseconds (the median of `repeats`) and GB/s forward and backward, queries and keys
-together, and whether its outputs equal the default launch's. Prints the JSON object;
---json writes it to a file.
+H200), 8 query heads over 4 key heads of 64, 16 rotated channels. A launch PxW is
+`elementwise.HeadLaunch(positions=P, warps=W)`. For each: milliseconds (the median of
+`repeats`) and GB/s forward and backward, queries and keys together, and whether its outputs
+equal the default launch's. Prints the JSON object; --json writes it to a file.
 """
 from __future__ import annotations
 
@@ -33,18 +32,18 @@ from windowgpt_cli.kernels.elementwise_backward import head_prep_backward  # noq
 from windowgpt_cli.model.ops import TORCH_OPS  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, ROPE_DIMS, SEQ_LEN = 8, 4, 64, 16, 2048
-DEFAULT_LAUNCHES = "64x4,32x4,128x4,128x8,256x8,64x2,64x8,16x2"
+DEFAULT_LAUNCHES = "32x4,16x4,64x4,64x8,128x8,32x2,32x8,8x4"
 
 
 def parse_launches(text: str) -> list[HeadLaunch]:
     launches = []
     for item in text.split(","):
-        rows, _, warps = item.partition("x")
-        if not (rows.isdigit() and warps.isdigit() and int(rows) > 0 and int(rows) & (int(rows) - 1) == 0
-                and int(warps) in (1, 2, 4, 8, 16)):
-            raise SystemExit(f"--launches: {item!r} is not ROWSxWARPS (e.g. 64x4; each a power of two, "
+        positions, _, warps = item.partition("x")
+        if not (positions.isdigit() and warps.isdigit() and int(positions) > 0 and int(positions) & (int(positions) - 1)
+                == 0 and int(warps) in (1, 2, 4, 8, 16)):
+            raise SystemExit(f"--launches: {item!r} is not POSITIONSxWARPS (e.g. 32x4; each a power of two, "
                              f"warps up to 16)")
-        launches.append(HeadLaunch(int(rows), int(warps)))
+        launches.append(HeadLaunch(int(positions), int(warps)))
     return launches
 
 
@@ -80,7 +79,7 @@ def launch_figures(x: dict, launch: HeadLaunch, repeats: int, want: list[torch.T
                 head_prep_backward(x["k"], x["k"], *k_tables, None, launch)[0])
 
     plane = (x["q"].numel() + x["k"].numel()) * 2  # bytes of the queries and keys, bf16
-    figures = {"rows": launch.rows, "warps": launch.warps}
+    figures = {"positions": launch.positions, "warps": launch.warps}
     figures |= timed("forward", forward, 2 * plane, repeats)  # read, write
     figures |= timed("backward", backward, 3 * plane, repeats)  # read the gradient and the input, write
     figures["outputs_equal_default"] = all(torch.equal(a, b) for a, b in zip((*forward(), *backward()), want))
@@ -104,8 +103,8 @@ def measure(positions: int, launches: list[HeadLaunch], repeats: int) -> dict:
             head_prep_backward(x["k"], x["k"], *k_tables, None)[0]]
     result["launches"] = [launch_figures(x, launch, repeats, want) for launch in launches]
     best = min(result["launches"], key=lambda f: f["forward_ms"] + f["backward_ms"])
-    result["best"] = f"{best['rows']}x{best['warps']}"
-    result["default"] = f"{HEAD_LAUNCH.rows}x{HEAD_LAUNCH.warps}"
+    result["best"] = f"{best['positions']}x{best['warps']}"
+    result["default"] = f"{HEAD_LAUNCH.positions}x{HEAD_LAUNCH.warps}"
     result["xsa"] = xsa_figures(x, repeats)
     return result
 
@@ -127,7 +126,7 @@ def xsa_figures(x: dict, repeats: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--positions", type=int, default=196_608, help="positions of one pass (a multiple of 2,048)")
-    p.add_argument("--launches", default=DEFAULT_LAUNCHES, help="ROWSxWARPS shapes, comma-separated")
+    p.add_argument("--launches", default=DEFAULT_LAUNCHES, help="POSITIONSxWARPS shapes, comma-separated")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", type=Path)
     args = p.parse_args()

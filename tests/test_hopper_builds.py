@@ -97,7 +97,7 @@ def heads(kernel):
         if name.endswith("_ptr"):
             return "*fp32" if name in ("cos_ptr", "sin_ptr", "gain_ptr", "gain_rows_ptr") else "*bf16"
         return "fp32" if name == "eps" else "i32"
-    constants = {"HEAD_DIM": 64, "ROPE_HALF": 8, "ROWS": elementwise.HEAD_LAUNCH.rows}
+    constants = {"HEAD_DIM": 64, "ROPE_HALF": 8, "POSITIONS": elementwise.HEAD_LAUNCH.positions}
     return build(kernel, types, constants, elementwise.HEAD_LAUNCH.warps, 3)
 
 

@@ -22,7 +22,7 @@ from .elementwise import (
     HeadLaunch,
     MatmulTiles,
     float32_values,
-    head_rows,
+    head_positions,
     head_table_strides,
     pair_partners,
     product_tile,
@@ -33,29 +33,33 @@ from .elementwise import (
 
 # --- Kernels -----------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["rows", "heads", "has_gain", "rows_per_seq"])
-def _head_prep_backward_kernel(grad_ptr, x_ptr, cos_ptr, sin_ptr, gain_ptr, dx_ptr, gain_rows_ptr, rows, heads,
-                               rows_per_seq, cos_seq_stride, cos_row_stride, eps, has_gain,
-                               HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr, ROWS: tl.constexpr):
-    """The gradient of `_head_prep_kernel` for ROWS heads: with respect to x (stored in dx's
-    dtype) and, if has_gain, each row's (head's at a position) share of its head's gain
-    gradient (float32)."""
-    row, col, live, head, seq, pos = head_rows(rows, heads, rows_per_seq, HEAD_DIM, ROWS)
+@triton.jit(do_not_specialize=["positions", "heads", "has_gain", "rows_per_seq"])
+def _head_prep_backward_kernel(grad_ptr, x_ptr, cos_ptr, sin_ptr, gain_ptr, dx_ptr, gain_rows_ptr, positions,
+                               rows_per_seq, cos_seq_stride, cos_row_stride, eps, heads, has_gain,
+                               HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr, POSITIONS: tl.constexpr):
+    """The gradient of `_head_prep_kernel` for every head at POSITIONS positions: with
+    respect to x (stored in dx's dtype) and, if has_gain, each row's (head's at a position)
+    share of its head's gain gradient (float32)."""
+    position, col, live, seq, pos = head_positions(positions, rows_per_seq, HEAD_DIM, POSITIONS)
     cos, sin = rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_stride, ROPE_HALF)
-    offsets = row * HEAD_DIM + col
-    x = tl.load(x_ptr + offsets, mask=live, other=0.0).to(tl.float32)
-    grad = tl.load(grad_ptr + offsets, mask=live, other=0.0).to(tl.float32)
-    inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
-    normed = x * inv_rms
-    if has_gain:
-        out = _rotated(normed, pair_partners(normed, ROWS, HEAD_DIM, ROPE_HALF), cos, sin, HEAD_DIM, ROPE_HALF)
-        tl.store(gain_rows_ptr + row, tl.sum(grad * out, axis=1)[:, None], mask=live)
-        grad = grad * tl.load(gain_ptr + head, mask=live, other=0.0)
-    # the rotation's transpose: the rotation by the opposite angle
-    grad_normed = _rotated(grad, pair_partners(grad, ROWS, HEAD_DIM, ROPE_HALF), cos, -sin, HEAD_DIM, ROPE_HALF)
-    # the norm's: (g - normed * mean(g * normed)) / rms
-    dx = inv_rms * (grad_normed - normed * (tl.sum(grad_normed * normed, axis=1) / HEAD_DIM)[:, None])
-    tl.store(dx_ptr + offsets, dx, mask=live)
+    for head in range(heads):
+        row = position * heads + head
+        offsets = row * HEAD_DIM + col
+        x = tl.load(x_ptr + offsets, mask=live, other=0.0).to(tl.float32)
+        grad = tl.load(grad_ptr + offsets, mask=live, other=0.0).to(tl.float32)
+        inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+        normed = x * inv_rms
+        if has_gain:
+            out = _rotated(normed, pair_partners(normed, POSITIONS, HEAD_DIM, ROPE_HALF), cos, sin, HEAD_DIM,
+                           ROPE_HALF)
+            tl.store(gain_rows_ptr + row, tl.sum(grad * out, axis=1)[:, None], mask=live)
+            grad = grad * tl.load(gain_ptr + head)
+        # the rotation's transpose: the rotation by the opposite angle
+        grad_normed = _rotated(grad, pair_partners(grad, POSITIONS, HEAD_DIM, ROPE_HALF), cos, -sin, HEAD_DIM,
+                               ROPE_HALF)
+        # the norm's: (g - normed * mean(g * normed)) / rms
+        dx = inv_rms * (grad_normed - normed * (tl.sum(grad_normed * normed, axis=1) / HEAD_DIM)[:, None])
+        tl.store(dx_ptr + offsets, dx, mask=live)
 
 
 @triton.jit
@@ -109,10 +113,10 @@ def head_prep_backward(grad: Tensor, x: Tensor, cos: Tensor, sin: Tensor, gain: 
     b, t, heads, head_dim = x.shape
     dx = torch.empty_like(x)
     gain_rows = torch.empty(b * t * heads, device=x.device, dtype=torch.float32) if gain is not None else cos
-    _head_prep_backward_kernel[(triton.cdiv(b * t * heads, launch.rows),)](
-        grad.contiguous(), x, cos, sin, float32_values(gain, cos), dx, gain_rows, b * t * heads, heads, t,
-        *head_table_strides(cos), FLOAT32_EPS, int(gain is not None), HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1),
-        ROWS=launch.rows, num_warps=launch.warps)
+    _head_prep_backward_kernel[(triton.cdiv(b * t, launch.positions),)](
+        grad.contiguous(), x, cos, sin, float32_values(gain, cos), dx, gain_rows, b * t, t, *head_table_strides(cos),
+        FLOAT32_EPS, heads, int(gain is not None), HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1),
+        POSITIONS=launch.positions, num_warps=launch.warps)
     return dx, (gain_rows.view(-1, heads).sum(0) if gain is not None else None)
 
 
