@@ -15,8 +15,6 @@ Needs a CUDA GPU and flash-attn-4. Prints the JSON object; --json writes it to a
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -26,9 +24,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.fused_products import milliseconds  # noqa: E402
+from bench.one_pass import SEQ_LEN, check_pass_args, pass_parser, report  # noqa: E402
 from windowgpt_cli.kernels.flash4 import FULL, fa4_attention, fa4_window_sinks  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM, SEQ_LEN, WINDOW, SINKS = 8, 4, 64, 2048, 512, 4
+HEADS, KV_HEADS, HEAD_DIM, WINDOW, SINKS = 8, 4, 64, 512, 4
 
 
 def attend(kind: str, q, k, v):
@@ -67,23 +66,13 @@ def layer_figures(kind: str, positions: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--positions", type=int, default=196_608, help="positions of one pass (a multiple of 2,048)")
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--json", type=Path)
-    args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("fa4_gqa_speed.py needs a CUDA GPU")
-    if args.positions <= 0 or args.positions % SEQ_LEN:
-        raise SystemExit(f"--positions must be a positive multiple of {SEQ_LEN}")
+    args = pass_parser(__doc__.split("\n\n")[0]).parse_args()
+    check_pass_args(args, "fa4_gqa_speed.py")
     result = {"gpu": torch.cuda.get_device_name(), "positions": args.positions, "heads": HEADS,
               "kv_heads": KV_HEADS, "head_dim": HEAD_DIM}
     for kind in ("full", "window"):
         result[kind] = layer_figures(kind, args.positions, args.repeats)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    report(result, args.json)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,6 @@ equal the default launch's. Prints the JSON object; --json writes it to a file.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -26,12 +24,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.fused_products import milliseconds  # noqa: E402
+from bench.one_pass import SEQ_LEN, check_pass_args, pass_parser, report  # noqa: E402
 from windowgpt_cli.kernels.attention_output import fused_attention_output  # noqa: E402
 from windowgpt_cli.kernels.elementwise import HEAD_LAUNCH, HeadLaunch, head_prep, head_tables  # noqa: E402
 from windowgpt_cli.kernels.elementwise_backward import head_prep_backward  # noqa: E402
 from windowgpt_cli.model.ops import TORCH_OPS  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM, ROPE_DIMS, SEQ_LEN = 8, 4, 64, 16, 2048
+HEADS, KV_HEADS, HEAD_DIM, ROPE_DIMS = 8, 4, 64, 16
 DEFAULT_LAUNCHES = "32x4,16x4,64x4,64x8,128x8,32x2,32x8,8x4"
 
 
@@ -124,22 +123,13 @@ def xsa_figures(x: dict, repeats: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--positions", type=int, default=196_608, help="positions of one pass (a multiple of 2,048)")
+    p = pass_parser(__doc__.split("\n\n")[0])
     p.add_argument("--launches", default=DEFAULT_LAUNCHES, help="POSITIONSxWARPS shapes, comma-separated")
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--json", type=Path)
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("head_kernels_speed.py needs a CUDA GPU")
-    if args.positions <= 0 or args.positions % SEQ_LEN:
-        raise SystemExit(f"--positions must be a positive multiple of {SEQ_LEN}")
+    check_pass_args(args, "head_kernels_speed.py")
     result = measure(args.positions, parse_launches(args.launches), args.repeats)
     result["gpu"] = torch.cuda.get_device_name()
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    report(result, args.json)
 
 
 if __name__ == "__main__":

@@ -336,3 +336,29 @@ def test_the_kernel_sources_refuse_a_missing_input_and_their_input_as_output(tmp
     with pytest.raises(SystemExit) as info:
         kernel_sources.main([str(code), "k", "--fragment-lines", "-1"])
     assert info.value.code == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--positions", "3000"], "--positions must be a positive multiple of 2048"),
+    (["--repeats", "0"], "--repeats must be positive"),
+])
+def test_the_one_pass_benches_check_their_arguments(argv, message, monkeypatch):
+    """bench/one_pass.py, shared by bench/head_kernels_speed.py and bench/fa4_gqa_speed.py:
+    a wrong argument is one line (the GPU taken as present, so the argument is checked)."""
+    import one_pass
+
+    monkeypatch.setattr(one_pass.torch.cuda, "is_available", lambda: True)
+    args = one_pass.pass_parser("a bench").parse_args(argv)
+    with pytest.raises(SystemExit, match=message):
+        one_pass.check_pass_args(args, "a bench")
+    args = one_pass.pass_parser("a bench").parse_args([])
+    one_pass.check_pass_args(args, "a bench")
+    assert (args.positions, args.repeats, args.json) == (196_608, 20, None)
+
+
+def test_the_one_pass_report_prints_and_writes_the_same_object(tmp_path, capsys):
+    import one_pass
+
+    one_pass.report({"gpu": "X", "ms": 1.5}, tmp_path / "r.json")
+    assert json.loads(capsys.readouterr().out) == json.loads((tmp_path / "r.json").read_text()) == {"gpu": "X",
+                                                                                                   "ms": 1.5}

@@ -1,0 +1,38 @@
+"""What the benches that time kernels at one forward pass of the record step share (two
+micro-batches of 48 x 2,048 positions on one H200): their common arguments, the checks of
+them and the report, a JSON object printed and, with --json, written to a file."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+SEQ_LEN = 2048
+PASS_POSITIONS = 196_608
+
+
+def pass_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--positions", type=int, default=PASS_POSITIONS,
+                   help=f"positions of one pass (a multiple of {SEQ_LEN:,})")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--json", type=Path)
+    return p
+
+
+def check_pass_args(args: argparse.Namespace, script: str) -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA GPU")
+    if args.positions <= 0 or args.positions % SEQ_LEN:
+        raise SystemExit(f"--positions must be a positive multiple of {SEQ_LEN}")
+    if args.repeats <= 0:
+        raise SystemExit("--repeats must be positive")
+
+
+def report(result: dict, path: Path | None) -> None:
+    text = json.dumps(result, indent=1)
+    print(text)
+    if path:
+        path.write_text(text + "\n")
