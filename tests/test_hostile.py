@@ -316,7 +316,7 @@ CASES = [
     ("quantize {huge_export} --out {root}/new.ptz", 1, "differs from the configuration"),
     ("quantize {export} --quant-clip-range 0 --out {root}/new.ptz", 1, "--quant-clip-range 0"),
     ("quantize {export} --compressor zip --out {root}/new.ptz", 1, "--compressor"),
-    ("quantize {export} --out {a_dir}", 1, "is a directory"),
+    ("quantize {export} --out {a_dir}", 1, "is a directory; give a file name for a .ptz"),
     ("quantize {export} --gptq --data {no_manifest} --out {root}/new.ptz", 1, "windowgpt prepare"),
     ("quantize {export} --gptq --data {other_data} --out {root}/new.ptz", 1, "another tokenizer"),
     ("quantize {export} --gptq --gptq-calib-samples 0 --data {data} --out {root}/new.ptz", 1, "--gptq-calib-samples 0"),

@@ -39,7 +39,7 @@ def claim_file(path: Path, what: str, is_own: Recognizer, flag: str = "--out") -
     path = Path(path)
     if path.is_symlink() or path.exists():
         if path.is_dir() and not path.is_symlink():
-            raise OutputRefused(f"{flag} {path} is a directory; give the name of the {what} to write")
+            raise OutputRefused(f"{flag} {path} is a directory; give a file name for {what}")
         if not path.is_file() or not is_own(path):
             other = f" or choose another {flag}" if flag.startswith("-") else ""
             raise OutputRefused(f"{flag} {path} exists and is not {what} windowgpt wrote; move it away{other}")
