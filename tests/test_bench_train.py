@@ -1,10 +1,12 @@
 """The training benchmarks' pure parts: log comparison, the reference's sampler seed, the
-kernels' sources in generated code, and the profile's kernel classification and breakdown
-(plus one tiny profiled run on the CPU)."""
+kernels' sources in generated code, the profile's kernel classification and breakdown (plus
+one tiny profiled run on the CPU), and the FA4 backward tiles' candidates and choice."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -362,3 +364,52 @@ def test_the_one_pass_report_prints_and_writes_the_same_object(tmp_path, capsys)
     one_pass.report({"gpu": "X", "ms": 1.5}, tmp_path / "r.json")
     assert json.loads(capsys.readouterr().out) == json.loads((tmp_path / "r.json").read_text()) == {"gpu": "X",
                                                                                                    "ms": 1.5}
+
+
+# --- fa4_backward_tiles ---------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Tiles:
+    m_block_size: int = 128
+    n_block_size: int = 128
+    AtomLayoutMdQ: int = 2
+
+
+def _fake_interface():
+    return types.SimpleNamespace(_tile_size_bwd_sm90=lambda head_dim, head_dim_v, causal, local: _Tiles())
+
+
+def test_the_backward_tiles_change_fa4s_choice_inside_the_block_only():
+    import fa4_backward_tiles
+
+    interface = _fake_interface()
+    with fa4_backward_tiles.backward_tiles(interface, {"m_block_size": 64, "AtomLayoutMdQ": 1}):
+        assert interface._tile_size_bwd_sm90(64, 64, True, False) == _Tiles(64, 128, 1)
+    assert interface._tile_size_bwd_sm90(64, 64, True, False) == _Tiles()
+    with pytest.raises(RuntimeError), fa4_backward_tiles.backward_tiles(interface, {"n_block_size": 64}):
+        raise RuntimeError("a candidate FA4 cannot build")
+    assert interface._tile_size_bwd_sm90(64, 64, True, False) == _Tiles()
+
+
+def test_a_candidate_naming_a_field_fa4_lacks_is_refused_before_anything_runs():
+    import fa4_backward_tiles
+
+    fa4_backward_tiles.check_candidates(_Tiles, {"fa4": {}, "m64": {"m_block_size": 64}})
+    with pytest.raises(SystemExit, match="candidate odd: num_stages_PdS not in FA4's BwdConfig"):
+        fa4_backward_tiles.check_candidates(_Tiles, {"odd": {"num_stages_PdS": 1}})
+
+
+def test_the_best_tiles_are_the_fastest_whose_gradients_match():
+    import torch
+
+    import fa4_backward_tiles
+
+    want = (torch.tensor([1.0, -4.0]), torch.tensor([2.0]))
+    assert fa4_backward_tiles.gradient_difference(want, (torch.tensor([1.0, -3.9]), torch.tensor([2.0]))) \
+        == pytest.approx(0.025)
+    figures = {"fa4": {"backward_ms": 3.0, "gradient_difference": 0.0},
+               "fast_but_wrong": {"backward_ms": 1.0, "gradient_difference": 0.5},
+               "broken": {"error": "RuntimeError: no"},
+               "faster": {"backward_ms": 2.5, "gradient_difference": 0.004}}
+    assert fa4_backward_tiles.fastest_matching(figures) == "faster"
+    assert fa4_backward_tiles.fastest_matching({"broken": {"error": "x"}}) is None

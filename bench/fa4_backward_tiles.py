@@ -1,0 +1,136 @@
+"""FA4's backward at other tiles than its own, for this model's attention. flash-attn-4 picks
+its sm90 backward's tiles by head size alone (`_tile_size_bwd_sm90`: for head_dim 64 FA3's
+choice on an H100, 128 x 128 with its warp layouts and pipeline stages). This times one
+layer's backward (FA4's kernel with its pre- and post-processing; a windowed layer's sinks
+too) under each candidate, full causal and windowed, key heads grouped as the model makes
+them, and checks each candidate's gradients against those of FA4's own tiles.
+
+    python bench/fa4_backward_tiles.py [--positions 196608] [--repeats 20] [--json PATH]
+
+Needs an sm90 GPU and flash-attn-4. A candidate FA4 cannot build or run is reported with its
+error's first line; `best` names, for each kind of layer, the fastest whose gradients match.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import sys
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.fused_products import milliseconds  # noqa: E402
+from bench.one_pass import SEQ_LEN, check_pass_args, pass_parser, report  # noqa: E402
+from windowgpt_cli.kernels.flash4 import (FULL, fa4_attention, fa4_attention_backward,  # noqa: E402
+                                          fa4_window_sinks, fa4_window_sinks_backward)
+
+HEADS, KV_HEADS, HEAD_DIM, WINDOW, SINKS = 8, 4, 64, 512, 4
+# Each candidate: the fields of FA4's BwdConfig it changes from FA4's own choice; only fields
+# that FA4's compiled-kernel cache keys on (num_stages_PdS is not one: a change to it alone
+# would run the kernel already built).
+CANDIDATES: dict[str, dict] = {
+    "fa4": {},
+    "m64": {"m_block_size": 64, "AtomLayoutMdQ": 1},
+    "m64_single_dq": {"m_block_size": 64, "AtomLayoutMdQ": 1, "dQ_single_wg": True},
+    "n64": {"n_block_size": 64},
+    "dq_layout1": {"AtomLayoutMdQ": 1},
+    "dkv_layout1": {"AtomLayoutNdKV": 1},
+    "sdp_unswapped": {"SdP_swapAB": False, "AtomLayoutMSdP": 2},
+}
+MATCH = 2e-2  # the largest gradient difference, as a fraction of the gradient's largest magnitude
+
+
+@contextlib.contextmanager
+def backward_tiles(interface, changes: dict) -> Iterator[None]:
+    """FA4's interface choosing its sm90 backward's tiles with `changes` to its own choice,
+    for the calls inside the block (FA4 compiles a kernel for each tile configuration)."""
+    own = interface._tile_size_bwd_sm90
+
+    def changed(*args, **kwargs):
+        return dataclasses.replace(own(*args, **kwargs), **changes)
+
+    interface._tile_size_bwd_sm90 = changed
+    try:
+        yield
+    finally:
+        interface._tile_size_bwd_sm90 = own
+
+
+def check_candidates(config_type: type, candidates: dict[str, dict]) -> None:
+    """Every candidate names fields of FA4's BwdConfig (a dataclass)."""
+    fields = {f.name for f in dataclasses.fields(config_type)}
+    for name, changes in candidates.items():
+        unknown = sorted(set(changes) - fields)
+        if unknown:
+            raise SystemExit(f"candidate {name}: {', '.join(unknown)} not in FA4's BwdConfig "
+                             f"({', '.join(sorted(fields))})")
+
+
+def gradient_difference(want: tuple, got: tuple) -> float:
+    """The largest difference of any gradient, as a fraction of that gradient's largest magnitude."""
+    return max(((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1e-30)).item()
+               for a, b in zip(want, got))
+
+
+def fastest_matching(figures: dict[str, dict]) -> str | None:
+    """The candidate with the shortest backward among those whose gradients match FA4's own."""
+    matching = {name: f["backward_ms"] for name, f in figures.items()
+                if "backward_ms" in f and f["gradient_difference"] <= MATCH}
+    return min(matching, key=matching.get) if matching else None
+
+
+def layer_backward(kind: str, positions: int) -> Callable[[], tuple]:
+    """One layer's backward on random inputs, as the training step calls it."""
+    g = torch.Generator(device="cuda").manual_seed(positions)
+    batch = positions // SEQ_LEN
+
+    def rand(heads: int) -> torch.Tensor:
+        return torch.randn(batch, SEQ_LEN, heads, HEAD_DIM, device="cuda", generator=g).bfloat16()
+
+    q, k, v = rand(HEADS), rand(KV_HEADS), rand(KV_HEADS)
+    dout = rand(HEADS)
+    if kind == "full":
+        out, lse = fa4_attention(q, k, v, FULL)
+        dlse = torch.zeros_like(lse)
+        return lambda: fa4_attention_backward(dout, dlse, q, k, v, out, lse, FULL)
+    out, lse = fa4_window_sinks(q, k, v, WINDOW, SINKS)
+    return lambda: fa4_window_sinks_backward(dout, q, k, v, out, lse, WINDOW, SINKS)
+
+
+def kind_figures(interface, kind: str, positions: int, repeats: int) -> dict:
+    backward = layer_backward(kind, positions)
+    want = backward()
+    figures: dict = {}
+    for name, changes in CANDIDATES.items():
+        try:
+            with backward_tiles(interface, changes):
+                difference = gradient_difference(want, backward())
+                figures[name] = {"backward_ms": round(milliseconds(backward, repeats), 4),
+                                 "gradient_difference": round(difference, 6)}
+        except Exception as error:  # a configuration FA4 cannot build: reported, not fatal
+            text = str(error).strip()
+            figures[name] = {"error": f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"[:300]}
+    return {"candidates": figures, "best": fastest_matching(figures)}
+
+
+def main() -> None:
+    args = pass_parser(__doc__.split("\n\n")[0]).parse_args()
+    check_pass_args(args, "fa4_backward_tiles.py")
+    interface = importlib.import_module("flash_attn.cute.interface")
+    check_candidates(interface.BwdConfig, CANDIDATES)
+    own = interface._tile_size_bwd_sm90(HEAD_DIM, HEAD_DIM, True, False)
+    result = {"gpu": torch.cuda.get_device_name(), "positions": args.positions, "heads": HEADS,
+              "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "window": WINDOW, "sinks": SINKS,
+              "fa4_tiles": dataclasses.asdict(own), "candidates": CANDIDATES}
+    for kind in ("full", "window"):
+        result[kind] = kind_figures(interface, kind, args.positions, args.repeats)
+    report(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
