@@ -16,6 +16,7 @@ from windowgpt_cli.cli.app import app
 from windowgpt_cli.errors import ArtifactError, ConfigError
 from windowgpt_cli.model.state_dict import unbank_state_dict
 from windowgpt_cli.artifacts.export import export
+from windowgpt_cli.artifacts.kinds import locate_artifact
 from windowgpt_cli.record.codesize import code_bytes
 from windowgpt_cli.quant.quantize import quantize, report_path
 
@@ -67,6 +68,23 @@ def test_export_other_weights(quant_run_dir: Path, tmp_path: Path, which: str):
     assert not torch.equal(loaded["qo_bank"], ckpt.ema["qo_bank"])
     with pytest.raises(ConfigError):
         export(quant_run_dir, tmp_path / "bad", weights="best")
+
+
+def test_a_path_names_a_run_an_export_or_a_ptz_by_one_rule(tmp_path: Path):
+    """artifacts.kinds.locate_artifact, which load_weights and read_artifact (inspect, compare,
+    plot, report) share: a folder by the file it holds, a file by its name, any other file a .ptz."""
+    run, exported = tmp_path / "run", tmp_path / "export"
+    run.mkdir(), exported.mkdir()
+    (run / "checkpoint.pt").write_bytes(b"")
+    (exported / "model.safetensors").write_bytes(b"")
+    (tmp_path / "model.ptz").write_bytes(b"")
+    assert locate_artifact(run) == locate_artifact(run / "checkpoint.pt") == ("run", run)
+    assert locate_artifact(exported) == locate_artifact(exported / "model.safetensors") == ("export", exported)
+    assert locate_artifact(tmp_path / "model.ptz") == ("ptz", tmp_path / "model.ptz")
+    with pytest.raises(ArtifactError, match="neither a run directory"):
+        locate_artifact(tmp_path)
+    with pytest.raises(ArtifactError, match="no such file or directory"):
+        locate_artifact(exported / "checkpoint.pt")
 
 
 def test_loader_refuses_what_is_not_an_artifact(tmp_path: Path, quant_run_dir: Path):

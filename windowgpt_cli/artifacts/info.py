@@ -17,6 +17,7 @@ from .quantized import CONTROL, code_bits
 from .checkpoint import FILENAME as CHECKPOINT_FILENAME
 from .checkpoint import describe_checkpoint
 from .export import EXPORT_INFO, EXPORT_VERSION, EXPORT_WEIGHTS, describe_export
+from .kinds import EXPORT, RUN, locate_artifact
 from .lineage import DATA_PATH_FIELDS
 from .results import find_eval_results, read_json
 
@@ -63,17 +64,8 @@ class ArtifactInfo:
 
 def read_artifact(path: Path) -> ArtifactInfo:
     path = Path(path)
-    if path.is_dir() and (path / CHECKPOINT_FILENAME).is_file() or path.name == CHECKPOINT_FILENAME:
-        info = _read_run(path if path.is_dir() else path.parent)
-    elif path.is_dir() and (path / EXPORT_WEIGHTS).is_file() or path.name == EXPORT_WEIGHTS:
-        info = _read_export(path if path.is_dir() else path.parent)
-    elif path.is_dir():
-        raise ArtifactError(f"{path}: neither a run directory ({CHECKPOINT_FILENAME}) nor an export directory "
-                            f"({EXPORT_WEIGHTS})")
-    elif not path.exists():
-        raise ArtifactError(f"{path}: no such file or directory")
-    else:
-        info = _read_ptz(path)
+    kind, where = locate_artifact(path)
+    info = _read_run(where) if kind == RUN else _read_export(where) if kind == EXPORT else _read_ptz(where)
     info.evals = find_eval_results(path)
     if info.run_dir is not None:
         info.summary = read_json(info.run_dir / "summary.json")

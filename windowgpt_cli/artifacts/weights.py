@@ -25,6 +25,7 @@ from . import ptz
 from .checkpoint import FILENAME as CHECKPOINT_FILENAME
 from .checkpoint import load_checkpoint
 from .export import EXPORT_INFO, EXPORT_WEIGHTS, TOKENIZER_FILE, read_export
+from .kinds import EXPORT, RUN, locate_artifact
 from .results import read_json
 
 
@@ -39,21 +40,10 @@ class LoadedWeights:
 
 
 def load_weights(artifact: Path) -> LoadedWeights:
-    artifact = Path(artifact)
-    if artifact.is_dir():
-        if (artifact / CHECKPOINT_FILENAME).is_file():
-            return _load_run(artifact / CHECKPOINT_FILENAME)
-        if (artifact / EXPORT_WEIGHTS).is_file():
-            return _load_export(artifact)
-        raise ArtifactError(f"{artifact}: neither a run directory ({CHECKPOINT_FILENAME}) "
-                            f"nor an export directory ({EXPORT_WEIGHTS})")
-    if not artifact.exists():
-        raise ArtifactError(f"{artifact}: no such file or directory")
-    if artifact.name == CHECKPOINT_FILENAME:
-        return _load_run(artifact)
-    if artifact.name == EXPORT_WEIGHTS:
-        return _load_export(artifact.parent)
-    return _load_ptz(artifact)
+    kind, where = locate_artifact(artifact)
+    if kind == RUN:
+        return _load_run(where / CHECKPOINT_FILENAME)
+    return _load_export(where) if kind == EXPORT else _load_ptz(where)
 
 
 def build_model(artifact: Path, device: torch.device) -> tuple[LoadedWeights, GPT]:
