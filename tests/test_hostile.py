@@ -240,6 +240,7 @@ CASES = [
     ("generate {ptz} --data {data} --temperature nan", 1, "--temperature nan"),
     ("generate {ptz} --data {data} --max-new-tokens 0", 1, "--max-new-tokens 0"),
     ("inspect {ptz} --budget -5", 1, "--budget -5"),
+    ("report {data}", 1, "neither the OUT directory of `make record` (a train/ folder inside) nor a run or export"),
     # what a score depends on, verified
     ("eval {ptz} --data {swapped_tables}", 1, "differs from the byte tables"),
     ("eval {reshaped_export} --data {data}", 1, "blocks.0.attn.c_q.weight is [64, 63]"),
@@ -366,7 +367,7 @@ def test_hostile_input_is_one_line_and_leaves_nothing(world, line, code, fragmen
 def test_hostile_suite_covers_every_stage():
     stages = {line.split(" ")[0] for line, _, _ in CASES}
     assert stages == {"prepare", "tokenizer-meta", "train", "export", "quantize", "eval", "eval-ttt", "generate",
-                      "inspect", "plot", "pack"}
+                      "inspect", "plot", "pack", "report"}
     assert len(CASES) >= 60
 
 

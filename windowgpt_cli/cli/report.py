@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..config import check_settings
-from ..errors import RecordError
+from ..errors import ArtifactError, RecordError
 from ..record.rules import FAIL, PASS, RECORD_JSON, RECORD_README, Rules, failed_checks, is_record_out, write_report
 from .support import console, user_errors_exit_1
 
@@ -61,8 +61,15 @@ def command(
 
 
 def _report_card(artifact: Path, budget: int, json_output: bool) -> None:
+    from ..artifacts.kinds import locate_artifact
     from ..artifacts.report_card import write_report_card  # imports torch: only when the command runs
 
+    if Path(artifact).is_dir():  # a folder of neither kind: say every kind report takes
+        try:
+            locate_artifact(artifact)
+        except ArtifactError:
+            raise ArtifactError(f"{artifact}: neither the OUT directory of `make record` (a train/ folder inside) "
+                                f"nor a run or export directory (checkpoint.pt, model.safetensors)") from None
     card = write_report_card(artifact, budget)
     if json_output:
         console.print_json(data=card)
