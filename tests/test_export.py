@@ -74,7 +74,8 @@ def test_a_path_names_a_run_an_export_or_a_ptz_by_one_rule(tmp_path: Path):
     """artifacts.kinds.locate_artifact, which load_weights and read_artifact (inspect, compare,
     plot, report) share: a folder by the file it holds, a file by its name, any other file a .ptz."""
     run, exported = tmp_path / "run", tmp_path / "export"
-    run.mkdir(), exported.mkdir()
+    run.mkdir()
+    exported.mkdir()
     (run / "checkpoint.pt").write_bytes(b"")
     (exported / "model.safetensors").write_bytes(b"")
     (tmp_path / "model.ptz").write_bytes(b"")
