@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.fused_products import milliseconds  # noqa: E402
-from bench.one_pass import SEQ_LEN, check_pass_args, pass_parser, report  # noqa: E402
+from bench.one_pass import check_pass_args, pass_parser, pass_randn, report  # noqa: E402
 from windowgpt_cli.kernels.flash4 import (FULL, fa4_attention, fa4_attention_backward,  # noqa: E402
                                           fa4_window_sinks, fa4_window_sinks_backward)
 
@@ -86,14 +86,9 @@ def fastest_matching(figures: dict[str, dict]) -> str | None:
 
 def layer_backward(kind: str, positions: int) -> Callable[[], tuple]:
     """One layer's backward on random inputs, as the training step calls it."""
-    g = torch.Generator(device="cuda").manual_seed(positions)
-    batch = positions // SEQ_LEN
-
-    def rand(heads: int) -> torch.Tensor:
-        return torch.randn(batch, SEQ_LEN, heads, HEAD_DIM, device="cuda", generator=g).bfloat16()
-
-    q, k, v = rand(HEADS), rand(KV_HEADS), rand(KV_HEADS)
-    dout = rand(HEADS)
+    randn = pass_randn(positions)
+    q, k, v = randn(HEADS, HEAD_DIM), randn(KV_HEADS, HEAD_DIM), randn(KV_HEADS, HEAD_DIM)
+    dout = randn(HEADS, HEAD_DIM)
     if kind == "full":
         out, lse = fa4_attention(q, k, v, FULL)
         dlse = torch.zeros_like(lse)

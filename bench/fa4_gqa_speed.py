@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.fused_products import milliseconds  # noqa: E402
-from bench.one_pass import SEQ_LEN, check_pass_args, pass_parser, report  # noqa: E402
+from bench.one_pass import check_pass_args, pass_parser, pass_randn, report  # noqa: E402
 from windowgpt_cli.kernels.flash4 import FULL, fa4_attention, fa4_window_sinks  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, WINDOW, SINKS = 8, 4, 64, 512, 4
@@ -37,12 +37,10 @@ def attend(kind: str, q, k, v):
 
 
 def layer_figures(kind: str, positions: int, repeats: int) -> dict:
-    g = torch.Generator(device="cuda").manual_seed(positions)
-    batch = positions // SEQ_LEN
+    randn = pass_randn(positions)
 
     def leaf(heads: int) -> torch.Tensor:
-        x = torch.randn(batch, SEQ_LEN, heads, HEAD_DIM, device="cuda", generator=g).bfloat16()
-        return x.requires_grad_()
+        return randn(heads, HEAD_DIM).requires_grad_()
 
     q, k, v = leaf(HEADS), leaf(KV_HEADS), leaf(KV_HEADS)
     k8, v8 = (t.detach().repeat_interleave(HEADS // KV_HEADS, 2).requires_grad_() for t in (k, v))

@@ -1,16 +1,30 @@
 """What the benches that time kernels at one forward pass of the record step share (two
 micro-batches of 48 x 2,048 positions on one H200): their common arguments, the checks of
-them and the report, a JSON object printed and, with --json, written to a file."""
+them, the pass's random inputs and the report, a JSON object printed and, with --json,
+written to a file."""
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 SEQ_LEN = 2048
 PASS_POSITIONS = 196_608
+
+
+def pass_randn(positions: int, device: str = "cuda") -> Callable[..., torch.Tensor]:
+    """randn(*shape): bfloat16 normal draws [batch, SEQ_LEN, *shape] of one pass of `positions`,
+    from a generator seeded by them (the same numbers on each run)."""
+    generator = torch.Generator(device=device).manual_seed(positions)
+    batch = positions // SEQ_LEN
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(batch, SEQ_LEN, *shape, device=device, generator=generator).bfloat16()
+
+    return randn
 
 
 def pass_parser(description: str) -> argparse.ArgumentParser:

@@ -358,6 +358,20 @@ def test_the_one_pass_benches_check_their_arguments(argv, message, monkeypatch):
     assert (args.positions, args.repeats, args.json) == (196_608, 20, None)
 
 
+def test_a_pass_draws_the_same_bf16_inputs_for_the_same_positions():
+    """bench/one_pass.pass_randn, the FA4 benches' inputs: [batch, 2,048, *shape] bfloat16,
+    the same numbers for the same positions, others for others."""
+    import torch
+
+    import one_pass
+
+    first, again = one_pass.pass_randn(4096, "cpu"), one_pass.pass_randn(4096, "cpu")
+    q = first(3, 8)
+    assert q.shape == (2, 2048, 3, 8) and q.dtype == torch.bfloat16
+    assert torch.equal(q, again(3, 8)) and not torch.equal(first(3, 8), q)
+    assert not torch.equal(one_pass.pass_randn(2048, "cpu")(3, 8), q[:1])
+
+
 def test_the_one_pass_report_prints_and_writes_the_same_object(tmp_path, capsys):
     import one_pass
 
