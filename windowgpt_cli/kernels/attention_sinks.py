@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .window_attention import _query_program
+from .window_attention import query_program
 
 BLOCK_M = 64  # query rows a program owns; the work is memory-bound, one pass over them
 
@@ -35,7 +35,7 @@ def _sink_tiles(q_ptr, k_ptr, v_ptr, stride_qb, stride_qt, stride_qh, stride_qd,
     """This program's rows (the first is window + 1, the first to see sink 0 outside its
     window), their queries, the sinks' keys and values, and the rows' scores against the
     sinks (-inf where a sink is in the window, or past `sinks`)."""
-    _, batch, head, kv_head, offsets = _query_program(num_heads, group, BLOCK_M)  # offsets: this block's rows
+    _, batch, head, kv_head, offsets = query_program(num_heads, group, BLOCK_M)  # offsets: this block's rows
     rows = window + 1 + offsets
     dims = tl.arange(0, HEAD_DIM)
     cols = tl.arange(0, SINKS_PAD)

@@ -151,8 +151,9 @@ def _row_tile(base, rows, dims, live, stride_t, stride_d):
 
 
 @triton.jit
-def _query_program(num_heads, group, BLOCK_M: tl.constexpr):
-    """This program's block of queries: (first query, batch, head, kv head, query positions)."""
+def query_program(num_heads, group, BLOCK_M: tl.constexpr):
+    """This program's block of queries: (first query, batch, head, kv head, query positions);
+    the sink kernels (`attention_sinks`) take theirs from it too."""
     q_start = tl.program_id(0) * BLOCK_M
     batch = (tl.program_id(1) // num_heads).to(tl.int64)
     head = tl.program_id(1) % num_heads
@@ -168,7 +169,7 @@ def _attention_forward_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
                               seq_len, num_heads, group, window, sinks, qk_scale,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """out and the natural log-sum-exp [B, H, T] of one block of queries of one head."""
-    q_start, batch, head, kv_head, rows = _query_program(num_heads, group, BLOCK_M)
+    q_start, batch, head, kv_head, rows = query_program(num_heads, group, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     row_live = (rows < seq_len)[:, None]
     q_base = q_ptr + batch * stride_qb + head * stride_qh
@@ -319,7 +320,7 @@ def _attention_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """dQ of one block of queries of one head, over the key blocks it sees (as the forward).
     dq is q's layout, contiguous."""
-    q_start, batch, head, kv_head, rows = _query_program(num_heads, group, BLOCK_M)
+    q_start, batch, head, kv_head, rows = query_program(num_heads, group, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     live = rows < seq_len
     q = _row_tile(q_ptr + batch * stride_qb + head * stride_qh, rows, dims, live, stride_qt, stride_qd)
