@@ -52,7 +52,8 @@ def test_runs_merge_over_calls_and_count_the_code_with_the_model(tmp_path):
 # frontier.sh reads from CMD (eval fails while FAIL_EVAL is set); anything else runs Python.
 FAKE_PYTHON = r'''#!/usr/bin/env bash
 if [ "$1" != "-m" ] || [ "$2" != "windowgpt_cli" ]; then exec "$REAL_PYTHON" "$@"; fi
-cmd=$3; shift 3; out=; while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; shift; done
+cmd=$3; shift 3; [ -z "${ARGS:-}" ] || echo "$cmd $*" >> "$ARGS"
+out=; while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; shift; done
 echo "$cmd" >> "$CALLS"
 case $cmd in
   pack) echo zip > "$out" ;;
@@ -91,3 +92,16 @@ def test_resume_keeps_a_finished_training_and_runs_the_later_stages(tmp_path):
     runs = json.loads((tmp_path / "logs" / "frontier_h200.json").read_text())["runs"]
     assert runs["default"]["steps"] == 9 and runs["default"]["val_bpb"] == 1.55
     assert run_frontier(tmp_path) == ["pack", "train", "export", "quantize", "eval"]  # without RESUME: trained again
+
+
+def test_tokenizer_runs_prepare_their_own_data_and_train_the_preset_as_it_is(tmp_path):
+    args = tmp_path / "args.txt"
+    run_frontier(tmp_path, RUNS="frontier_case_markers frontier_sample_64mb", ARGS=str(args))
+    lines = args.read_text().splitlines()
+    prepares = [line for line in lines if line.startswith("prepare ")]
+    trains = [line.split() for line in lines if line.startswith("train ")]
+    assert len(prepares) == 2 and "--case-markers" in prepares[0] and "--vocab-size 8192" in prepares[0]
+    assert "--tokenizer-sample-bytes 67108864" in prepares[1] and "--case-markers" not in prepares[1]
+    data = [t[t.index("--data") + 1] for t in trains]
+    assert len(set(data)) == 2 and all("sp8192" in d for d in data)
+    assert all(t[t.index("--preset") + 1] == "frontier" and "--fp8-mlp" not in t for t in trains)
