@@ -24,14 +24,17 @@
 #                                       check the script on a CPU)
 #   SLIDING_UNQUANTIZED=1               also score the unquantized export (the quantization's
 #                                       cost, both sliding)
+#   EVAL_SEQ_LENS="3072 4096"           also score each .ptz with windows of these lengths
+#                                       (stride 64; beyond training's length the rotary tables
+#                                       stretch by the model's rope_scaling)
 #   DEADLINE_S (default 570)            a run starts only while the estimate of its time
 #                                       (RUN_ESTIMATE_S, default 400) fits before it
 #   RESUME=1                            a run whose training finished in WORK (a call stopped
 #                                       at its limit) keeps it: export, quantize and eval run
 # Each run leaves LOG_DIR/NAME/{train.log,summary.json,quantize.json,eval.json} and WORK/NAME/
-# model.ptz; the bytes count the code as `pack` writes it (LOG_DIR/packed_code_bytes);
-# LOG_DIR/frontier_h200.json collects them (bench/frontier_results.py merges
-# several calls' logs into bench/results/frontier_h200.json).
+# {export,model.ptz} (bench/quant_schemes.py takes the export); the bytes count the code as
+# `pack` writes it (LOG_DIR/packed_code_bytes); LOG_DIR/frontier_h200.json collects them
+# (bench/frontier_results.py merges several calls' logs into bench/results/frontier_h200.json).
 # usage: [RUNS="..."] [TRAIN_SECONDS=240] bench/frontier.sh SHARED_DIR WORK_DIR LOG_DIR
 source "$(dirname "$0")/lib.sh"
 started=$SECONDS
@@ -108,6 +111,10 @@ measure() {  # NAME: train, export, quantize and evaluate one run
   if [ -n "${SLIDING_UNQUANTIZED:-}" ]; then  # what quantization costs, both sliding
     step "$out/eval_unquantized.json" eval "$dir/export" --data "$data" --stride 64 --json || return 1
   fi
+  for seq_len in ${EVAL_SEQ_LENS:-}; do
+    step "$out/eval_seq$seq_len.json" eval "$dir/model.ptz" --data "$data" --stride 64 --seq-len "$seq_len" \
+      --json || return 1
+  done
   python3 "$repo/bench/frontier_results.py" "$logs" --out "$logs/frontier_h200.json" --only "$name"
 }
 

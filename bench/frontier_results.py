@@ -17,7 +17,8 @@ BUDGET_BYTES = 16_000_000
 
 def run_entry(folder: Path, code_bytes: int) -> dict:
     """One run's figures from its logs: summary.json and config.json (train), quantize.json
-    and eval.json; code_bytes: the packed code's, counted with the model's."""
+    and eval.json (and eval_unquantized.json, eval_seqN.json where scored); code_bytes: the
+    packed code's, counted with the model's."""
     train = json.loads((folder / "summary.json").read_text())
     config = json.loads((folder / "config.json").read_text())
     quantize = json.loads((folder / "quantize.json").read_text())
@@ -28,6 +29,10 @@ def run_entry(folder: Path, code_bytes: int) -> dict:
     if unquantized.exists():
         extra["unquantized_val_bpb"] = json.loads(unquantized.read_text())["val_bpb"]
         extra["quantization_loss"] = round(scored["val_bpb"] - extra["unquantized_val_bpb"], 6)
+    by_seq_len = {int(p.stem.removeprefix("eval_seq")): json.loads(p.read_text())["val_bpb"]
+                  for p in folder.glob("eval_seq*.json")}  # the same .ptz, windows of other lengths
+    if by_seq_len:
+        extra["val_bpb_by_eval_seq_len"] = {str(n): by_seq_len[n] for n in sorted(by_seq_len)}
     return extra | {
         "steps": train["step"], "ms_per_step": train["ms_per_step"],
         "training_plus_calibration_s": round(train["training_plus_calibration_ms"] / 1000.0, 1),

@@ -28,8 +28,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 SDCLIP = ["--quant-mlp-clip-sigmas", "11.5", "--quant-attn-clip-sigmas", "13", "--quant-embed-clip-sigmas", "14"]
-LQER = ["--quant-lqer-rank", "4", "--quant-lqer-top-k", "3", "--quant-lqer-factor-bits", "4",
-        "--quant-lqer-group-size", "64"]
+
+
+def lqer(rank: int = 4, top_k: int = 3) -> list[str]:
+    """LQER's flags: PR #1855's by default (rank 4 on the 3 matrices of the largest error)."""
+    return ["--quant-lqer-rank", str(rank), "--quant-lqer-top-k", str(top_k), "--quant-lqer-factor-bits", "4",
+            "--quant-lqer-group-size", "64"]
+
+
+LQER = lqer()
+PR1855 = SDCLIP + ["--quant-embed-bits", "7", "--quant-gptq-embed", "--quant-gates-int8"]
 # Every scheme sets every setting it departs in, so that the export's own values never leak in.
 OFF = ["--clip-range", "31", "--no-quant-gptq-embed", "--quant-embed-bits", "8", "--quant-mlp-clip-sigmas", "0",
        "--quant-attn-clip-sigmas", "0", "--quant-embed-clip-sigmas", "0", "--no-quant-gates-int8",
@@ -46,7 +54,11 @@ SCHEMES = {
     "sdclip": SDCLIP,
     "sdclip_int7embed": SDCLIP + ["--quant-embed-bits", "7"],
     "sdclip_int7embed_gptqembed": SDCLIP + ["--quant-embed-bits", "7", "--quant-gptq-embed"],
-    "pr1855": SDCLIP + ["--quant-embed-bits", "7", "--quant-gptq-embed", "--quant-gates-int8"] + LQER,
+    "pr1855": PR1855 + LQER,
+    # LQER on more matrices or at a higher rank: a few kB each where the artifact has room
+    "pr1855_lqer_top8": PR1855 + lqer(top_k=8),
+    "pr1855_lqer_rank8": PR1855 + lqer(rank=8),
+    "pr1855_lqer_rank8_top8": PR1855 + lqer(rank=8, top_k=8),
     # the export's own settings (a preset's scheme, e.g. --preset frontier's), nothing turned off
     "own": None,
 }

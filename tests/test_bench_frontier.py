@@ -49,11 +49,12 @@ def test_runs_merge_over_calls_and_count_the_code_with_the_model(tmp_path):
 
 
 # A stand-in for `python3` on PATH: `-m windowgpt_cli CMD ... --out P` logs CMD and writes what
-# frontier.sh reads from CMD (eval fails while FAIL_EVAL is set); anything else runs Python.
+# frontier.sh reads from CMD (eval fails while FAIL_EVAL is set; its val_bpb names --seq-len);
+# anything else runs Python.
 FAKE_PYTHON = r'''#!/usr/bin/env bash
 if [ "$1" != "-m" ] || [ "$2" != "windowgpt_cli" ]; then exec "$REAL_PYTHON" "$@"; fi
 cmd=$3; shift 3; [ -z "${ARGS:-}" ] || echo "$cmd $*" >> "$ARGS"
-out=; while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; shift; done
+out=; seq=; while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; [ "$1" = --seq-len ] && seq=$2; shift; done
 echo "$cmd" >> "$CALLS"
 case $cmd in
   pack) echo zip > "$out" ;;
@@ -63,7 +64,7 @@ case $cmd in
       > "$out/summary.json"
     echo '{"model": {"vocab_size": 1024}}' > "$out/config.json" ;;
   quantize) echo ptz > "$out"; echo '{"model_bytes": 9000000, "compressor": "groups"}' ;;
-  eval) [ -z "${FAIL_EVAL:-}" ] || exit 1; echo '{"val_bpb": 1.55}' ;;
+  eval) [ -z "${FAIL_EVAL:-}" ] || exit 1; echo "{\"val_bpb\": 1.${seq:-55}}" ;;  # 1.4096 at --seq-len 4096
 esac
 '''
 
@@ -105,3 +106,13 @@ def test_tokenizer_runs_prepare_their_own_data_and_train_the_preset_as_it_is(tmp
     data = [t[t.index("--data") + 1] for t in trains]
     assert len(set(data)) == 2 and all("sp8192" in d for d in data)
     assert all(t[t.index("--preset") + 1] == "frontier" and "--fp8-mlp" not in t for t in trains)
+
+
+def test_longer_windows_score_the_same_ptz_and_are_collected(tmp_path):
+    args = tmp_path / "args.txt"
+    run_frontier(tmp_path, EVAL_SEQ_LENS="4096 3072", ARGS=str(args))
+    evals = [line.split() for line in args.read_text().splitlines() if line.startswith("eval ")]
+    assert [e[e.index("--seq-len") + 1] if "--seq-len" in e else None for e in evals] == [None, "4096", "3072"]
+    assert len({e[1] for e in evals}) == 1 and evals[0][1].endswith("model.ptz")
+    run = json.loads((tmp_path / "logs" / "frontier_h200.json").read_text())["runs"]["default"]
+    assert run["val_bpb_by_eval_seq_len"] == {"3072": 1.3072, "4096": 1.4096} and run["val_bpb"] == 1.55
