@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import re
 import sys
 from pathlib import Path
 from typing import Callable, Iterator
@@ -97,6 +98,12 @@ def layer_backward(kind: str, positions: int) -> Callable[[], tuple]:
     return lambda: fa4_window_sinks_backward(dout, q, k, v, out, lse, WINDOW, SINKS)
 
 
+def error_line(error: Exception) -> str:
+    """An error's type and first line, without the terminal colours CUTLASS's DSL writes."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+
+
 def kind_figures(interface, kind: str, positions: int, repeats: int) -> dict:
     backward = layer_backward(kind, positions)
     want = backward()
@@ -108,8 +115,7 @@ def kind_figures(interface, kind: str, positions: int, repeats: int) -> dict:
                 figures[name] = {"backward_ms": round(milliseconds(backward, repeats), 4),
                                  "gradient_difference": round(difference, 6)}
         except Exception as error:  # a configuration FA4 cannot build: reported, not fatal
-            text = str(error).strip()
-            figures[name] = {"error": f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"[:300]}
+            figures[name] = {"error": error_line(error)}
     return {"candidates": figures, "best": fastest_matching(figures)}
 
 
@@ -120,7 +126,7 @@ def main() -> None:
     check_candidates(interface.BwdConfig, CANDIDATES)
     own = interface._tile_size_bwd_sm90(HEAD_DIM, HEAD_DIM, True, False)
     result = {"gpu": torch.cuda.get_device_name(), "positions": args.positions, "heads": HEADS,
-              "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "window": WINDOW, "sinks": SINKS,
+              "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "window_size": WINDOW, "sinks": SINKS,
               "fa4_tiles": dataclasses.asdict(own), "candidates": CANDIDATES}
     for kind in ("full", "window"):
         result[kind] = kind_figures(interface, kind, args.positions, args.repeats)

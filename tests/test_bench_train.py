@@ -427,3 +427,11 @@ def test_the_best_tiles_are_the_fastest_whose_gradients_match():
                "faster": {"backward_ms": 2.5, "gradient_difference": 0.004}}
     assert fa4_backward_tiles.fastest_matching(figures) == "faster"
     assert fa4_backward_tiles.fastest_matching({"broken": {"error": "x"}}) is None
+
+
+def test_a_candidates_error_is_its_first_line_without_terminal_colours():
+    import fa4_backward_tiles
+
+    error = RuntimeError("\x1b[91m\x1b[1merror[CUDA_LAUNCH_INVALID_CONFIG]:\x1b[0m launch failed\nmore detail")
+    assert fa4_backward_tiles.error_line(error) == "RuntimeError: error[CUDA_LAUNCH_INVALID_CONFIG]: launch failed"
+    assert fa4_backward_tiles.error_line(AssertionError()) == "AssertionError: "
