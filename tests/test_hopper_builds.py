@@ -4,7 +4,8 @@ kernels in Triton's interpreter, which builds nothing) and must fit a Hopper
 multiprocessor's shared memory. A kernel that needs more fails at its first launch on the
 GPU; this finds it without one. The float8 MLP's kernels build too, and divide as the
 interpreter does (correctly rounded), not by the GPU's approximate division; so do the
-training step's XSA op's kernels, the heads' kernels and FA4's window's sink kernels."""
+training step's XSA op's kernels, the heads' kernels, FA4's window's sink kernels and
+bench/fp8_group_products.py's float8 products."""
 from __future__ import annotations
 
 import importlib.util
@@ -21,11 +22,15 @@ HOPPER_SHARED_BYTES = 232_448  # 227 KB: the most shared memory one block may ta
 
 BUILDS = r'''
 import json
+import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from windowgpt_cli.kernels import (attention_output, attention_sinks, elementwise, elementwise_backward, fp8_mlp,
                                    fused_mlp, window_attention)
+
+sys.path.insert(0, "bench")
+import fp8_group_products  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -111,6 +116,14 @@ def sinks(kernel):
     return build(kernel, types, constants, 4, 3)
 
 
+def fp8_group_product(kernel, constants):
+    """bench/fp8_group_products.py's products at its default launch (8 warps, 3 stages)."""
+    codes = ("x_ptr", "w_ptr", "h_ptr", "codes_ptr")
+    types = lambda name: ("*fp8e4nv" if name in codes else "*bf16" if name in ("pre_ptr", "out_ptr")
+                          else "*fp32" if name.endswith("_ptr") else "fp32" if name == "negative_slope" else "i32")
+    return build(kernel, types, constants, 8, 3)
+
+
 print(json.dumps({
     "sinks_forward": sinks(attention_sinks._attention_sinks_forward_kernel),
     "sinks_backward": sinks(attention_sinks._attention_sinks_backward_kernel),
@@ -122,6 +135,9 @@ print(json.dumps({
     "training_up_product": up_product(fused_mlp.TRAINING_TILES, True),
     "training_gradient_product": gradient_product(fused_mlp.TRAINING_TILES),
     "window_key_gradients": key_gradients(window_attention.DEFAULT_TUNING),
+    "fp8_group_up": fp8_group_product(fp8_group_products._up_kernel, {"BLOCK_M": 128, "GROUP_N": 128, "BLOCK_K": 64}),
+    "fp8_group_down": fp8_group_product(fp8_group_products._down_kernel,
+                                        {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_K": 128}),
     "fp8_approximate_divisions": approximate_divisions(fp8_mlp._leaky_square_fp8_kernel)
                                  + approximate_divisions(fp8_mlp._leaky_square_fp8_backward_kernel),
 }))
@@ -144,4 +160,4 @@ def test_the_largest_tiles_fit_a_hopper_multiprocessors_shared_memory():
     assert all(0 <= shared.pop(name) <= HOPPER_SHARED_BYTES for name in ("heads_forward", "heads_backward"))
     assert all(0 < shared.pop(name) <= HOPPER_SHARED_BYTES
                for name in ("xsa_forward", "xsa_backward", "sinks_forward", "sinks_backward"))
-    assert len(shared) == 4 and all(0 < size <= HOPPER_SHARED_BYTES for size in shared.values()), shared
+    assert len(shared) == 6 and all(0 < size <= HOPPER_SHARED_BYTES for size in shared.values()), shared
