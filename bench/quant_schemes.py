@@ -59,6 +59,9 @@ SCHEMES = {
     "pr1855_lqer_top8": PR1855 + lqer(top_k=8),
     "pr1855_lqer_rank8": PR1855 + lqer(rank=8),
     "pr1855_lqer_rank8_top8": PR1855 + lqer(rank=8, top_k=8),
+    # the MLP's and the attention's clips a step either side of #1855's (tuned on its model)
+    **{f"pr1855_mlp_clip{k}": PR1855 + LQER + ["--quant-mlp-clip-sigmas", str(k)] for k in (10, 13)},
+    **{f"pr1855_attn_clip{k}": PR1855 + LQER + ["--quant-attn-clip-sigmas", str(k)] for k in (11.5, 15)},
     # the export's own settings (a preset's scheme, e.g. --preset frontier's), nothing turned off
     "own": None,
 }
