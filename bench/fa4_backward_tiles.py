@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import re
 import sys
 from pathlib import Path
 from typing import Callable, Iterator
@@ -26,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.fused_products import milliseconds  # noqa: E402
-from bench.one_pass import check_pass_args, pass_parser, pass_randn, report  # noqa: E402
+from bench.one_pass import check_pass_args, error_line, pass_parser, pass_randn, report  # noqa: E402
 from windowgpt_cli.kernels.flash4 import (FULL, fa4_attention, fa4_attention_backward,  # noqa: E402
                                           fa4_window_sinks, fa4_window_sinks_backward)
 
@@ -96,12 +95,6 @@ def layer_backward(kind: str, positions: int) -> Callable[[], tuple]:
         return lambda: fa4_attention_backward(dout, dlse, q, k, v, out, lse, FULL)
     out, lse = fa4_window_sinks(q, k, v, WINDOW, SINKS)
     return lambda: fa4_window_sinks_backward(dout, q, k, v, out, lse, WINDOW, SINKS)
-
-
-def error_line(error: Exception) -> str:
-    """An error's type and first line, without the terminal colours CUTLASS's DSL writes."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
 
 def kind_figures(interface, kind: str, positions: int, repeats: int) -> dict:

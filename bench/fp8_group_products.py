@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from windowgpt_cli.kernels.elementwise import leaky_square_values  # noqa: E402
-from windowgpt_cli.kernels.fp8_mlp import AMAX_FLOOR, CODE_MAX, _e4m3_grid, _power_of_two_at_least  # noqa: E402
+from windowgpt_cli.kernels.fp8_mlp import fp8_row_codes  # noqa: E402
 from windowgpt_cli.kernels.fp8_products import FP8, scaled_product, to_fp8_rows  # noqa: E402
 
 SLOPE = 0.5
@@ -59,10 +59,7 @@ def _up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, pre_ptr, codes_ptr, scale
     offsets = row[:, None].to(tl.int64) * cols + col[None, :]
     mask = row[:, None] < rows
     tl.store(pre_ptr + offsets, pre, mask=mask)
-    act = leaky_square_values(pre.to(tl.float32), negative_slope)
-    amax = tl.max(tl.abs(act), axis=1, keep_dims=True)
-    scale, inverse = _power_of_two_at_least(tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), CODE_MAX))
-    codes = _e4m3_grid(tl.minimum(act * inverse, CODE_MAX))
+    codes, scale = fp8_row_codes(leaky_square_values(pre.to(tl.float32), negative_slope))  # the tile's rows: groups
     tl.store(codes_ptr + offsets, codes.to(codes_ptr.dtype.element_ty), mask=mask)
     groups = cols // GROUP_N
     tl.store(scales_ptr + row[:, None] * groups + tl.program_id(1), scale, mask=mask)
@@ -143,7 +140,7 @@ def largest_difference(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def main() -> None:
     from bench.fused_products import milliseconds
-    from bench.one_pass import report
+    from bench.one_pass import error_line, report
     from windowgpt_cli.kernels.quack_products import leaky_square_up, quack_targets
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -174,7 +171,7 @@ def main() -> None:
             "down": largest_difference(down_product(codes, scales, down8, down_scale),
                                        down_reference(codes, scales, down8, down_scale))}
     except Exception as error:  # the timings below still run, each reported apart
-        result["differences"] = {"error": f"{type(error).__name__}: {str(error).strip()[:300]}"}
+        result["differences"] = {"error": error_line(error)}
     rows8 = to_fp8_rows(F.leaky_relu(pre.float(), SLOPE).square())  # the activation by whole rows, for cuBLAS
     up_flops = down_flops = 2 * args.rows * args.dim * args.hidden
     ways = {
@@ -193,7 +190,7 @@ def main() -> None:
             ms = milliseconds(call, args.repeats)
             result["ways"][name] = {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}
         except Exception as error:  # a way that cannot build or run here: reported, the others timed
-            result["ways"][name] = {"error": f"{type(error).__name__}: {str(error).strip()[:300]}"}
+            result["ways"][name] = {"error": error_line(error)}
     report(result, args.json)
 
 

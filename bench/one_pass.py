@@ -1,11 +1,12 @@
 """What the benches that time kernels at one forward pass of the record step share (two
 micro-batches of 48 x 2,048 positions on one H200): their common arguments, the checks of
-them, the pass's random inputs and the report, a JSON object printed and, with --json,
-written to a file."""
+them, the pass's random inputs, an error's line and the report, a JSON object printed and,
+with --json, written to a file."""
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -25,6 +26,13 @@ def pass_randn(positions: int, device: str = "cuda") -> Callable[..., torch.Tens
         return torch.randn(batch, SEQ_LEN, *shape, device=device, generator=generator).bfloat16()
 
     return randn
+
+
+def error_line(error: Exception) -> str:
+    """An error's type and first line, for a bench's JSON: a way that cannot build or run is
+    reported beside the others (without the terminal colours CUTLASS's DSL writes)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
 
 def pass_parser(description: str) -> argparse.ArgumentParser:

@@ -430,8 +430,8 @@ def test_the_best_tiles_are_the_fastest_whose_gradients_match():
 
 
 def test_a_candidates_error_is_its_first_line_without_terminal_colours():
-    import fa4_backward_tiles
+    import one_pass
 
     error = RuntimeError("\x1b[91m\x1b[1merror[CUDA_LAUNCH_INVALID_CONFIG]:\x1b[0m launch failed\nmore detail")
-    assert fa4_backward_tiles.error_line(error) == "RuntimeError: error[CUDA_LAUNCH_INVALID_CONFIG]: launch failed"
-    assert fa4_backward_tiles.error_line(AssertionError()) == "AssertionError: "
+    assert one_pass.error_line(error) == "RuntimeError: error[CUDA_LAUNCH_INVALID_CONFIG]: launch failed"
+    assert one_pass.error_line(AssertionError()) == "AssertionError: "

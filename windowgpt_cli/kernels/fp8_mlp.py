@@ -64,14 +64,21 @@ def _program_rows(rows, cols, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _store_fp8_rows(x, codes_ptr, scale_ptr, row, offsets, mask, rows):
-    """Round x [ROWS, COLS] (float32, 0 where masked) to float8 codes by rows with a power-of-two
-    scale each, as `to_fp8_rows`, and store codes and scales."""
+def fp8_row_codes(x):
+    """x [ROWS, COLS] (float32) rounded to float8 by rows with a power-of-two scale each, as
+    `to_fp8_rows`: (the codes, float32 values on float8's grid; the scales [ROWS, 1])."""
     amax = tl.max(tl.abs(x), axis=1, keep_dims=True)
     # a correctly rounded division, as torch's: Triton's `/` is approximate, and a row whose
     # largest magnitude is 448 times a power of two must get that power, not the next
     scale, inverse = _power_of_two_at_least(tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), CODE_MAX))
-    codes = _e4m3_grid(tl.minimum(tl.maximum(x * inverse, -CODE_MAX), CODE_MAX))
+    return _e4m3_grid(tl.minimum(tl.maximum(x * inverse, -CODE_MAX), CODE_MAX)), scale
+
+
+@triton.jit
+def _store_fp8_rows(x, codes_ptr, scale_ptr, row, offsets, mask, rows):
+    """Round x [ROWS, COLS] (float32, 0 where masked) to float8 codes by rows (`fp8_row_codes`)
+    and store codes and scales."""
+    codes, scale = fp8_row_codes(x)
     tl.store(codes_ptr + offsets, codes.to(codes_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale, mask=row < rows)
 
