@@ -64,7 +64,7 @@ case $cmd in
       > "$out/summary.json"
     echo '{"model": {"vocab_size": 1024}}' > "$out/config.json" ;;
   quantize) echo ptz > "$out"; echo '{"model_bytes": 9000000, "compressor": "groups"}' ;;
-  eval) [ -z "${FAIL_EVAL:-}" ] || exit 1; echo "{\"val_bpb\": 1.${seq:-55}}" ;;  # 1.4096 at --seq-len 4096
+  eval) [ -z "${FAIL_EVAL:-}" ] || exit 1; echo "{\"val_bpb\": 1.${seq:-55}, \"seq_len\": ${seq:-2048}}" ;;  # 1.4096 at 4096
 esac
 '''
 
@@ -115,4 +115,5 @@ def test_longer_windows_score_the_same_ptz_and_are_collected(tmp_path):
     assert [e[e.index("--seq-len") + 1] if "--seq-len" in e else None for e in evals] == [None, "4096", "3072"]
     assert len({e[1] for e in evals}) == 1 and evals[0][1].endswith("model.ptz")
     run = json.loads((tmp_path / "logs" / "frontier_h200.json").read_text())["runs"]["default"]
-    assert run["val_bpb_by_eval_seq_len"] == {"3072": 1.3072, "4096": 1.4096} and run["val_bpb"] == 1.55
+    assert run["val_bpb_by_eval_seq_len"] == {"2048": 1.55, "3072": 1.3072, "4096": 1.4096}  # its own length too
+    assert run["val_bpb"] == 1.55
