@@ -233,6 +233,19 @@ def data_bytefallback_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 @pytest.fixture(scope="session")
+def data_multiword_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same recipe with pieces that span words (`prepare --no-split-words`)."""
+    from windowgpt_cli.data.corpus import iter_documents
+    from windowgpt_cli.data.tokenizer import train_sentencepiece
+    from windowgpt_cli.data.tokenizer_options import TokenizerOptions
+
+    texts = [DATA_MULTILINGUAL, *iter_documents(DATA_DEMO_CORPUS)]
+    path = tmp_path_factory.mktemp("tokenizer") / "words512.model"
+    path.write_bytes(train_sentencepiece(texts, 512, max_bytes=300_000, options=TokenizerOptions(split_words=False)))
+    return path
+
+
+@pytest.fixture(scope="session")
 def data_fineweb_tokenizer(shared_dir: Path) -> Path:
     """The shared third-party sp1024 tokenizer, which has no byte fallback."""
     path = shared_dir / "data" / "tokenizers" / "fineweb_1024_bpe.model"

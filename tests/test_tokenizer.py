@@ -65,7 +65,7 @@ def tamper(meta_path: Path, out: Path, **changes) -> Path:
 
 # --- Tables ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("which", ["data_bytefallback_tokenizer", "data_fineweb_tokenizer"])
+@pytest.mark.parametrize("which", ["data_bytefallback_tokenizer", "data_fineweb_tokenizer", "data_multiword_tokenizer"])
 def test_tables_equal_the_vocabulary_read_piece_by_piece(request, which):
     sp = load_sentencepiece(request.getfixturevalue(which))
     base, lead, boundary = build_byte_tables(sp, sp.vocab_size())
@@ -113,6 +113,16 @@ def test_with_byte_fallback_counted_bytes_equal_the_utf8_text(data_bytefallback_
     encoded = sp.decode(sp.encode(text))
     assert count.unknown_tokens == 0
     assert count.counted_bytes == count.normalized_bytes == len(encoded.lstrip(" ").encode("utf-8"))
+
+
+def test_pieces_that_span_words_count_each_inner_space_as_one_byte(data_multiword_tokenizer):
+    sp = load_sentencepiece(data_multiword_tokenizer)
+    luts = load_byte_luts(data_multiword_tokenizer, None, sp.vocab_size())
+    text = "Most of the town walked in the rain and turned to the sea, then waited."
+    spanning = [sp.id_to_piece(t) for t in sp.encode(text) if "\u2581" in sp.id_to_piece(t)[1:]]
+    assert spanning  # the text is encoded with such pieces
+    count = count_text_bytes(sp, luts, text)
+    assert count.counted_bytes == count.normalized_bytes == len(text.encode("utf-8"))
 
 
 def test_without_byte_fallback_unknown_characters_count_nothing(data_fineweb_tokenizer):

@@ -17,9 +17,12 @@ class TokenizerOptions:
 
     case_markers: bool = False  # train on text lowercased with case markers (`case_ops`)
     split_scripts: bool = True  # SentencePiece's split_by_unicode_script: no piece spans two scripts
+    split_words: bool = True  # SentencePiece's split_by_whitespace: no piece spans two words
 
     def trainer_settings(self) -> dict[str, Any]:
         settings: dict[str, Any] = {} if self.split_scripts else {"split_by_unicode_script": False}
+        if not self.split_words:
+            settings["split_by_whitespace"] = False
         if self.case_markers:  # the markers always pieces too, so that none falls to byte tokens
             settings.update(control_symbols=[SIGNATURE], required_chars="".join(MARKERS))
         return settings
