@@ -16,10 +16,11 @@
 #                                       the full causal layers: PYTHONPATH must reach flash_attn),
 #                                       frontier_fp8_mlp_no_recur (that without depth recurrence),
 #                                       frontier_case_markers, frontier_no_split_scripts,
-#                                       frontier_tokenizer and frontier_sample_64mb (the preset
-#                                       on sp8192 data whose tokenizer prepare trained with
-#                                       --case-markers, --no-split-scripts, both, or on 64 MiB
-#                                       of text instead of 4 MB)
+#                                       frontier_tokenizer, frontier_no_split_words and
+#                                       frontier_sample_64mb (the preset on sp8192 data whose
+#                                       tokenizer prepare trained with --case-markers,
+#                                       --no-split-scripts, both, --no-split-words (pieces that
+#                                       span words), or on 64 MiB of text instead of 4 MB)
 #   TRAIN_FLAGS                         more train flags for every run (a smaller model to
 #                                       check the script on a CPU)
 #   SLIDING_UNQUANTIZED=1               also score the unquantized export (the quantization's
@@ -46,6 +47,7 @@ tokenizer_flags_for() {  # NAME -> prepare's tokenizer options for that run's sp
     frontier_case_markers) echo "--case-markers" ;;
     frontier_no_split_scripts) echo "--no-split-scripts" ;;
     frontier_tokenizer) echo "--case-markers --no-split-scripts" ;;
+    frontier_no_split_words) echo "--no-split-words" ;;
     frontier_sample_64mb) echo "--tokenizer-sample-bytes 67108864" ;;
   esac
 }
@@ -79,7 +81,7 @@ flags_for() {  # NAME -> its train flags, one a line
     frontier_fp8_mlp) printf '%s\n' --preset frontier --fp8-mlp ;;
     frontier_fp8_mlp_fa4) printf '%s\n' --preset frontier --fp8-mlp --attn-backend fa4 ;;
     frontier_fp8_mlp_no_recur) printf '%s\n' --preset frontier --fp8-mlp --recur-layers "" --recur-count 1 ;;
-    frontier_case_markers|frontier_no_split_scripts|frontier_tokenizer|frontier_sample_64mb)
+    frontier_case_markers|frontier_no_split_scripts|frontier_tokenizer|frontier_no_split_words|frontier_sample_64mb)
       printf '%s\n' --preset frontier ;;
     *) echo "unknown run $1" >&2; return 1 ;;
   esac

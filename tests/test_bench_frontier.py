@@ -97,14 +97,15 @@ def test_resume_keeps_a_finished_training_and_runs_the_later_stages(tmp_path):
 
 def test_tokenizer_runs_prepare_their_own_data_and_train_the_preset_as_it_is(tmp_path):
     args = tmp_path / "args.txt"
-    run_frontier(tmp_path, RUNS="frontier_case_markers frontier_sample_64mb", ARGS=str(args))
+    run_frontier(tmp_path, RUNS="frontier_case_markers frontier_sample_64mb frontier_no_split_words", ARGS=str(args))
     lines = args.read_text().splitlines()
     prepares = [line for line in lines if line.startswith("prepare ")]
     trains = [line.split() for line in lines if line.startswith("train ")]
-    assert len(prepares) == 2 and "--case-markers" in prepares[0] and "--vocab-size 8192" in prepares[0]
+    assert len(prepares) == 3 and "--case-markers" in prepares[0] and "--vocab-size 8192" in prepares[0]
     assert "--tokenizer-sample-bytes 67108864" in prepares[1] and "--case-markers" not in prepares[1]
+    assert "--no-split-words" in prepares[2] and "--case-markers" not in prepares[2]
     data = [t[t.index("--data") + 1] for t in trains]
-    assert len(set(data)) == 2 and all("sp8192" in d for d in data)
+    assert len(set(data)) == 3 and all("sp8192" in d for d in data)
     assert all(t[t.index("--preset") + 1] == "frontier" and "--fp8-mlp" not in t for t in trains)
 
 

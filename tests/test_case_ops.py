@@ -151,12 +151,13 @@ def test_tokenizer_options_that_do_not_apply_are_errors(tmp_path, data_bytefallb
                                      "--out", out, "--workers", "1"))
     assert "--case-markers" in message and "has no case markers" in message
     assert not out.exists()
-    for option in ("--case-markers", "--no-split-scripts", "--tokenizer-sample-bytes=1000"):
+    for option in ("--case-markers", "--no-split-scripts", "--no-split-words", "--tokenizer-sample-bytes=1000"):
         message = one_line_error(run_cli("prepare", "--index", tmp_path, option))
         assert "no tokenizer options" in message
-    message = one_line_error(run_cli("prepare", data, "--tokenizer", data_bytefallback_tokenizer, "--no-split-scripts",
-                                     "--out", out, "--workers", "1"))
-    assert "--no-split-scripts trains a tokenizer" in message and not out.exists()
+    for option in ("--no-split-scripts", "--no-split-words"):
+        message = one_line_error(run_cli("prepare", data, "--tokenizer", data_bytefallback_tokenizer, option,
+                                         "--out", out, "--workers", "1"))
+        assert f"{option} trains a tokenizer" in message and not out.exists()
 
 
 def test_generated_text_comes_back_with_its_capitals(case_tokenizer):
@@ -180,18 +181,27 @@ def load_sentencepiece_bytes(model: bytes):
     return spm.SentencePieceProcessor(model_proto=model)
 
 
-def test_without_split_scripts_pieces_cross_from_letters_to_punctuation(tmp_path):
-    """split_scripts off: SentencePiece's split_by_unicode_script off, pieces that join letters
-    and punctuation, fewer tokens; the byte tables count them as ever."""
+def mixed_pieces(sp) -> list[str]:
+    """Pieces with a letter and a character of no script (punctuation)."""
+    pieces = (sp.id_to_piece(t).removeprefix("\u2581") for t in range(sp.vocab_size()) if not sp.is_byte(t))
+    return [p for p in pieces if any(c.isalpha() for c in p) and any(c in ".,;:!?'\"" for c in p)]
+
+
+def multiword_pieces(sp) -> list[str]:
+    """Pieces that span a space ('▁' after their first character)."""
+    return [p for p in map(sp.id_to_piece, range(sp.vocab_size())) if "\u2581" in p[1:]]
+
+
+@pytest.mark.parametrize("option, crossing", [("split_scripts", mixed_pieces), ("split_words", multiword_pieces)])
+def test_without_a_split_pieces_cross_it_and_the_tables_count_the_text(tmp_path, option, crossing):
+    """split_scripts off (SentencePiece's split_by_unicode_script): pieces join letters and
+    punctuation; split_words off (split_by_whitespace): pieces span words. Either way fewer
+    tokens, and the byte tables count exactly the text they encode (a space inside a piece is
+    one byte, not the three of '▁')."""
     texts = [DATA_MULTILINGUAL, *iter_documents(DATA_DEMO_CORPUS)]
     tokenizers = {split: load_sentencepiece_bytes(train_sentencepiece(
-        texts, 512, max_bytes=300_000, options=TokenizerOptions(split_scripts=split))) for split in (True, False)}
-
-    def mixed(sp):  # pieces with a letter and a character of no script (punctuation)
-        pieces = (sp.id_to_piece(t).removeprefix("\u2581") for t in range(sp.vocab_size()) if not sp.is_byte(t))
-        return [p for p in pieces if any(c.isalpha() for c in p) and any(c in ".,;:!?'\"" for c in p)]
-
-    assert not mixed(tokenizers[True]) and mixed(tokenizers[False])
+        texts, 512, max_bytes=300_000, options=TokenizerOptions(**{option: split}))) for split in (True, False)}
+    assert not crossing(tokenizers[True]) and crossing(tokenizers[False])
     docs = list(iter_documents(DATA_DEMO_CORPUS))[:40]
     counts = {}
     for split, sp in tokenizers.items():

@@ -60,6 +60,10 @@ def command(
         "--split-scripts/--no-split-scripts", help="Whether the tokenizer to train keeps every piece within one "
         "Unicode script (SentencePiece's split_by_unicode_script); without, letters join the punctuation and "
         "symbols beside them.")] = True,
+    split_words: Annotated[bool, typer.Option(
+        "--split-words/--no-split-words", help="Whether the tokenizer to train keeps every piece within one word "
+        "(SentencePiece's split_by_whitespace); without, frequent runs of words become pieces ('▁of▁the'), "
+        "each space inside one counted as a byte.")] = True,
     val_fraction: Annotated[Optional[float], typer.Option(
         "--val-fraction", help=f"Share of documents (chosen by a hash of their text) for validation "
                                f"(default: {DEFAULT_VAL_FRACTION}).", show_default=False)] = None,
@@ -81,7 +85,8 @@ def command(
     from ..data.tokenizer import has_byte_fallback, load_sentencepiece, no_byte_fallback_warning
 
     if index is not None:
-        if inputs or out is not None or case_markers or not split_scripts or tokenizer_sample_bytes is not None:
+        if (inputs or out is not None or case_markers or not split_scripts or not split_words
+                or tokenizer_sample_bytes is not None):
             raise ConfigError("--index DATA_DIR takes no input files, no --out and no tokenizer options (the "
                               "tokenizer given or in DATA_DIR is the one the shards were encoded with)")
         manifest = index_data(index, tokenizer)
@@ -110,7 +115,7 @@ def command(
         result = prepare(inputs, out, tokenizer=tokenizer, vocab_size=vocab_size, val_fraction=val_fraction,
                          val_inputs=val or None, shard_tokens=shard_tokens, workers=workers,
                          tokenizer_sample_bytes=tokenizer_sample_bytes,
-                         tokenizer_options=TokenizerOptions(case_markers, split_scripts), on_progress=show_progress)
+                         tokenizer_options=TokenizerOptions(case_markers, split_scripts, split_words), on_progress=show_progress)
     finally:
         if progress.live.is_started:
             progress.stop()

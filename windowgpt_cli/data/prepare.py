@@ -65,8 +65,9 @@ def _check_tokenizer_options(tokenizer: Path | None, options: TokenizerOptions, 
 
     if sample_bytes is not None:
         raise ConfigError(f"--tokenizer-sample-bytes trains a tokenizer; leave it out with --tokenizer {tokenizer}")
-    if not options.split_scripts:
-        raise ConfigError(f"--no-split-scripts trains a tokenizer; leave it out with --tokenizer {tokenizer}")
+    for flag, kept in (("--no-split-scripts", options.split_scripts), ("--no-split-words", options.split_words)):
+        if not kept:
+            raise ConfigError(f"{flag} trains a tokenizer; leave it out with --tokenizer {tokenizer}")
     if options.case_markers and not has_case_markers(load_sentencepiece(tokenizer)):
         raise ConfigError(f"--case-markers: {tokenizer} has no case markers; give a tokenizer prepare trained "
                           "with --case-markers, or leave --tokenizer out to train one")
@@ -109,7 +110,8 @@ def _install_tokenizer(data_dir: Path, tokenizer: Path | None, vocab_size: int |
             "source": str(tokenizer) if tokenizer is not None else None,
             "trained": tokenizer is None, "sha256": sha256_file(target), "vocab_size": size,
             "byte_fallback": has_byte_fallback(installed), "case_markers": has_case_markers(installed),
-            "split_scripts": options.split_scripts if tokenizer is None else None}
+            "split_scripts": options.split_scripts if tokenizer is None else None,
+            "split_words": options.split_words if tokenizer is None else None}
 
 
 def _tasks(train_inputs: list[Path], val_inputs: list[Path] | None) -> Iterator[EncodeTask]:
