@@ -115,7 +115,8 @@ def command(
         result = prepare(inputs, out, tokenizer=tokenizer, vocab_size=vocab_size, val_fraction=val_fraction,
                          val_inputs=val or None, shard_tokens=shard_tokens, workers=workers,
                          tokenizer_sample_bytes=tokenizer_sample_bytes,
-                         tokenizer_options=TokenizerOptions(case_markers, split_scripts, split_words), on_progress=show_progress)
+                         tokenizer_options=TokenizerOptions(case_markers, split_scripts, split_words),
+                         on_progress=show_progress)
     finally:
         if progress.live.is_started:
             progress.stop()
