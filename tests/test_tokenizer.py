@@ -125,6 +125,31 @@ def test_pieces_that_span_words_count_each_inner_space_as_one_byte(data_multiwor
     assert count.counted_bytes == count.normalized_bytes == len(text.encode("utf-8"))
 
 
+@pytest.mark.parametrize("setting", [{"treat_whitespace_as_suffix": True},
+                                     {"remove_extra_whitespaces": False, "allow_whitespace_only_pieces": True}])
+def test_other_whitespace_recipes_count_the_text_they_encode(setting):
+    """A user's own tokenizer may put '▁' at the end of its pieces or keep runs of spaces
+    ('▁▁▁'): every '▁' a piece holds beyond the leading one is one byte of the text."""
+    import sentencepiece as spm
+
+    from windowgpt_cli.data.corpus import iter_documents
+    from windowgpt_cli.data.tokenizer import TRAINER_RECIPE
+    from conftest import DATA_DEMO_CORPUS
+
+    lines = [line for doc in iter_documents(DATA_DEMO_CORPUS) for line in doc.splitlines() if line.strip()]
+    spaced = ["so  much   space  between    words"] * 50  # runs of spaces, kept by the second recipe
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines[:3000] + spaced), model_writer=model, vocab_size=512,
+                                   max_sentence_length=1 << 16, num_threads=1, minloglevel=2,
+                                   **{**TRAINER_RECIPE, **setting})
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    assert any("\u2581" in sp.id_to_piece(t)[1:] for t in range(sp.vocab_size()))  # such pieces exist
+    luts = ByteLuts.from_numpy(*build_byte_tables(sp, sp.vocab_size()))
+    for text in ["\n".join(lines[3000:3300]), spaced[0], "two  spaces,   three, and a tail  "]:
+        count = count_text_bytes(sp, luts, text)
+        assert count.counted_bytes == count.normalized_bytes, text[:40]
+
+
 def test_without_byte_fallback_unknown_characters_count_nothing(data_fineweb_tokenizer):
     sp = load_sentencepiece(data_fineweb_tokenizer)
     luts = load_byte_luts(data_fineweb_tokenizer, None, 1024)
