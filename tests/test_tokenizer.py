@@ -13,11 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from conftest import DATA_DEMO_CORPUS
 from windowgpt_cli.cli.app import app
+from windowgpt_cli.data.corpus import iter_documents
 from windowgpt_cli.errors import DataError
-from windowgpt_cli.data.tokenizer import (ByteLuts, build_byte_tables, count_text_bytes, default_meta_path,
-                                          has_byte_fallback, load_byte_luts, load_sentencepiece, read_tokenizer_meta,
-                                          resolve_tokenizer, tokenizer_vocab_size, write_tokenizer_meta)
+from windowgpt_cli.data.tokenizer import (TRAINER_RECIPE, ByteLuts, build_byte_tables, count_text_bytes,
+                                          default_meta_path, has_byte_fallback, load_byte_luts, load_sentencepiece,
+                                          read_tokenizer_meta, resolve_tokenizer, tokenizer_vocab_size,
+                                          write_tokenizer_meta)
 
 WIDE = {"COLUMNS": "200"}
 
@@ -131,10 +134,6 @@ def test_other_whitespace_recipes_count_the_text_they_encode(setting):
     """A user's own tokenizer may put '▁' at the end of its pieces or keep runs of spaces
     ('▁▁▁'): every '▁' a piece holds beyond the leading one is one byte of the text."""
     import sentencepiece as spm
-
-    from windowgpt_cli.data.corpus import iter_documents
-    from windowgpt_cli.data.tokenizer import TRAINER_RECIPE
-    from conftest import DATA_DEMO_CORPUS
 
     lines = [line for doc in iter_documents(DATA_DEMO_CORPUS) for line in doc.splitlines() if line.strip()]
     spaced = ["so  much   space  between    words"] * 50  # runs of spaces, kept by the second recipe

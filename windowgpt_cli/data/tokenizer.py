@@ -176,9 +176,10 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, *, max_bytes: int
 def build_byte_tables(sp: spm.SentencePieceProcessor, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(base_bytes int16, has_leading_space bool, is_boundary_token bool), of size
     max(tokenizer vocabulary, vocab_size); ids beyond the tokenizer are boundaries of 0 bytes.
-    A piece's '▁' stands for one space: the first only where its predecessor is no boundary
-    (has_leading_space), any later one (a piece that spans words) always. A tokenizer with
-    case markers counts them as the bytes they stand for (`case_ops`)."""
+    A piece's '▁' stands for one space: a leading one only where its predecessor is no boundary
+    (has_leading_space), any other always (pieces that span words, end in a space or hold a
+    run of them). A tokenizer with case markers counts them as the bytes they stand for
+    (`case_ops`)."""
     sp_size = int(sp.vocab_size())
     case_markers = has_case_markers(sp)
     size = max(sp_size, vocab_size)
