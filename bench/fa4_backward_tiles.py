@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.fused_products import milliseconds  # noqa: E402
-from bench.one_pass import check_pass_args, error_line, pass_parser, pass_randn, report  # noqa: E402
+from bench.one_pass import (check_pass_args, error_line, pass_parser, pass_randn,  # noqa: E402
+                            relative_difference, report)
 from windowgpt_cli.kernels.flash4 import (FULL, fa4_attention, fa4_attention_backward,  # noqa: E402
                                           fa4_window_sinks, fa4_window_sinks_backward)
 
@@ -73,8 +74,7 @@ def check_candidates(config_type: type, candidates: dict[str, dict]) -> None:
 
 def gradient_difference(want: tuple, got: tuple) -> float:
     """The largest difference of any gradient, as a fraction of that gradient's largest magnitude."""
-    return max(((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1e-30)).item()
-               for a, b in zip(want, got))
+    return max(relative_difference(b, a) for a, b in zip(want, got))
 
 
 def fastest_matching(figures: dict[str, dict]) -> str | None:

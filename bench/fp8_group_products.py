@@ -134,13 +134,9 @@ def down_reference(h8, h_scales, w8, w_scale):
     return ((h @ w8.float().t()) * w_scale.reshape(1, -1)).to(torch.bfloat16)
 
 
-def largest_difference(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
-
-
 def main() -> None:
     from bench.fused_products import milliseconds
-    from bench.one_pass import error_line, report
+    from bench.one_pass import error_line, relative_difference, report
     from windowgpt_cli.kernels.quack_products import leaky_square_up, quack_targets
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -165,11 +161,11 @@ def main() -> None:
         pre, codes, scales = up_product(x8, x_scale, up8, up_scale)
         want_pre, want_codes, want_scales = up_reference(x8, x_scale, up8, up_scale)
         result["differences"] = {
-            "product": largest_difference(pre, want_pre),
-            "activation": largest_difference(codes.float() * scales.repeat_interleave(GROUP, 1),
-                                             want_codes.float() * want_scales.repeat_interleave(GROUP, 1)),
-            "down": largest_difference(down_product(codes, scales, down8, down_scale),
-                                       down_reference(codes, scales, down8, down_scale))}
+            "product": relative_difference(pre, want_pre),
+            "activation": relative_difference(codes.float() * scales.repeat_interleave(GROUP, 1),
+                                              want_codes.float() * want_scales.repeat_interleave(GROUP, 1)),
+            "down": relative_difference(down_product(codes, scales, down8, down_scale),
+                                        down_reference(codes, scales, down8, down_scale))}
     except Exception as error:  # the timings below still run, each reported apart
         result["differences"] = {"error": error_line(error)}
     rows8 = to_fp8_rows(F.leaky_relu(pre.float(), SLOPE).square())  # the activation by whole rows, for cuBLAS

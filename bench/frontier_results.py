@@ -31,9 +31,9 @@ def run_entry(folder: Path, code_bytes: int) -> dict:
         extra["quantization_loss"] = round(scored["val_bpb"] - extra["unquantized_val_bpb"], 6)
     by_seq_len = {int(p.stem.removeprefix("eval_seq")): json.loads(p.read_text())["val_bpb"]
                   for p in folder.glob("eval_seq*.json")}  # the same .ptz, windows of other lengths
-    if by_seq_len and "seq_len" in scored:  # beside the run's own score, at its own length
-        by_seq_len[scored["seq_len"]] = scored["val_bpb"]
     if by_seq_len:
+        if "seq_len" in scored:  # beside the run's own score, at its own length
+            by_seq_len[scored["seq_len"]] = scored["val_bpb"]
         extra["val_bpb_by_eval_seq_len"] = {str(n): by_seq_len[n] for n in sorted(by_seq_len)}
     return extra | {
         "steps": train["step"], "ms_per_step": train["ms_per_step"],

@@ -1,6 +1,6 @@
 """What the benches that time kernels at one forward pass of the record step share (two
 micro-batches of 48 x 2,048 positions on one H200): their common arguments, the checks of
-them, the pass's random inputs, an error's line and the report, a JSON object printed and,
+them, the pass's random inputs, a relative difference, an error's line and the report, a JSON object printed and,
 with --json, written to a file."""
 from __future__ import annotations
 
@@ -26,6 +26,11 @@ def pass_randn(positions: int, device: str = "cuda") -> Callable[..., torch.Tens
         return torch.randn(batch, SEQ_LEN, *shape, device=device, generator=generator).bfloat16()
 
     return randn
+
+
+def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference of got from want, as a fraction of want's largest magnitude."""
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30)).item()
 
 
 def error_line(error: Exception) -> str:

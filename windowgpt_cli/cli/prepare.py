@@ -84,9 +84,9 @@ def command(
     from ..data.shards import SPLITS
     from ..data.tokenizer import has_byte_fallback, load_sentencepiece, no_byte_fallback_warning
 
+    tokenizer_options = TokenizerOptions(case_markers, split_scripts, split_words)
     if index is not None:
-        if (inputs or out is not None or case_markers or not split_scripts or not split_words
-                or tokenizer_sample_bytes is not None):
+        if inputs or out is not None or tokenizer_options != TokenizerOptions() or tokenizer_sample_bytes is not None:
             raise ConfigError("--index DATA_DIR takes no input files, no --out and no tokenizer options (the "
                               "tokenizer given or in DATA_DIR is the one the shards were encoded with)")
         manifest = index_data(index, tokenizer)
@@ -115,8 +115,7 @@ def command(
         result = prepare(inputs, out, tokenizer=tokenizer, vocab_size=vocab_size, val_fraction=val_fraction,
                          val_inputs=val or None, shard_tokens=shard_tokens, workers=workers,
                          tokenizer_sample_bytes=tokenizer_sample_bytes,
-                         tokenizer_options=TokenizerOptions(case_markers, split_scripts, split_words),
-                         on_progress=show_progress)
+                         tokenizer_options=tokenizer_options, on_progress=show_progress)
     finally:
         if progress.live.is_started:
             progress.stop()
