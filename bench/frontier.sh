@@ -20,7 +20,9 @@
 #                                       frontier_sample_64mb (the preset on sp8192 data whose
 #                                       tokenizer prepare trained with --case-markers,
 #                                       --no-split-scripts, both, --no-split-words (pieces that
-#                                       span words), or on 64 MiB of text instead of 4 MB)
+#                                       span words), or on 64 MiB of text instead of 4 MB),
+#                                       frontier_reference_optim (the preset with the reference's
+#                                       Muon momentum, weight decays and no row normalization)
 #   TRAIN_FLAGS                         more train flags for every run (a smaller model to
 #                                       check the script on a CPU)
 #   SLIDING_UNQUANTIZED=1               also score the unquantized export (the quantization's
@@ -41,6 +43,7 @@ source "$(dirname "$0")/lib.sh"
 started=$SECONDS
 runs=${RUNS:-default frontier frontier_sp1024 frontier_no_recur frontier_no_parallel}
 record_windows=(--window-attn-size 512 --num-sink-tokens 4 --window-attn-layers 2,4,6,8,10 --use-gptq)
+reference_optim=(--no-muon-row-normalize --muon-momentum 0.99 --muon-wd 0.04 --adam-wd 0.04 --embed-wd -1)
 
 tokenizer_flags_for() {  # NAME -> prepare's tokenizer options for that run's sp8192 data
   case $1 in
@@ -81,6 +84,7 @@ flags_for() {  # NAME -> its train flags, one a line
     frontier_fp8_mlp) printf '%s\n' --preset frontier --fp8-mlp ;;
     frontier_fp8_mlp_fa4) printf '%s\n' --preset frontier --fp8-mlp --attn-backend fa4 ;;
     frontier_fp8_mlp_no_recur) printf '%s\n' --preset frontier --fp8-mlp --recur-layers "" --recur-count 1 ;;
+    frontier_reference_optim) printf '%s\n' --preset frontier "${reference_optim[@]}" ;;
     frontier_case_markers|frontier_no_split_scripts|frontier_tokenizer|frontier_no_split_words|frontier_sample_64mb)
       printf '%s\n' --preset frontier ;;
     *) echo "unknown run $1" >&2; return 1 ;;

@@ -119,3 +119,24 @@ def test_longer_windows_score_the_same_ptz_and_are_collected(tmp_path):
     run = json.loads((tmp_path / "logs" / "frontier_h200.json").read_text())["runs"]["default"]
     assert run["val_bpb_by_eval_seq_len"] == {"2048": 1.55, "3072": 1.3072, "4096": 1.4096}  # its own length too
     assert run["val_bpb"] == 1.55
+
+
+def test_the_reference_optimizer_run_is_the_preset_with_the_reference_s_optimizer(tmp_path):
+    from typer.testing import CliRunner
+
+    from windowgpt_cli.cli.app import app
+    from windowgpt_cli.config import OptimConfig, preset
+
+    args = tmp_path / "args.txt"
+    run_frontier(tmp_path, RUNS="frontier_reference_optim", ARGS=str(args))
+    train = next(line.split() for line in args.read_text().splitlines() if line.startswith("train "))[1:]
+    for flag in ("--data", "--out"):  # what --print-config does not take
+        at = train.index(flag)
+        del train[at:at + 2]
+    printed = CliRunner().invoke(app, ["train", "--print-config", *train])
+    assert printed.exit_code == 0, printed.output
+    optim, frontier = json.loads(printed.stdout)["optim"], preset("frontier").optim
+    changed = {"muon_row_normalize", "muon_momentum", "muon_wd", "adam_wd", "embed_wd"}
+    assert {k: optim[k] for k in changed} == {k: getattr(OptimConfig(), k) for k in changed}
+    assert all(optim[k] == getattr(frontier, k) for k in optim if k not in changed)
+    assert any(getattr(frontier, k) != getattr(OptimConfig(), k) for k in changed)

@@ -108,22 +108,22 @@ def muon_step(muon: Muon, params: list[torch.Tensor], grads: list[torch.Tensor],
     muon.step()
 
 
-def new_muon(params: list[torch.Tensor]) -> Muon:
-    return Muon(params, lr=LR, momentum=MOMENTA[0], backend_steps=5, weight_decay=WD)
+def new_muon(params: list[torch.Tensor], row_normalize: bool) -> Muon:
+    return Muon(params, lr=LR, momentum=MOMENTA[0], backend_steps=5, weight_decay=WD, row_normalize=row_normalize)
 
 
-def sharded_muon_worker(rank: int, port: int, out: str) -> None:
+def sharded_muon_worker(rank: int, port: int, out: str, row_normalize: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         params = muon_params()
-        muon = new_muon(params)
+        muon = new_muon(params, row_normalize)
         for step in range(len(MOMENTA)):
             muon_step(muon, params, [g[rank] for g in rank_gradients(step)], step)
         state = muon.state_dict()  # gathers the momentum shards: every rank calls it
         # A fresh sharded optimizer loaded from that state continues as the original does.
         copies = [p.detach().clone().requires_grad_() for p in params]
-        reloaded = new_muon(copies)
+        reloaded = new_muon(copies, row_normalize)
         reloaded.load_state_dict(copy.deepcopy(state))
         grads = [g[rank] for g in rank_gradients(len(MOMENTA))]
         muon_step(muon, params, grads, len(MOMENTA))
@@ -141,20 +141,21 @@ def sharded_muon_worker(rank: int, port: int, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_sharded_muon_equals_one_process_on_the_mean_gradient(tmp_path: Path):
+@pytest.mark.parametrize("row_normalize", [False, True])
+def test_sharded_muon_equals_one_process_on_the_mean_gradient(tmp_path: Path, row_normalize: bool):
     out = tmp_path / "sharded.pt"
-    mp.spawn(sharded_muon_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    mp.spawn(sharded_muon_worker, args=(free_port(), str(out), row_normalize), nprocs=WORLD, join=True)
     sharded = torch.load(out, weights_only=True)
 
     with one_thread():
         params = muon_params()
-        muon = new_muon(params)
+        muon = new_muon(params, row_normalize)
         for step in range(len(MOMENTA)):
             muon_step(muon, params, [sum(g) / WORLD for g in rank_gradients(step)], step)
         single_state = copy.deepcopy(muon.state_dict())  # the live buffers move on below
         # The gathered state is one process's state, so one process can resume from it.
         copies = [p.detach().clone().requires_grad_() for p in params]
-        resumed = new_muon(copies)
+        resumed = new_muon(copies, row_normalize)
         resumed.load_state_dict(copy.deepcopy(sharded["state"]))
         mean = [sum(g) / WORLD for g in rank_gradients(len(MOMENTA))]
         muon_step(muon, params, mean, len(MOMENTA))

@@ -161,3 +161,65 @@ def test_polar_express_and_the_schedule_are_settings_with_bounds():
                 {"train": {"warmdown_fraction": -0.1}}):
         with pytest.raises(ConfigError):
             validate(apply_overrides(RunConfig(), bad))
+
+
+def first_muon_update(cfg: OptimConfig, grad: torch.Tensor) -> torch.Tensor:
+    """The change of mlp_up_bank by Muon's first step on grad, per unit learning rate."""
+    model = build_model(tiny_preset().model, torch.device("cpu"))
+    opts = build_optimizers(model, dataclasses.replace(cfg, muon_wd=0.0))
+    before = model.mlp_up_bank.detach().clone()
+    model.mlp_up_bank.grad = grad.clone()
+    opts.muon.step()
+    return (before - model.mlp_up_bank.detach()) / cfg.matrix_lr
+
+
+def test_muon_row_normalize_orthogonalizes_unit_rows_and_is_off_by_default():
+    from windowgpt_cli.train.optim import unit_rows
+
+    model = build_model(tiny_preset().model, torch.device("cpu"))
+    grad = torch.randn(model.mlp_up_bank.shape, generator=torch.Generator().manual_seed(0))
+    rows = torch.logspace(-3, 1, grad.shape[1]).reshape(1, -1, 1)  # rows of very different sizes
+    skewed = grad * rows
+    cfg, on = OptimConfig(), OptimConfig(muon_row_normalize=True)
+    assert not cfg.muon_row_normalize
+    scale = max(1.0, grad.shape[1] / grad.shape[2]) ** 0.5
+    # The first step's update: NS(g + momentum * g), its rows made unit first with the setting.
+    nesterov = skewed.bfloat16().add(skewed.bfloat16(), alpha=cfg.muon_momentum)  # its momentum is the gradient
+    expected = newton_schulz5(unit_rows(nesterov)).float() * scale
+    assert torch.allclose(first_muon_update(on, skewed), expected, rtol=1e-3, atol=1e-5)
+    assert torch.allclose(first_muon_update(cfg, skewed), newton_schulz5(nesterov).float() * scale,
+                          rtol=1e-3, atol=1e-5)
+    # Rows scaled apart give nearly the update of the unscaled gradient only with the setting.
+    difference = {name: (first_muon_update(c, skewed) - first_muon_update(c, grad)).norm().item()
+                  for name, c in (("on", on), ("off", cfg))}
+    reference_norm = first_muon_update(cfg, grad).norm().item()
+    assert difference["on"] < 0.05 * reference_norm < difference["off"], difference
+    norms = unit_rows(skewed.bfloat16()).float().norm(dim=-1)
+    assert torch.allclose(norms, torch.ones_like(norms), atol=1e-2)
+
+
+def test_embed_wd_decays_the_token_tables_and_defaults_to_adam_wd():
+    from windowgpt_cli.config import RunConfig, apply_overrides, validate
+    from windowgpt_cli.errors import ConfigError
+
+    def decayed(cfg: OptimConfig) -> tuple[float, float]:
+        """How much one step with zero gradients shrinks the embedding and the skip weights."""
+        model = build_model(tiny_preset().model, torch.device("cpu"))
+        opts = build_optimizers(model, cfg)
+        tables = (model.tok_emb.weight, model.skip_weights)
+        before = [t.detach().clone() for t in tables]
+        for t in tables:
+            t.grad = torch.zeros_like(t)
+        opts.step_adams()
+        return tuple(1 - (t.detach() / b)[b != 0].mean().item() for t, b in zip(tables, before))
+
+    reference = decayed(OptimConfig(adam_wd=0.04))
+    assert reference[0] == pytest.approx(0.04 * OptimConfig().tied_embed_lr, rel=1e-4)
+    assert reference[1] == pytest.approx(0.04 * OptimConfig().scalar_lr, rel=1e-4)
+    own = decayed(OptimConfig(adam_wd=0.04, embed_wd=0.5))
+    assert own[0] == pytest.approx(0.5 * OptimConfig().tied_embed_lr, rel=1e-4) and own[1] == reference[1]
+    for good in (-1.0, 0.0, 0.085):
+        validate(apply_overrides(RunConfig(), {"optim": {"embed_wd": good}}))
+    for bad in (-0.5, -2.0):
+        with pytest.raises(ConfigError, match="embed_wd"):
+            validate(apply_overrides(RunConfig(), {"optim": {"embed_wd": bad}}))

@@ -129,6 +129,9 @@ class OptimConfig:
     muon_ns_coefficients: str = setting("reference", "The Newton-Schulz polynomial of each Muon iteration: "
                                         "reference (3.4445, -4.7750, 2.0315 at every step) or polar_express "
                                         "(the Polar Express paper's coefficients, one set per iteration).")
+    muon_row_normalize: bool = setting(False, "Scale each row of every Muon update to unit length before "
+                                              "Newton-Schulz (MuonEq-R, as the final records' Muon); off = the "
+                                              "reference's update.")
     muon_momentum_warmup_start: float = setting(0.92, "Muon momentum at step 0, raised linearly to muon_momentum.")
     muon_momentum_warmup_steps: int = setting(1500, "Steps over which Muon momentum warms up.")
     muon_wd: float = setting(0.04, "Muon's decoupled weight decay.")
@@ -136,6 +139,8 @@ class OptimConfig:
     beta2: float = setting(0.95, "Adam(W) decay of the second moment.")
     adam_eps: float = setting(1e-8, "Adam(W) epsilon.")
     adam_wd: float = setting(0.04, "AdamW weight decay.")
+    embed_wd: float = setting(-1.0, "AdamW weight decay of the token tables (the embedding, BigramHash's and the "
+                                    "value embeddings'); -1 = adam_wd, as the reference.")
     grad_clip_norm: float = setting(0.3, "Clip the gradient to this global norm; 0 = no clipping.")
 
 
@@ -680,7 +685,8 @@ def frontier_preset() -> RunConfig:
             doc_boundary_token=1, recur_layers=(3, 4, 5), recur_count=3, rope_scaling="yarn",
         ),
         optim=OptimConfig(matrix_lr=0.026, tied_embed_lr=0.03, scalar_lr=0.02, beta2=0.99, grad_clip_norm=0.3,
-                          muon_ns_coefficients="polar_express"),
+                          muon_ns_coefficients="polar_express", muon_row_normalize=True, muon_momentum=0.97,
+                          muon_wd=0.095, adam_wd=0.02, embed_wd=0.085),
         train=TrainConfig(warmup_steps=20, ema_decay=0.9965, warmdown_fraction=0.85, min_lr_fraction=0.1,
                           recur_start_fraction=0.35, fused_cross_entropy=True, compile_mix_order=False),
         quant=QuantConfig(use_gptq=True, gptq_calib_samples=16, gptq_reserve_seconds=4.0, quant_embed_bits=7,
@@ -721,6 +727,7 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "scalar_lr": (0, None), "muon_momentum": (0, 1), "muon_backend_steps": (1, 100),
     "muon_momentum_warmup_start": (0, 1), "muon_momentum_warmup_steps": (0, INT_MAX), "muon_wd": (0, None),
     "beta1": (0, 0.999999), "beta2": (0, 0.999999), "adam_eps": (1e-30, 1), "adam_wd": (0, None),
+    "embed_wd": (-1, None),  # -1: adam_wd
     "grad_clip_norm": (0, None),
     # data_seed: 64-bit, as the seeds the reference derives from its shard paths (bench/reference_seed.py)
     "seed": (0, 2**32 - 1), "data_seed": (-1, 2**64 - 1), "iterations": (0, INT_MAX), "warmdown_iters": (0, INT_MAX),
@@ -907,6 +914,8 @@ def validate(cfg: RunConfig) -> None:
          "or fp8_attention"),
         (t.fused_mlp != "quack" or 0 <= m.negative_slope <= 1, "fused_mlp",
          f"fused_mlp=quack takes negative_slope in 0..1 (it is {m.negative_slope})"),
+        (cfg.optim.embed_wd == -1 or cfg.optim.embed_wd >= 0, "embed_wd",
+         f"embed_wd={cfg.optim.embed_wd} must be -1 (adam_wd) or at least 0"),
         (targets_problem is None, "ttt_lora_targets",
          f"ttt_lora_targets={cfg.ttt.ttt_lora_targets!r}: {targets_problem}"),
     ]

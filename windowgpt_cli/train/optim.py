@@ -57,6 +57,13 @@ def newton_schulz5(g: Tensor, steps: int = 5, eps: float = 1e-7, coefficients: s
     return x.squeeze(0) if squeeze else x
 
 
+def unit_rows(update: Tensor, eps: float = 1e-7) -> Tensor:
+    """Each row of each matrix [..., M, N] (one output channel) scaled to unit length, its norm
+    taken in float32: MuonEq-R's equilibration, so that the orthogonalization starts from rows
+    of equal weight. A rank's shard holds whole matrices, so each rank does it alone."""
+    return update / update.float().norm(dim=-1, keepdim=True).clamp_min(eps).to(update.dtype)
+
+
 @dataclass
 class _Bank:
     param: Tensor
@@ -100,10 +107,12 @@ class Muon(torch.optim.Optimizer):
     """
 
     def __init__(self, params: list[Tensor], lr: float, momentum: float, backend_steps: int,
-                 weight_decay: float = 0.0, nesterov: bool = True, ns_coefficients: str = "reference"):
+                 weight_decay: float = 0.0, nesterov: bool = True, ns_coefficients: str = "reference",
+                 row_normalize: bool = False):
         super().__init__(params, dict(lr=lr, momentum=momentum, backend_steps=backend_steps,
                                       nesterov=nesterov, weight_decay=weight_decay))
-        self.ns_coefficients = ns_coefficients  # a setting, not state: a checkpoint's groups need not hold it
+        # Settings, not state: a checkpoint's groups need not hold them.
+        self.ns_coefficients, self.row_normalize = ns_coefficients, row_normalize
         self._banks: list[_Bank] | None = None
         self._pending: list[Any] | None = None
         self._nccl = False
@@ -196,6 +205,8 @@ class Muon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
             buf.mul_(momentum).add_(grad)
             update = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
+            if self.row_normalize:
+                update = unit_rows(update)
             update = newton_schulz5(update, steps=group["backend_steps"], coefficients=self.ns_coefficients)
             if sharded:
                 gathering = (self._start_all_gather(bank.full_update, update), bank)
@@ -299,13 +310,14 @@ def build_optimizers(model: GPT, cfg: OptimConfig) -> Optimizers:
             scalars += ([extra.proj.weight] if extra.proj is not None else []) + [extra.scale]
     scalars += list(model.ve_layer_scales)
     adam = dict(betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, fused=fused)
+    token_wd = cfg.adam_wd if cfg.embed_wd == -1 else cfg.embed_wd
     tok = torch.optim.AdamW([{"params": [p], "lr": token_lr, "base_lr": token_lr} for p in token_tables],
-                            weight_decay=cfg.adam_wd, **adam)
+                            weight_decay=token_wd, **adam)
     scalar = torch.optim.AdamW([{"params": scalars, "lr": cfg.scalar_lr, "base_lr": cfg.scalar_lr}],
                                weight_decay=cfg.adam_wd, **adam)
     muon = Muon([model.qo_bank, model.kv_bank, model.mlp_up_bank, model.mlp_down_bank], lr=cfg.matrix_lr,
                 momentum=cfg.muon_momentum, backend_steps=cfg.muon_backend_steps, weight_decay=cfg.muon_wd,
-                ns_coefficients=cfg.muon_ns_coefficients)
+                ns_coefficients=cfg.muon_ns_coefficients, row_normalize=cfg.muon_row_normalize)
     for group in muon.param_groups:
         group["base_lr"] = cfg.matrix_lr
     adams: list[torch.optim.Optimizer] = [tok, scalar]
