@@ -19,10 +19,10 @@ from test_generation import assert_greedy_choices_of_recomputation
 from test_model import perturbed_tiny
 
 OPTIONS = dict(skip_gates=True, attn_out_gate_width=12, attn_out_gate_scale=0.5, doc_boundary_token=1,
-               parallel_start_layer=2, recur_layers=(1,), recur_count=2)
+               parallel_start_layer=2, parallel_mlp_reads_x0=False, recur_layers=(1,), recur_count=2)
 OPTION_FLAGS = ["--skip-gates", "--attn-out-gate-width", "12", "--attn-out-gate-scale", "0.5",
-                "--doc-boundary-token", "1", "--parallel-start-layer", "2", "--recur-layers", "1", "--recur-count", "2",
-                "--recur-start-fraction", "0.5"]
+                "--doc-boundary-token", "1", "--parallel-start-layer", "2", "--no-parallel-mlp-reads-x0",
+                "--recur-layers", "1", "--recur-count", "2", "--recur-start-fraction", "0.5"]
 
 
 def tokens(n: int = 48, seed: int = 3) -> torch.Tensor:
@@ -113,9 +113,12 @@ def test_the_document_boundary_keeps_each_document_out_of_the_next():
         assert not torch.equal(plain.embed(x)[:, 20], plain.embed(other)[:, 20])  # the reference's smear leaks
 
 
-def test_a_parallel_block_runs_attention_and_mlp_side_by_side_on_two_lanes():
-    model = perturbed_tiny(parallel_start_layer=2)
+@pytest.mark.parametrize("mlp_reads_x0", [True, False])
+def test_a_parallel_block_runs_attention_and_mlp_side_by_side_on_two_lanes(mlp_reads_x0: bool):
+    model = perturbed_tiny(parallel_start_layer=2, parallel_mlp_reads_x0=mlp_reads_x0)
     block, i = model.blocks[3], 3
+    with torch.no_grad():
+        block.resid_mix.copy_(torch.randn_like(block.resid_mix))  # x0 in every block input
     torch.manual_seed(1)
     lane0, lane1, x0 = torch.randn(3, 2, 16, model.cfg.model_dim).unbind(0)
     mix = torch.randn(3, 2)
@@ -124,12 +127,12 @@ def test_a_parallel_block_runs_attention_and_mlp_side_by_side_on_two_lanes():
     with torch.no_grad():
         got = block.parallel((Residual(lane0), Residual(lane1)), x0, weights, rotary, None, mix)
 
-        def normed(lane):  # a block's input: mixed with x0, normed, scaled by the layer's factor
-            mixed = block.resid_mix[0] * lane + block.resid_mix[1] * x0
+        def normed(lane, with_x0=True):  # a block's input: mixed with x0, normed, scaled by the layer's factor
+            mixed = block.resid_mix[0] * lane + block.resid_mix[1] * x0 if with_x0 else lane
             return torch.nn.functional.rms_norm(mixed, (mixed.size(-1),)) * block.ln_scale_factor
 
         attn = block.attn_scale * block.attn(normed(lane0), *weights[:4], rotary, None)
-        mlp = block.mlp_scale * block.mlp(normed(lane1), *weights[4:])
+        mlp = block.mlp_scale * block.mlp(normed(lane1, mlp_reads_x0), *weights[4:])
     for k, lane in enumerate((lane0, lane1)):
         want = mix[2, k] * lane + mix[0, k] * attn + mix[1, k] * mlp
         assert torch.allclose(got[k].base, want, atol=1e-5)

@@ -75,6 +75,9 @@ class ModelConfig:
     parallel_start_layer: int = setting(0, "Blocks from this layer on (a decoder layer) run on two lanes: the "
                                            "attention reads one, the MLP the other, side by side, and a learned "
                                            "mix adds both to each; the output is the lanes' mean. 0 = none.")
+    parallel_mlp_reads_x0: bool = setting(True, "On the parallel lanes the MLP reads its lane mixed with x0 by "
+                                                "the block's resid_mix, as the attention reads its own; off: its "
+                                                "lane alone, as the final records' code.")
     recur_layers: tuple[int, ...] = setting((), "Depth recurrence: consecutive layers (comma-separated) that run "
                                                 "recur_count times in a row once looping is on (in training after "
                                                 "recur_start_fraction, in scoring always); empty = none.")
@@ -681,7 +684,8 @@ def frontier_preset() -> RunConfig:
     return RunConfig(
         model=ModelConfig(
             vocab_size=8192, mlp_mult=4.0, xsa_last_n=11, qk_gain_init=5.0, bigram_vocab_size=0, ve_enabled=False,
-            skip_gates=True, parallel_start_layer=8, attn_out_gate_width=12, attn_out_gate_scale=0.5,
+            skip_gates=True, parallel_start_layer=8, parallel_mlp_reads_x0=False, attn_out_gate_width=12,
+            attn_out_gate_scale=0.5,
             doc_boundary_token=1, recur_layers=(3, 4, 5), recur_count=3, rope_scaling="yarn",
         ),
         optim=OptimConfig(matrix_lr=0.026, tied_embed_lr=0.03, scalar_lr=0.02, beta2=0.99, grad_clip_norm=0.3,

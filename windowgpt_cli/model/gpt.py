@@ -225,6 +225,7 @@ class Block(nn.Module):
         mix = torch.zeros(2, dim, dtype=torch.float32)  # rows (1, 0): not torch.stack, which on the
         mix[0] = 1.0  # meta device (`artifacts.shapes`) imports TorchDynamo, seconds on a CPU
         self.resid_mix = nn.Parameter(mix)
+        self.parallel_mlp_reads_x0 = cfg.parallel_mlp_reads_x0
         # A tensor, not a Python float: a compiled model then has one set of kernels for all
         # its blocks, instead of one per layer with its factor written into the code.
         self.ln_factor = 1.0 / math.sqrt(layer + 1) if cfg.ln_scale else 1.0
@@ -269,13 +270,16 @@ class Block(nn.Module):
                  queries: Tensor | None = None, ops: TorchOps = TORCH_OPS,
                  fold_scales: bool = False) -> tuple[Residual, Residual]:
         """The block on two lanes side by side: the attention reads the first lane, the MLP
-        the second (each mixed with x0 and normed as a block's input), and lane k becomes
+        the second (each mixed with x0 and normed as a block's input; the MLP's lane unmixed
+        where parallel_mlp_reads_x0 is off), and lane k becomes
         mix[2, k] * lane_k + mix[0, k] * attention + mix[1, k] * MLP (mix [3, 2]: the block's
         learned lane mix, `GPT.lane_mix`). With queries, only there."""
         q_w, k_w, v_w, out_w, up_w, down_w = weights
         out_w, down_w, attn_scale, mlp_scale = self.output_weights(out_w, down_w, fold_scales)
         lane0, _, normed_attn = ops.block_input(lanes[0], x0, self.resid_mix, self.ln_scale_factor, True)
-        lane1, _, normed_mlp = ops.block_input(lanes[1], x0, self.resid_mix, self.ln_scale_factor, True)
+        mlp_mix = self.resid_mix if self.parallel_mlp_reads_x0 else torch.cat(  # (1, 0): the lane alone, through
+            (torch.ones_like(self.resid_mix[:1]), torch.zeros_like(self.resid_mix[1:])))  # the same kernels
+        lane1, _, normed_mlp = ops.block_input(lanes[1], x0, mlp_mix, self.ln_scale_factor, True)
         attn_out = self.attn(normed_attn, q_w, k_w, v_w, out_w, rotary, v_embed, queries, ops)
         if queries is not None:
             lane0, lane1, normed_mlp = (pick_positions(t, queries) for t in (lane0, lane1, normed_mlp))
