@@ -192,8 +192,10 @@ GATES = dict(skip_gates=True, attn_out_gate_width=12, attn_out_gate_scale=0.5, d
              parallel_start_layer=2, recur_layers=(1,), recur_count=2)
 
 
-@pytest.mark.parametrize("query_runs,options", [(False, {}), (True, {}), (True, GATES),
-                                                (True, GATES | {"parallel_mlp_reads_x0": False})])
+FRONTIER_FORMS = {"parallel_mlp_reads_x0": False, "smear_gate_width": 12}  # the lane and the gate by token
+
+
+@pytest.mark.parametrize("query_runs,options", [(False, {}), (True, {}), (True, GATES), (True, GATES | FRONTIER_FORMS)])
 @pytest.mark.slow
 def test_the_model_scores_the_same_with_fused_steps(products, query_runs, options):
     """The whole tiny model (skips, value embeddings, XSA, windows with sinks, the pruned

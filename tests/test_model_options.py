@@ -3,6 +3,7 @@ attention output gate, and SmearGate's document boundary. What each computes, an
 every stage takes a model that has them."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,16 +14,19 @@ from windowgpt_cli.cli.app import app
 from windowgpt_cli.config import RunConfig, tiny_preset, validate
 from windowgpt_cli.errors import SettingError
 from windowgpt_cli.generate.decoding import generate
+from windowgpt_cli.model.gpt import build_model
 from windowgpt_cli.model.ops import TORCH_OPS, Residual
 
 from test_generation import assert_greedy_choices_of_recomputation
 from test_model import perturbed_tiny
 
 OPTIONS = dict(skip_gates=True, attn_out_gate_width=12, attn_out_gate_scale=0.5, doc_boundary_token=1,
-               parallel_start_layer=2, parallel_mlp_reads_x0=False, recur_layers=(1,), recur_count=2)
+               smear_gate_width=12, parallel_start_layer=2, parallel_mlp_reads_x0=False, recur_layers=(1,),
+               recur_count=2)
 OPTION_FLAGS = ["--skip-gates", "--attn-out-gate-width", "12", "--attn-out-gate-scale", "0.5",
-                "--doc-boundary-token", "1", "--parallel-start-layer", "2", "--no-parallel-mlp-reads-x0",
-                "--recur-layers", "1", "--recur-count", "2", "--recur-start-fraction", "0.5"]
+                "--doc-boundary-token", "1", "--smear-gate-width", "12", "--parallel-start-layer", "2",
+                "--no-parallel-mlp-reads-x0", "--recur-layers", "1", "--recur-count", "2",
+                "--recur-start-fraction", "0.5"]
 
 
 def tokens(n: int = 48, seed: int = 3) -> torch.Tensor:
@@ -34,7 +38,7 @@ def test_the_defaults_add_no_parameter():
     assert not any("gate" in n and n != "smear.gate" for n in names)
     added = {name for name, _ in perturbed_tiny(**OPTIONS).named_parameters()} - names
     layers = tiny_preset().model.num_layers
-    assert added == {"skip_gates", "lane_mix"} | {f"blocks.{i}.attn.attn_gate" for i in range(layers)}
+    assert added == {"skip_gates", "lane_mix", "smear.scale"} | {f"blocks.{i}.attn.attn_gate" for i in range(layers)}
 
 
 def test_a_gated_skip_blends_the_sum_with_the_weighted_skip():
@@ -94,11 +98,30 @@ def test_the_attention_gate_reads_the_first_channels_per_head_and_learns():
     assert all(block.attn.attn_gate.grad.abs().sum() > 0 for block in model.blocks)
 
 
-def test_the_document_boundary_keeps_each_document_out_of_the_next():
+def test_the_gate_by_token_adds_the_gated_predecessor_before_the_norm():
+    import torch.nn.functional as F
+
+    at_init = build_model(dataclasses.replace(tiny_preset().model, smear_gate_width=12), torch.device("cpu"))
+    model = perturbed_tiny(smear_gate_width=12, bigram_vocab_size=0)
+    assert model.smear.gate.shape == (12,) and model.smear.scale.shape == (1,)
+    x = tokens()
+    with torch.no_grad():
+        e = F.embedding(x, at_init.tok_emb.weight)
+        assert torch.equal(at_init.embed(x), F.rms_norm(e, (e.size(-1),)))  # zero at first: no smear
+        e = F.embedding(x, model.tok_emb.weight)
+        previous = torch.cat([torch.zeros_like(e[:, :1]), e[:, :-1]], dim=1)
+        gate = torch.sigmoid(e[..., :12] @ model.smear.gate)[..., None]
+        want = e + model.smear.scale * gate * previous
+        assert torch.allclose(model.embed(x), F.rms_norm(want, (want.size(-1),)), atol=1e-6)
+        assert not torch.allclose(model.embed(x), F.rms_norm(e, (e.size(-1),)), atol=1e-4)
+
+
+@pytest.mark.parametrize("width", [0, 12])
+def test_the_document_boundary_keeps_each_document_out_of_the_next(width: int):
     """With boundary 1 (BOS) a BOS position's x0 does not depend on the token before it:
-    SmearGate blends it with zeros and BigramHash gives it the first position's bucket, as at
-    a sequence's start."""
-    model = perturbed_tiny(doc_boundary_token=1)
+    SmearGate blends it with zeros (either form) and BigramHash gives it the first position's
+    bucket, as at a sequence's start."""
+    model = perturbed_tiny(doc_boundary_token=1, smear_gate_width=width)
     x = tokens()
     x[:, 20] = 1
     other = x.clone()
@@ -109,8 +132,8 @@ def test_the_document_boundary_keeps_each_document_out_of_the_next():
         assert not torch.equal(x0[:, 19], x0_other[:, 19])
         at_start = model.embed(x[:, 20:])[:, 0]
         assert torch.allclose(x0[:, 20], at_start, atol=1e-6)
-        plain = perturbed_tiny()
-        assert not torch.equal(plain.embed(x)[:, 20], plain.embed(other)[:, 20])  # the reference's smear leaks
+        plain = perturbed_tiny(smear_gate_width=width)
+        assert not torch.equal(plain.embed(x)[:, 20], plain.embed(other)[:, 20])  # without the boundary it leaks
 
 
 @pytest.mark.parametrize("mlp_reads_x0", [True, False])

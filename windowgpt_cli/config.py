@@ -85,6 +85,10 @@ class ModelConfig:
     doc_boundary_token: int = setting(-1, "A token that begins each document (1 = BOS): SmearGate and BigramHash "
                                           "treat a position holding it as a sequence's first, so no document "
                                           "reaches into the next; -1 = none, as the reference.")
+    smear_gate_width: int = setting(0, "0 = the reference's SmearGate (a learned per-channel blend of each normed "
+                                       "embedding with the one before); N = the final records' gate, by token: "
+                                       "x + scale * sigmoid(w . x[:N]) * x_prev on the embeddings before their "
+                                       "norm (w and scale zero at first).")
 
     def block_order(self, looping: bool = True) -> list[int]:
         """The blocks in the order they run: each once, or with looping, recur_layers
@@ -686,7 +690,7 @@ def frontier_preset() -> RunConfig:
             vocab_size=8192, mlp_mult=4.0, xsa_last_n=11, qk_gain_init=5.0, bigram_vocab_size=0, ve_enabled=False,
             skip_gates=True, parallel_start_layer=8, parallel_mlp_reads_x0=False, attn_out_gate_width=12,
             attn_out_gate_scale=0.5,
-            doc_boundary_token=1, recur_layers=(3, 4, 5), recur_count=3, rope_scaling="yarn",
+            doc_boundary_token=1, smear_gate_width=12, recur_layers=(3, 4, 5), recur_count=3, rope_scaling="yarn",
         ),
         optim=OptimConfig(matrix_lr=0.026, tied_embed_lr=0.03, scalar_lr=0.02, beta2=0.99, grad_clip_norm=0.3,
                           muon_ns_coefficients="polar_express", muon_row_normalize=True, muon_momentum=0.97,
@@ -725,8 +729,8 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "rope_base": (1e-6, None), "rope_dims": (0, 1 << 14), "xsa_last_n": (0, 128), "bigram_vocab_size": (0, 1 << 22),
     "bigram_dim": (1, 16384), "ve_dim": (1, 16384), "window_attn_size": (0, 1 << 22), "num_sink_tokens": (0, 1 << 22),
     "rope_train_seq_len": (1, 1 << 22), "attn_out_gate_width": (0, 16384), "attn_out_gate_scale": (0, 1000),
-    "doc_boundary_token": (-1, 65535), "parallel_start_layer": (0, 127), "recur_count": (1, 16),
-    "recur_start_fraction": (0, 1), "qat_start_fraction": (0, 1),
+    "doc_boundary_token": (-1, 65535), "smear_gate_width": (0, 65536), "parallel_start_layer": (0, 127),
+    "recur_count": (1, 16), "recur_start_fraction": (0, 1), "qat_start_fraction": (0, 1),
     "embed_lr": (0, None), "head_lr": (0, None), "tied_embed_lr": (0, None), "matrix_lr": (0, None),
     "scalar_lr": (0, None), "muon_momentum": (0, 1), "muon_backend_steps": (1, 100),
     "muon_momentum_warmup_start": (0, 1), "muon_momentum_warmup_steps": (0, INT_MAX), "muon_wd": (0, None),
@@ -895,6 +899,8 @@ def validate(cfg: RunConfig) -> None:
          "parallel_start_layer", f"parallel_start_layer={m.parallel_start_layer} must be 0 or a decoder layer, "
          f"{m.num_layers // 2}..{m.num_layers - 1}"),
         (loop_problem is None, "recur_layers", f"recur_layers={','.join(map(str, m.recur_layers))}: {loop_problem}"),
+        (m.smear_gate_width <= m.model_dim, "smear_gate_width",
+         f"smear_gate_width={m.smear_gate_width} must be at most model_dim={m.model_dim}"),
         (m.attn_out_gate_width <= m.model_dim, "attn_out_gate_width",
          f"attn_out_gate_width={m.attn_out_gate_width} must be at most model_dim={m.model_dim}"),
         (m.doc_boundary_token < m.vocab_size, "doc_boundary_token",

@@ -37,7 +37,7 @@ from torch import Tensor
 from ..data.tokenizer import BOS_ID, TextCodec, load_text_codec
 from ..model.attention import attention, may_attend
 from ..model.gpt import GPT, matmul_dtype
-from ..model.ops import TORCH_OPS, smear, smear_with
+from ..model.ops import embed_sum, previous_positions
 from ..runtime import autocast, compiled, synchronize
 
 SAMPLE_TOKENS = 32  # the length of the samples training logs
@@ -176,7 +176,7 @@ class StaticDecoder:
         self.offset = torch.zeros((), dtype=torch.long, device=self.device)  # the context's start in the text
         self.token = torch.zeros(batch, dtype=torch.long, device=self.device)  # the step's input, then its output
         self.previous = torch.zeros(batch, dtype=torch.long, device=self.device)  # the token before it
-        self.previous_normed: Tensor | None = None  # its normed embedding [B, 1, D]
+        self.previous_source: Tensor | None = None  # what its SmearGate blends [B, 1, D]
         self.chooser = Chooser(batch, temperature, top_k, seed, self.device)
         self.prefilling = False
         self.start = 0  # index of the context's first token in the text
@@ -201,25 +201,26 @@ class StaticDecoder:
         with autocast(self.device):
             self.prefilling = True
             try:
-                normed = self._normed(ids)
-                x0 = smear(normed, self.model.smear.gate, ids, self.model.cfg.doc_boundary_token)
+                source = self._smear_source(ids)
+                x0 = self.model.smear.blend(source, previous_positions(source), ids, self.model.cfg.doc_boundary_token)
                 n = ids.shape[1]
                 hidden = self.model.trunk(ids, x0, (self.cos[:, :n], self.sin[:, :n]), weights=self.weights)
                 logits = self.model.logits(hidden[:, -1]).float()
             finally:
                 self.prefilling = False
-        self.previous_normed = normed[:, -1:].clone() if self.previous_normed is None else \
-            self.previous_normed.copy_(normed[:, -1:])
+        self.previous_source = source[:, -1:].clone() if self.previous_source is None else \
+            self.previous_source.copy_(source[:, -1:])
         self.previous.copy_(ids[:, -1])
         self.position.fill_(n)
         self.token.copy_(self.chooser.choose(logits, self.offset + self.position))
         return self.token
 
-    def _normed(self, ids: Tensor) -> Tensor:
-        """x0 before the SmearGate (`TorchOps.embed_normed`), for ids [B, T] of a context's start."""
+    def _smear_source(self, ids: Tensor) -> Tensor:
+        """What the SmearGate blends (`SmearGate.source`), for ids [B, T] of a context's start."""
         bigram = self.model.bigram
-        return TORCH_OPS.embed_normed(ids, self.model.tok_emb.weight, bigram(ids) if bigram is not None else None,
-                                      bigram.scale if bigram is not None else None)
+        return self.model.smear.source(embed_sum(ids, self.model.tok_emb.weight,
+                                                 bigram(ids) if bigram is not None else None,
+                                                 bigram.scale if bigram is not None else None))
 
     # --- one step ---
 
@@ -244,14 +245,15 @@ class StaticDecoder:
         ids = self.token.view(self.batch, 1)
         bigram = self.model.bigram
         pair = bigram.of_pairs(self.previous.view(self.batch, 1), ids) if bigram is not None else None
-        normed = TORCH_OPS.embed_normed(ids, self.model.tok_emb.weight, pair, bigram.scale if bigram else None)
-        x0 = smear_with(normed, self.previous_normed, self.model.smear.gate, ids, self.model.cfg.doc_boundary_token)
+        source = self.model.smear.source(embed_sum(ids, self.model.tok_emb.weight, pair,
+                                                   bigram.scale if bigram else None))
+        x0 = self.model.smear.blend(source, self.previous_source, ids, self.model.cfg.doc_boundary_token)
         rotary = (self.cos.index_select(1, self.position.view(1)), self.sin.index_select(1, self.position.view(1)))
         for layout in self.layouts.values():
             layout.at(self.position)
         hidden = self.model.trunk(ids, x0, rotary, weights=self.weights)
         logits = self.model.logits(hidden[:, -1]).float()
-        self.previous_normed.copy_(normed)
+        self.previous_source.copy_(source)
         self.previous.copy_(self.token)
         self.position.add_(1)
         self.token.copy_(self.chooser.choose(logits, self.offset + self.position))

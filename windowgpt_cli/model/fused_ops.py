@@ -69,14 +69,16 @@ class FusedOps(TorchOps):
         device, width = table.device, table.size(1)
         activations = functools.partial(torch.zeros, device=device, dtype=torch.bfloat16)
         ids = torch.zeros(1, seq_len, dtype=torch.long, device=device)
-        x0 = SmearedEmbedding(torch.zeros(1, seq_len, width, device=device, dtype=table.dtype),
-                              float32_values(model.smear.gate, table))
+        zeros = torch.zeros(1, seq_len, width, device=device, dtype=table.dtype)
+        # x0 as scoring will pass it: the gate by token gives a tensor formed in torch (`GPT.embed`)
+        x0 = zeros if model.smear.width else SmearedEmbedding(zeros, float32_values(model.smear.gate, table))
         block = model.blocks[0]
         cos, sin = model.rotary(seq_len, device)  # the tables scoring will pass
         y = activations(1, queries, cfg.num_heads, cfg.head_dim)
         tasks = [
-            lambda: self.embed(ids, table, activations(1, seq_len, width) if model.bigram is not None else None,
-                               model.bigram.scale if model.bigram is not None else None, model.smear.gate),
+            lambda: model.embed(ids, self) if model.smear.width else
+            self.embed(ids, table, activations(1, seq_len, width) if model.bigram is not None else None,
+                       model.bigram.scale if model.bigram is not None else None, model.smear.gate),
             lambda: self.block_input(Residual(x0), x0, block.resid_mix, block.ln_scale_factor, keep_sum=True),
             lambda: self.head_prep(activations(1, seq_len, cfg.num_heads, cfg.head_dim), cos, sin, cfg.rope_dims,
                                    block.attn.q_gain),

@@ -19,7 +19,8 @@ from ..config import ModelConfig, parameter_estimate
 from ..errors import ConfigError
 from ..runtime import matmul_dtype, memory_bytes
 from .attention import attention, attention_at, resolve_backend
-from .ops import TORCH_OPS, Residual, TorchOps, ValueInjection, pick_positions, smear
+from .ops import (TORCH_OPS, Residual, TorchOps, ValueInjection, embed_sum, gated_smear_with, pick_positions,
+                  previous_positions, rms_norm, smear_with)
 from .rotary import rotary_inv_freq, rotary_magnitude, rotary_tables
 from .state_dict import BANK_NAMES, is_control_tensor
 from .weight_grid import RowGrid
@@ -295,14 +296,28 @@ class Block(nn.Module):
 # --- Embeddings --------------------------------------------------------------------------
 
 class SmearGate(nn.Module):
-    """Blend each position with the previous one through a learned per-channel gate."""
+    """How each position of x0 takes in the one before it (`ModelConfig.smear_gate_width`):
+    the reference's learned per-channel blend of the normed embeddings (`gate` [dim]), or,
+    with a width N, the final records' gate by token on the embeddings before their norm,
+    x + scale * sigmoid(gate . x[:N]) * x_prev, then normed (`gate` [N] and `scale` zero at
+    first: no smear). The reference's form runs in `TorchOps.embed` (and the fused scoring
+    kernels); the other is formed in torch here, for every path."""
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, width: int = 0):
         super().__init__()
-        self.gate = nn.Parameter(torch.zeros(dim, dtype=torch.float32))
+        self.width = width
+        self.gate = nn.Parameter(torch.zeros(width or dim, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.zeros(1, dtype=torch.float32)) if width else None
 
-    def forward(self, x: Tensor) -> Tensor:
-        return smear(x, self.gate)
+    def source(self, summed: Tensor) -> Tensor:
+        """What the smear blends, from the summed embeddings: normed for the reference's form."""
+        return summed if self.width else rms_norm(summed)
+
+    def blend(self, x: Tensor, x_prev: Tensor, ids: Tensor | None = None, boundary: int = -1) -> Tensor:
+        """x0 from each position's source x and its predecessor's x_prev (decoding keeps it)."""
+        if not self.width:
+            return smear_with(x, x_prev, self.gate, ids, boundary)
+        return rms_norm(gated_smear_with(x, x_prev, self.gate, self.scale, ids, boundary))
 
 
 class ProjectedEmbedding(nn.Module):
@@ -391,7 +406,7 @@ class GPT(nn.Module):
         self.bigram = (BigramHashEmbedding(cfg.bigram_vocab_size, cfg.bigram_dim, dim, initialize,
                                            cfg.doc_boundary_token)
                        if cfg.bigram_vocab_size > 0 else None)
-        self.smear = SmearGate(dim)
+        self.smear = SmearGate(dim, cfg.smear_gate_width)
         # U-Net skips pair the first half of the blocks run with the second (depth recurrence
         # runs more of them: enough skip weights for its longer order).
         steps = len(cfg.block_order())
@@ -558,6 +573,9 @@ class GPT(nn.Module):
         bigram, bigram_scale = None, None
         if self.bigram is not None:
             bigram, bigram_scale = self.bigram(input_ids), self.bigram.scale
+        if self.smear.width:  # formed in torch, a tensor x0 that every ops takes
+            summed = embed_sum(input_ids, self.tok_emb.weight, bigram, bigram_scale)
+            return self.smear.blend(summed, previous_positions(summed), input_ids, self.cfg.doc_boundary_token)
         return ops.embed(input_ids, self.tok_emb.weight, bigram, bigram_scale, self.smear.gate,
                          self.cfg.doc_boundary_token)
 

@@ -63,7 +63,7 @@ class ValueInjection:
 def smear(x: Tensor, gate: Tensor, ids: Tensor | None = None, boundary: int = -1) -> Tensor:
     """Blend each position with the previous one through a per-channel gate (sigmoid). A
     position whose id is `boundary` (>= 0) blends with zeros, as the first position does."""
-    return smear_with(x, torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1), gate, ids, boundary)
+    return smear_with(x, previous_positions(x), gate, ids, boundary)
 
 
 def smear_with(x: Tensor, x_prev: Tensor, gate: Tensor, ids: Tensor | None = None, boundary: int = -1) -> Tensor:
@@ -72,6 +72,28 @@ def smear_with(x: Tensor, x_prev: Tensor, gate: Tensor, ids: Tensor | None = Non
         x_prev = x_prev * (ids != boundary).unsqueeze(-1).to(x_prev.dtype)
     g = torch.sigmoid(gate.to(dtype=x.dtype))[None, None, :]
     return (1 - g) * x + g * x_prev
+
+
+def embed_sum(ids: Tensor, table: Tensor, bigram: Tensor | None, bigram_scale: Tensor | None) -> Tensor:
+    """Token embeddings plus bigram * bigram_scale, before any norm."""
+    x = F.embedding(ids, table)
+    return x if bigram is None else x + bigram * bigram_scale.to(dtype=bigram.dtype)
+
+
+def gated_smear_with(x: Tensor, x_prev: Tensor, weight: Tensor, scale: Tensor, ids: Tensor | None = None,
+                     boundary: int = -1) -> Tensor:
+    """x + scale * sigmoid(weight . x[..., :N]) * x_prev, N = weight's length: each position
+    takes in its predecessor as much as a gate on its own first channels says. A position
+    whose id is `boundary` (>= 0) takes in nothing, as the first position does."""
+    if boundary >= 0 and ids is not None:
+        x_prev = x_prev * (ids != boundary).unsqueeze(-1).to(x_prev.dtype)
+    gate = torch.sigmoid(x[..., :weight.numel()] @ weight.to(x.dtype)).unsqueeze(-1)
+    return x + scale.to(x.dtype) * gate * x_prev
+
+
+def previous_positions(x: Tensor) -> Tensor:
+    """x [B, T, D] shifted one position on: each position's predecessor, zeros before the first."""
+    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
 
 
 class TorchOps:
@@ -96,10 +118,7 @@ class TorchOps:
 
     def embed_normed(self, ids: Tensor, table: Tensor, bigram: Tensor | None, bigram_scale: Tensor | None) -> Tensor:
         """x0 before the smear: token embeddings plus bigram * bigram_scale, normed."""
-        x = F.embedding(ids, table)
-        if bigram is not None:
-            x = x + bigram * bigram_scale.to(dtype=bigram.dtype)
-        return rms_norm(x)
+        return rms_norm(embed_sum(ids, table, bigram, bigram_scale))
 
     def stream_sum(self, stream: Residual) -> Tensor:
         x = stream.base

@@ -302,7 +302,7 @@ def build_optimizers(model: GPT, cfg: OptimConfig) -> Optimizers:
     token_lr = cfg.tied_embed_lr if model.cfg.tie_embeddings else cfg.embed_lr
     token_tables = [model.tok_emb.weight]
     scalars = [p for name, p in model.blocks.named_parameters() if p.ndim < 2 or is_control_tensor(name)]
-    scalars += [model.skip_weights, model.smear.gate]
+    scalars += [model.skip_weights, *model.smear.parameters()]
     scalars += [p for p in (model.skip_gates, model.lane_mix) if p is not None]
     for extra in (model.bigram, model.ve_shared):
         if extra is not None:
