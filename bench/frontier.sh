@@ -22,7 +22,9 @@
 #                                       --no-split-scripts, both, --no-split-words (pieces that
 #                                       span words), or on 64 MiB of text instead of 4 MB),
 #                                       frontier_reference_optim (the preset with the reference's
-#                                       Muon momentum, weight decays and no row normalization)
+#                                       Muon momentum, weight decays and no row normalization),
+#                                       frontier_reference_forms (the preset with the reference's
+#                                       SmearGate and x0 in the parallel MLP's input)
 #   TRAIN_FLAGS                         more train flags for every run (a smaller model to
 #                                       check the script on a CPU)
 #   SLIDING_UNQUANTIZED=1               also score the unquantized export (the quantization's
@@ -85,6 +87,7 @@ flags_for() {  # NAME -> its train flags, one a line
     frontier_fp8_mlp_fa4) printf '%s\n' --preset frontier --fp8-mlp --attn-backend fa4 ;;
     frontier_fp8_mlp_no_recur) printf '%s\n' --preset frontier --fp8-mlp --recur-layers "" --recur-count 1 ;;
     frontier_reference_optim) printf '%s\n' --preset frontier "${reference_optim[@]}" ;;
+    frontier_reference_forms) printf '%s\n' --preset frontier --smear-gate-width 0 --parallel-mlp-reads-x0 ;;
     frontier_case_markers|frontier_no_split_scripts|frontier_tokenizer|frontier_no_split_words|frontier_sample_64mb)
       printf '%s\n' --preset frontier ;;
     *) echo "unknown run $1" >&2; return 1 ;;

@@ -2,10 +2,13 @@
 several calls' runs into one JSON, and its table."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -121,22 +124,28 @@ def test_longer_windows_score_the_same_ptz_and_are_collected(tmp_path):
     assert run["val_bpb"] == 1.55
 
 
-def test_the_reference_optimizer_run_is_the_preset_with_the_reference_s_optimizer(tmp_path):
+@pytest.mark.parametrize("run, group, changed", [
+    ("frontier_reference_optim", "optim", {"muon_row_normalize", "muon_momentum", "muon_wd", "adam_wd", "embed_wd"}),
+    ("frontier_reference_forms", "model", {"smear_gate_width", "parallel_mlp_reads_x0"}),
+])
+def test_the_reference_runs_are_the_preset_with_the_reference_s_values(tmp_path, run, group, changed):
     from typer.testing import CliRunner
 
     from windowgpt_cli.cli.app import app
-    from windowgpt_cli.config import OptimConfig, preset
+    from windowgpt_cli.config import RunConfig, preset
 
     args = tmp_path / "args.txt"
-    run_frontier(tmp_path, RUNS="frontier_reference_optim", ARGS=str(args))
+    run_frontier(tmp_path, RUNS=run, ARGS=str(args))
     train = next(line.split() for line in args.read_text().splitlines() if line.startswith("train "))[1:]
     for flag in ("--data", "--out"):  # what --print-config does not take
         at = train.index(flag)
         del train[at:at + 2]
     printed = CliRunner().invoke(app, ["train", "--print-config", *train])
     assert printed.exit_code == 0, printed.output
-    optim, frontier = json.loads(printed.stdout)["optim"], preset("frontier").optim
-    changed = {"muon_row_normalize", "muon_momentum", "muon_wd", "adam_wd", "embed_wd"}
-    assert {k: optim[k] for k in changed} == {k: getattr(OptimConfig(), k) for k in changed}
-    assert all(optim[k] == getattr(frontier, k) for k in optim if k not in changed)
-    assert any(getattr(frontier, k) != getattr(OptimConfig(), k) for k in changed)
+    printed = json.loads(printed.stdout)[group]
+    reference, frontier = (json.loads(json.dumps(dataclasses.asdict(c)))[group]
+                           for c in (RunConfig(), preset("frontier")))
+    assert {k: printed[k] for k in changed} == {k: reference[k] for k in changed}
+    assert {k: v for k, v in printed.items() if k not in changed} == \
+        {k: v for k, v in frontier.items() if k not in changed}
+    assert all(frontier[k] != reference[k] for k in changed)
