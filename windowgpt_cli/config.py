@@ -689,8 +689,8 @@ def frontier_preset() -> RunConfig:
         model=ModelConfig(
             vocab_size=8192, mlp_mult=4.0, xsa_last_n=11, qk_gain_init=5.0, bigram_vocab_size=0, ve_enabled=False,
             skip_gates=True, parallel_start_layer=8, parallel_mlp_reads_x0=False, attn_out_gate_width=12,
-            attn_out_gate_scale=0.5,
-            doc_boundary_token=1, smear_gate_width=12, recur_layers=(3, 4, 5), recur_count=3, rope_scaling="yarn",
+            attn_out_gate_scale=0.5, doc_boundary_token=1, smear_gate_width=12, recur_layers=(3, 4, 5), recur_count=3,
+            rope_scaling="yarn",
         ),
         optim=OptimConfig(matrix_lr=0.026, tied_embed_lr=0.03, scalar_lr=0.02, beta2=0.99, grad_clip_norm=0.3,
                           muon_ns_coefficients="polar_express", muon_row_normalize=True, muon_momentum=0.97,
