@@ -37,7 +37,7 @@ from torch import Tensor
 from ..data.tokenizer import BOS_ID, TextCodec, load_text_codec
 from ..model.attention import attention, may_attend
 from ..model.gpt import GPT, matmul_dtype
-from ..model.ops import embed_sum, previous_positions
+from ..model.ops import embed_sum
 from ..runtime import autocast, compiled, synchronize
 
 SAMPLE_TOKENS = 32  # the length of the samples training logs
@@ -202,7 +202,7 @@ class StaticDecoder:
             self.prefilling = True
             try:
                 source = self._smear_source(ids)
-                x0 = self.model.smear.blend(source, previous_positions(source), ids, self.model.cfg.doc_boundary_token)
+                x0 = self.model.smear(source, ids, self.model.cfg.doc_boundary_token)
                 n = ids.shape[1]
                 hidden = self.model.trunk(ids, x0, (self.cos[:, :n], self.sin[:, :n]), weights=self.weights)
                 logits = self.model.logits(hidden[:, -1]).float()

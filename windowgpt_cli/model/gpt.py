@@ -319,6 +319,10 @@ class SmearGate(nn.Module):
             return smear_with(x, x_prev, self.gate, ids, boundary)
         return rms_norm(gated_smear_with(x, x_prev, self.gate, self.scale, ids, boundary))
 
+    def forward(self, x: Tensor, ids: Tensor | None = None, boundary: int = -1) -> Tensor:
+        """x0 from the sources x [B, T, D] of whole sequences: each blended with the one before."""
+        return self.blend(x, previous_positions(x), ids, boundary)
+
 
 class ProjectedEmbedding(nn.Module):
     """A low-dimensional embedding table projected to out_dim, and a learned scale that the
@@ -574,8 +578,8 @@ class GPT(nn.Module):
         if self.bigram is not None:
             bigram, bigram_scale = self.bigram(input_ids), self.bigram.scale
         if self.smear.width:  # formed in torch, a tensor x0 that every ops takes
-            summed = embed_sum(input_ids, self.tok_emb.weight, bigram, bigram_scale)
-            return self.smear.blend(summed, previous_positions(summed), input_ids, self.cfg.doc_boundary_token)
+            return self.smear(embed_sum(input_ids, self.tok_emb.weight, bigram, bigram_scale), input_ids,
+                              self.cfg.doc_boundary_token)
         return ops.embed(input_ids, self.tok_emb.weight, bigram, bigram_scale, self.smear.gate,
                          self.cfg.doc_boundary_token)
 
