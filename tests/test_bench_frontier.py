@@ -51,14 +51,16 @@ def test_runs_merge_over_calls_and_count_the_code_with_the_model(tmp_path):
     assert "| frontier | 270 | 900.0 |  | 1.47440 | -0.0312 | 15,860,000 |" in table
 
 
-# A stand-in for `python3` on PATH: `-m windowgpt_cli CMD ... --out P` logs CMD and writes what
+# A stand-in for `python3` on PATH: `-m windowgpt_cli CMD ... --out P` (or `CODE.pyz CMD ...`, logged
+# as packed:CMD) logs CMD and writes what
 # frontier.sh reads from CMD (eval fails while FAIL_EVAL is set; its val_bpb names --seq-len);
 # anything else runs Python.
 FAKE_PYTHON = r'''#!/usr/bin/env bash
+via=; if [ "${1##*.}" = pyz ]; then via=packed:; set -- -m windowgpt_cli "${@:2}"; fi
 if [ "$1" != "-m" ] || [ "$2" != "windowgpt_cli" ]; then exec "$REAL_PYTHON" "$@"; fi
-cmd=$3; shift 3; [ -z "${ARGS:-}" ] || echo "$cmd $*" >> "$ARGS"
+cmd=$3; shift 3; [ -z "${ARGS:-}" ] || echo "$via$cmd $*" >> "$ARGS"
 out=; seq=; while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; [ "$1" = --seq-len ] && seq=$2; shift; done
-echo "$cmd" >> "$CALLS"
+echo "$via$cmd" >> "$CALLS"
 case $cmd in
   pack) echo zip > "$out" ;;
   prepare|export) mkdir -p "$out" ;;
@@ -91,12 +93,13 @@ def run_frontier(tmp_path: Path, **env: str) -> list[str]:
 
 
 def test_resume_keeps_a_finished_training_and_runs_the_later_stages(tmp_path):
-    assert run_frontier(tmp_path, FAIL_EVAL="1") == ["pack", "prepare", "train", "export", "quantize", "eval"]
+    assert run_frontier(tmp_path, FAIL_EVAL="1") == ["pack", "prepare", "train", "export", "packed:quantize", "eval"]
     assert not (tmp_path / "logs" / "frontier_h200.json").exists()
-    assert run_frontier(tmp_path, RESUME="1") == ["pack", "export", "quantize", "eval"]
+    assert run_frontier(tmp_path, RESUME="1") == ["pack", "export", "packed:quantize", "eval"]
     runs = json.loads((tmp_path / "logs" / "frontier_h200.json").read_text())["runs"]
     assert runs["default"]["steps"] == 9 and runs["default"]["val_bpb"] == 1.55
-    assert run_frontier(tmp_path) == ["pack", "train", "export", "quantize", "eval"]  # without RESUME: trained again
+    # Without RESUME: trained again.
+    assert run_frontier(tmp_path) == ["pack", "train", "export", "packed:quantize", "eval"]
 
 
 def test_tokenizer_runs_prepare_their_own_data_and_train_the_preset_as_it_is(tmp_path):
@@ -111,6 +114,13 @@ def test_tokenizer_runs_prepare_their_own_data_and_train_the_preset_as_it_is(tmp
     data = [t[t.index("--data") + 1] for t in trains]
     assert len(set(data)) == 3 and all("sp8192" in d for d in data)
     assert all(t[t.index("--preset") + 1] == "frontier" and "--fp8-mlp" not in t for t in trains)
+
+
+def test_quantize_runs_from_the_packed_code_against_the_record_budget(tmp_path):
+    args = tmp_path / "args.txt"
+    run_frontier(tmp_path, ARGS=str(args))
+    quantize = next(line.split() for line in args.read_text().splitlines() if "quantize " in line)
+    assert quantize[0] == "packed:quantize" and quantize[quantize.index("--budget") + 1] == "16000000"
 
 
 def test_longer_windows_score_the_same_ptz_and_are_collected(tmp_path):

@@ -320,6 +320,10 @@ class QuantConfig:
     quant_lqer_top_k: int = setting(3, "LQER corrects the K quantized matrices of the largest error.")
     quant_lqer_factor_bits: int = setting(4, "Bits of LQER's factor codes (asymmetric, per group).")
     quant_lqer_group_size: int = setting(64, "Values of an LQER factor sharing one scale and offset.")
+    quant_fit_budget: bool = setting(False, "When the code plus the compressed model exceed quantize's --budget, "
+                                            "zero the codes of +-1 whose loss adds the least error (weighted by "
+                                            "the calibration Hessian) until they fit; off: the artifact is "
+                                            "written as it is and quantize fails.")
 
 
 @dataclass
@@ -700,7 +704,8 @@ def frontier_preset() -> RunConfig:
         quant=QuantConfig(use_gptq=True, gptq_calib_samples=16, gptq_reserve_seconds=4.0, quant_embed_bits=7,
                           quant_gptq_embed=True, quant_mlp_clip_sigmas=11.5, quant_attn_clip_sigmas=13.0,
                           quant_embed_clip_sigmas=14.0, quant_gates_int8=True, quant_lqer_rank=4, quant_lqer_top_k=3,
-                          quant_lqer_factor_bits=4, quant_lqer_group_size=64),
+                          quant_lqer_factor_bits=4, quant_lqer_group_size=64,
+                          quant_fit_budget=True),
         ttt=TTTConfig(ttt_method="lora", ttt_lora_rank=80, ttt_lora_chunk_tokens=48, ttt_lora_beta2=0.99,
                       ttt_lora_weight_decay=0.5, ttt_lora_phases=3, ttt_lora_prefix_docs=2500),
     )

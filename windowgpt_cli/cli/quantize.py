@@ -78,6 +78,17 @@ def _calibration_line(report: dict[str, Any]) -> str | None:
     return line + "): outside the training budget, not a record artifact"
 
 
+def _fit_line(report: dict[str, Any]) -> str | None:
+    """What fitting into the budget (quant_fit_budget) gave up, when it had to."""
+    fit = report.get("fit")
+    if not fit or not fit["zeroed_codes"]:
+        return None
+    outcome = "fits" if fit["fitted"] else "still does not fit"
+    return (f"fit: zeroed {fit['zeroed_codes']:,} codes of +-1 ({100 * fit['zeroed_fraction']:.2f}% of the codes) "
+            f"in {fit['rounds']} rounds: model {fit['bytes_before']:,} -> {fit['bytes_after']:,} bytes, {outcome} "
+            f"in {fit['allowed_bytes']:,}")
+
+
 QUANT_FLAG_ALIASES = {"use_gptq": ("--gptq",), "gptq_calib_samples": ("--calib-batches",),
                       "quant_clip_range": ("--clip-range",)}
 
@@ -122,9 +133,9 @@ def command(
             console.print(sections_table(report["sections"]))
         console.print(_timing_line(report), highlight=False)
         console.print(_code_line(report), highlight=False, soft_wrap=True)
-        calibration = _calibration_line(report)
-        if calibration:
-            console.print(calibration, highlight=False)
+        for line in (_fit_line(report), _calibration_line(report)):
+            if line:
+                console.print(line, highlight=False)
         console.print(f"wrote {out} (sha256 {report['sha256'][:16]}...) and {report_path(out)}", highlight=False)
     if not report["within_budget"]:
         raise ArtifactError(f"{out}: {report['total_bytes']:,} bytes (model {report['model_bytes']:,} + code "

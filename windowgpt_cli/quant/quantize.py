@@ -32,6 +32,7 @@ from ..record import codesize
 from ..runtime import out_of_memory_as_error, resolve_device, synchronize, use_cpu_threads
 from ..storage.files import atomic_write_bytes, atomic_write_json, read_json, sha256_bytes, tensors_sha256
 from ..storage.outputs import check_apart, claim_file
+from .fit import fit_to_budget
 from .calibration import Calibration, calibrate, load_hessians
 from .gptq import quantize_state_dict
 from .schemes import QuantPlan
@@ -109,11 +110,23 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
         timings["lqer"] = phases["lqer"]
 
     t0 = time.perf_counter()
-    errors = {name: relative_error(sd[name], qt) for name, qt in tensors.items()}
-    artifact = ptz.PtzArtifact(without_paths(cfg), tensors, weights.tokenizer_sha256, weights_lineage(weights),
-                               q.quant_clip_range, errors)
-    payload = ptz.payload_bytes(artifact)
-    data = ptz.compress_payload(payload, compressor)
+    code = codesize.count_code()
+
+    last: dict[str, Any] = {}  # the artifact compressed last, which is the one written
+
+    def compress(candidate: dict[str, QuantizedTensor]) -> bytes:
+        errors = {name: relative_error(sd[name], qt) for name, qt in candidate.items()}
+        last["artifact"] = ptz.PtzArtifact(without_paths(cfg), candidate, weights.tokenizer_sha256,
+                                           weights_lineage(weights), q.quant_clip_range, errors)
+        last["payload"] = ptz.payload_bytes(last["artifact"])
+        return ptz.compress_payload(last["payload"], compressor)
+
+    fit = None
+    if q.quant_fit_budget:
+        tensors, data, fit = fit_to_budget(sd, tensors, hessians, compress, budget - code.bytes)
+    else:
+        data = compress(tensors)
+    artifact, payload = last["artifact"], last["payload"]
     timings["compress"] = time.perf_counter() - t0
     # The old report goes first: a report beside a .ptz always describes that .ptz.
     report_path(out).unlink(missing_ok=True)
@@ -121,7 +134,9 @@ def quantize(model_path: Path, out: Path, *, gptq: bool | None = None, data_dir:
     timings["total"] = time.perf_counter() - started
 
     source = {**artifact.source, "path": str(weights.path)}  # the payload holds no paths; the report does
-    report = _report(out, data, payload, sd, tensors, errors, cfg, compressor, budget, dev, timings, source)
+    report = _report(out, data, payload, sd, tensors, artifact.errors, cfg, compressor, budget, dev, timings, source,
+                     code)
+    report["fit"] = fit
     report.update(_calibration_record(calibration, where, weights) if calibration else {"calibration": None})
     tokenizer = located_tokenizer(weights)  # for generate and eval to find it later
     report["tokenizer"] = {"path": str(tokenizer) if tokenizer else None, "sha256": weights.tokenizer_sha256}
@@ -215,7 +230,7 @@ def group_rows(sd: dict[str, torch.Tensor], tensors: dict[str, QuantizedTensor],
 
 def _report(out: Path, data: bytes, payload: bytes, sd: dict[str, torch.Tensor], tensors: dict[str, QuantizedTensor],
             errors: dict[str, float], cfg: RunConfig, compressor: str, budget: int, dev: torch.device,
-            timings: dict[str, float], source: dict[str, Any]) -> dict[str, Any]:
+            timings: dict[str, float], source: dict[str, Any], code: codesize.CodeCount) -> dict[str, Any]:
 
     groups = group_rows(sd, tensors, errors, cfg.quant.quant_clip_range)
     schemes: dict[str, int] = {}
@@ -228,7 +243,6 @@ def _report(out: Path, data: bytes, payload: bytes, sd: dict[str, torch.Tensor],
         if group in groups:
             groups[group].setdefault("compressed_bytes", 0)
             groups[group]["compressed_bytes"] += row["compressed_bytes"]
-    code = codesize.count_code()
     total = len(data) + code.bytes
     return {
         "artifact": str(out), "sha256": sha256_bytes(data), "format_version": ptz.FORMAT_VERSION,
