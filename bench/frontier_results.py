@@ -35,6 +35,9 @@ def run_entry(folder: Path, code_bytes: int) -> dict:
         if "seq_len" in scored:  # beside the run's own score, at its own length
             by_seq_len[scored["seq_len"]] = scored["val_bpb"]
         extra["val_bpb_by_eval_seq_len"] = {str(n): by_seq_len[n] for n in sorted(by_seq_len)}
+    fit = quantize.get("fit") or {}
+    if fit.get("zeroed_codes"):  # what fitting into the budget gave up (quant_fit_budget)
+        extra["fit"] = {key: fit[key] for key in ("zeroed_codes", "zeroed_fraction", "bytes_before")}
     return extra | {
         "steps": train["step"], "ms_per_step": train["ms_per_step"],
         "training_plus_calibration_s": round(train["training_plus_calibration_ms"] / 1000.0, 1),

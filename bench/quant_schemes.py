@@ -2,13 +2,16 @@
 stride-64 sliding val_bpb, and what quantization costs against the unquantized weights.
 
     python3 bench/quant_schemes.py EXPORT --data DATA --work WORK --out RESULT.json
-        [--schemes reference,sdclip,...] [--model NAME] [--stride 64]
+        [--schemes reference,sdclip,...] [--model NAME] [--stride 64] [--budget 16000000]
 
 EXPORT is an export of a run trained with `--use-gptq --quant-gptq-embed` (its Hessians
 cover the output layer too, for the schemes that quantize the embedding by GPTQ). Every
 scheme quantizes with GPTQ on those Hessians and the `auto` compressor (`own`: with the
-export's own settings, a preset's scheme); a scheme that fails is recorded with its error and
-the others are still measured; `reference` is also
+export's own settings, a preset's scheme), run from the packed code (`windowgpt pack`) so that
+its report counts the code as a record does and a scheme that fits its artifact into the
+budget (`--quant-fit-budget`, `pr1855_fit`) aims at `--budget` less that code; a scheme over
+the budget is measured all the same; a scheme that fails is recorded with its error and the
+others are still measured; `reference` is also
 written with each whole-payload compressor (the same weights and codes), so the file
 compares the compressors too, and every .ptz's decoding is timed. `--compressor rans`
 measures schemes quickly (rans is within 0.2% of auto on the record model). Writes RESULT.json
@@ -41,7 +44,7 @@ PR1855 = SDCLIP + ["--quant-embed-bits", "7", "--quant-gptq-embed", "--quant-gat
 # Every scheme sets every setting it departs in, so that the export's own values never leak in.
 OFF = ["--clip-range", "31", "--no-quant-gptq-embed", "--quant-embed-bits", "8", "--quant-mlp-clip-sigmas", "0",
        "--quant-attn-clip-sigmas", "0", "--quant-embed-clip-sigmas", "0", "--no-quant-gates-int8",
-       "--quant-lqer-rank", "0", "--quant-scale-floor"]
+       "--quant-lqer-rank", "0", "--quant-scale-floor", "--no-quant-fit-budget"]
 SCHEMES = {
     "reference": [],
     "lqer": LQER,
@@ -55,6 +58,8 @@ SCHEMES = {
     "sdclip_int7embed": SDCLIP + ["--quant-embed-bits", "7"],
     "sdclip_int7embed_gptqembed": SDCLIP + ["--quant-embed-bits", "7", "--quant-gptq-embed"],
     "pr1855": PR1855 + LQER,
+    # fitted into --budget by zeroing its cheapest codes of +-1 (the frontier preset's scheme)
+    "pr1855_fit": PR1855 + LQER + ["--quant-fit-budget"],
     # LQER on more matrices or at a higher rank: a few kB each where the artifact has room
     "pr1855_lqer_top8": PR1855 + lqer(top_k=8),
     "pr1855_lqer_rank8": PR1855 + lqer(rank=8),
@@ -72,11 +77,17 @@ class CommandFailed(Exception):
     """A windowgpt command exited non-zero; the message is its last line of errors."""
 
 
-def windowgpt(*args: str) -> dict:
-    """A windowgpt command's --json output (its stderr passed through)."""
-    done = subprocess.run([sys.executable, "-m", "windowgpt_cli", *args, "--json"], cwd=REPO, text=True,
+def windowgpt(*args: str, code: Path | None = None) -> dict:
+    """A windowgpt command's --json output (its stderr passed through), run from the packed
+    `code` when given. A quantize report over its budget is returned all the same."""
+    program = [str(code)] if code else ["-m", "windowgpt_cli"]
+    done = subprocess.run([sys.executable, *program, *args, "--json"], cwd=REPO, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     sys.stderr.write(done.stderr)
+    if done.returncode == 1 and args[0] == "quantize" and done.stdout.strip():
+        report = json.loads(done.stdout)
+        if report.get("within_budget") is False:
+            return report
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exited {done.returncode}"])[-1]
         raise CommandFailed(f"windowgpt {' '.join(args[:2])}: {last}")
@@ -107,8 +118,13 @@ def main() -> None:
     parser.add_argument("--stride", default="64")
     parser.add_argument("--compressor", default="auto", help="the schemes' compressor; the comparison of every "
                         "compressor on the reference scheme runs only with auto")
+    parser.add_argument("--budget", type=int, default=16_000_000, help="bytes of code and model a fitting scheme "
+                        "aims at")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
+    code = args.work / "code.pyz"
+    subprocess.run([sys.executable, "-m", "windowgpt_cli", "pack", "--out", str(code)], cwd=REPO, check=True,
+                   stdout=subprocess.DEVNULL)
     import torch
 
     result: dict = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
@@ -119,9 +135,8 @@ def main() -> None:
     for name in args.schemes.split(","):
         out = args.work / f"{name}.ptz"
         try:
-            # a scheme over the budget is measured all the same (quantize writes it, then exits 1 without this)
-            report = windowgpt("quantize", str(args.export), "--out", str(out), "--gptq", "--budget", str(1 << 40),
-                               *scheme_flags(name), "--compressor", args.compressor)
+            report = windowgpt("quantize", str(args.export), "--out", str(out), "--gptq", "--budget",
+                               str(args.budget), *scheme_flags(name), "--compressor", args.compressor, code=code)
             score = windowgpt("eval", str(out), "--data", str(args.data), "--stride", args.stride)
         except CommandFailed as failed:  # the others are still measured
             result["schemes"][name] = {"error": str(failed)}
@@ -129,7 +144,8 @@ def main() -> None:
             args.out.write_text(json.dumps(result, indent=2) + "\n")
             continue
         result["schemes"][name] = {
-            "bytes": report["model_bytes"], "val_bpb": score["val_bpb"],
+            "bytes": report["model_bytes"], "total_bytes": report["total_bytes"], "fit": report.get("fit"),
+            "val_bpb": score["val_bpb"],
             "quant_loss": score["val_bpb"] - base["val_bpb"], "compressor": report["compressor"],
             "decode_s": round(decode_seconds(out), 3), "compress_s": report["timings_s"]["compress"],
             "groups": {g: {k: row.get(k) for k in ("bits", "lqer", "rel_error", "compressed_bytes")}
@@ -141,7 +157,7 @@ def main() -> None:
             for compressor in WHOLE_PAYLOAD:
                 path = args.work / f"reference_{compressor}.ptz"
                 again = windowgpt("quantize", str(args.export), "--out", str(path), "--gptq", *OFF,
-                                  "--compressor", compressor)
+                                  "--compressor", compressor, "--budget", str(1 << 40), code=code)
                 result["compressors"][compressor] = {"bytes": again["model_bytes"],
                                                      "compress_s": again["timings_s"]["compress"],
                                                      "decode_s": round(decode_seconds(path), 3)}

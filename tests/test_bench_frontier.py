@@ -14,7 +14,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def write_run(logs: Path, name: str, steps: int, val_bpb: float, model_bytes: int, post_ema: float | None,
-              kernels: dict | None = None) -> None:
+              kernels: dict | None = None, fit: dict | None = None) -> None:
     folder = logs / name
     folder.mkdir(parents=True)
     summary = {"step": steps, "ms_per_step": 900.0, "training_plus_calibration_ms": 240_000.0,
@@ -22,7 +22,8 @@ def write_run(logs: Path, name: str, steps: int, val_bpb: float, model_bytes: in
                **({"kernels": kernels} if kernels else {})}  # older summaries have none
     (folder / "summary.json").write_text(json.dumps(summary))
     (folder / "config.json").write_text(json.dumps({"model": {"vocab_size": 8192}}))
-    (folder / "quantize.json").write_text(json.dumps({"model_bytes": model_bytes, "compressor": "groups"}))
+    quantize = {"model_bytes": model_bytes, "compressor": "groups", **({"fit": fit} if fit else {})}
+    (folder / "quantize.json").write_text(json.dumps(quantize))
     (folder / "eval.json").write_text(json.dumps({"val_bpb": val_bpb}))
 
 
@@ -38,7 +39,9 @@ def test_runs_merge_over_calls_and_count_the_code_with_the_model(tmp_path):
     write_run(first, "frontier", 238, 1.4978, 15_700_000, 1.50)
     (first / "packed_code_bytes").write_text("250000")
     kernels = {"attn_backend": "triton_fa4", "fused_mlp": "quack", "fold_output_scales": "on"}
-    write_run(second, "frontier", 270, 1.4744, 15_600_000, None, kernels)  # again, its pre-quant score unknown
+    fit = {"allowed_bytes": 15_740_000, "bytes_before": 15_900_000, "zeroed_codes": 1_000, "rounds": 1,
+           "fitted": True, "candidates": 9_000, "bytes_after": 15_600_000, "zeroed_fraction": 0.01}
+    write_run(second, "frontier", 270, 1.4744, 15_600_000, None, kernels, fit)  # again, its pre-quant score unknown
     (second / "packed_code_bytes").write_text("260000")
     collect(str(first), "--out", str(out))
     table = collect(str(second), "--out", str(out))
@@ -48,6 +51,8 @@ def test_runs_merge_over_calls_and_count_the_code_with_the_model(tmp_path):
     assert runs["default"]["total_bytes"] == 10_250_000 and runs["default"]["commit"] == "abc1234"
     assert runs["default"]["within_16mb"] and runs["default"]["pre_quant_val_bpb"] == 1.49
     assert runs["frontier"]["kernels"] == kernels and "kernels" not in runs["default"]
+    assert runs["frontier"]["fit"] == {"zeroed_codes": 1_000, "zeroed_fraction": 0.01, "bytes_before": 15_900_000}
+    assert "fit" not in runs["default"]
     assert "| frontier | 270 | 900.0 |  | 1.47440 | -0.0312 | 15,860,000 |" in table
 
 
