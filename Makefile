@@ -71,6 +71,8 @@ clean:
 # OUT/record.json and OUT/README.md, exit 1 when the run breaks a rule.
 # Every record stage runs from OUT/code.pyz, the packed code (`windowgpt pack`) that the
 # reports count. It is packed once per OUT, before training; delete it to pack again.
+# PACK_FLAGS=--strip packs the modules without comments and docstrings (about 30% fewer bytes).
+PACK_FLAGS ?=
 WINDOWGPT ?= $(RUN_PYTHON) -m windowgpt_cli
 CODE = $(OUT)/code.pyz
 RUN_CODE = $(RUN_PYTHON) $(CODE)
@@ -112,7 +114,7 @@ smoke-gpu:
 wall_s = echo "$$start $$(date +%s.%N)" | awk '{printf "%.3f\n", $$2 - $$1}' > $(OUT)/$(1).wall_s
 
 $(CODE):
-	$(WINDOWGPT) pack --out $@
+	$(WINDOWGPT) pack $(PACK_FLAGS) --out $@
 
 # Every stage that reads DATA checks it against its manifest; shards made elsewhere (the
 # reference's FineWeb download) get one here, with DATA/tokenizer.model or TOKENIZER=MODEL

@@ -131,8 +131,9 @@ measure() {  # NAME: train, export, quantize and evaluate one run
   python3 "$repo/bench/frontier_results.py" "$logs" --out "$logs/frontier_h200.json" --only "$name"
 }
 
-# The record counts the code as `pack` writes it (a zipapp), not as source on disk.
-wg pack --out "$work/code.pyz" > "$logs/pack.log" 2>&1 || { tail "$logs/pack.log"; exit 1; }
+# The record counts the code as `pack` writes it (a zipapp), not as source on disk; PACK_FLAGS
+# (default --strip: its modules without comments and docstrings) are pack's.
+wg pack ${PACK_FLAGS---strip} --out "$work/code.pyz" > "$logs/pack.log" 2>&1 || { tail "$logs/pack.log"; exit 1; }
 stat -c %s "$work/code.pyz" > "$logs/packed_code_bytes"
 for name in $runs; do
   left=$(( ${DEADLINE_S:-570} - (SECONDS - started) ))

@@ -2,9 +2,12 @@
 runnable on its own."""
 from __future__ import annotations
 
+import ast
+import io
 import json
 import subprocess
 import sys
+import tokenize
 import zipfile
 from pathlib import Path
 
@@ -13,6 +16,7 @@ import pytest
 from windowgpt_cli.record import codesize
 from windowgpt_cli.storage.files import sha256_file
 from windowgpt_cli.record.archive import FIXED_TIME, MAIN_MEMBER, MAIN_SOURCE, pack
+from windowgpt_cli.record.strip import strip_source
 from windowgpt_cli.quant.quantize import quantize
 
 
@@ -38,10 +42,11 @@ def test_packing_is_reproducible_and_holds_exactly_the_record_modules(tmp_path: 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strip", [False, True])
 def test_the_archive_alone_runs_a_record_stage_and_counts_itself(tiny_run_dir: Path, tmp_path: Path,
-                                                                 quant_single_thread):
+                                                                 quant_single_thread, strip: bool):
     archive = tmp_path / "code.pyz"
-    pack(archive)
+    pack(archive, strip)
     work = tmp_path / "elsewhere"  # neither the working directory nor the path holds the source tree
     work.mkdir()
     done = subprocess.run([sys.executable, str(archive), "quantize", str(tiny_run_dir), "--out", "model.ptz",
@@ -58,7 +63,13 @@ def test_the_archive_alone_runs_a_record_stage_and_counts_itself(tiny_run_dir: P
     source = quantize(tiny_run_dir, tmp_path / "source.ptz", gptq=False, device="cpu")
     assert (work / "model.ptz").read_bytes() == (tmp_path / "source.ptz").read_bytes()
     assert source["code_archive"] is None and source["code_counted"] == codesize.SOURCE_FORM
-    assert source["code_bytes"] == codesize.code_bytes() == packed["code_source_bytes"] - len(MAIN_SOURCE)
+    assert source["code_bytes"] == codesize.code_bytes()
+    if strip:  # the archive says what it left out; its modules are smaller than their source
+        assert "without comments and docstrings" in packed["code_counted"]
+        assert packed["code_source_bytes"] - len(MAIN_SOURCE) < 0.85 * source["code_bytes"]
+    else:
+        assert "without" not in packed["code_counted"]
+        assert source["code_bytes"] == packed["code_source_bytes"] - len(MAIN_SOURCE)
 
 
 @pytest.mark.slow
@@ -72,6 +83,13 @@ def test_pack_command_writes_the_archive_and_says_what_it_counts(tmp_path: Path)
     size = (tmp_path / "code.pyz").stat().st_size
     assert f"zipapp (deflate) of {len(codesize.record_modules()) + 1} files" in result.output
     assert f"{size:,} bytes (source {codesize.code_bytes() + len(MAIN_SOURCE):,} bytes" in result.output
+    result = CliRunner().invoke(app, ["pack", "--strip", "--out", str(tmp_path / "small.pyz")],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "files, without comments and docstrings, runnable as `python small.pyz`" in result.output
+    assert (tmp_path / "small.pyz").stat().st_size < 0.8 * size
+    with zipfile.ZipFile(tmp_path / "small.pyz") as archive:
+        assert archive.comment == codesize.STRIPPED_COMMENT
 
 
 def test_a_child_process_of_the_packed_code_finds_the_archive(tmp_path: Path):
@@ -93,3 +111,41 @@ def test_a_child_process_of_the_packed_code_finds_the_archive(tmp_path: Path):
     imported_from, child_status, child_says = done.stdout.splitlines()
     assert imported_from.startswith(str(archive))
     assert child_status == "2" and child_says.startswith("usage: python -m windowgpt_cli.bytecode")
+
+
+def _without_docstrings(tree: ast.AST) -> str:
+    """The tree, every docstring before further statements taken out, with every node's lines."""
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and len(body) > 1 and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:]
+    return ast.dump(tree, include_attributes=True)
+
+
+def test_stripped_modules_keep_every_statement_on_its_line():
+    stripped_bytes = source_bytes = 0
+    for path in codesize.record_modules():
+        source = (codesize.PACKAGE_DIR.parent / path).read_bytes()
+        stripped = strip_source(source)
+        assert stripped.count(b"\n") == source.count(b"\n"), path
+        assert _without_docstrings(ast.parse(stripped)) == _without_docstrings(ast.parse(source)), path
+        tokens = tokenize.generate_tokens(io.StringIO(stripped.decode()).readline)
+        assert not any(t.type == tokenize.COMMENT for t in tokens), path
+        stripped_bytes, source_bytes = stripped_bytes + len(stripped), source_bytes + len(source)
+    assert stripped_bytes < 0.85 * source_bytes
+
+
+def test_stripping_keeps_what_a_body_needs_and_strings_that_look_like_comments():
+    source = (b'"""A module."""\nfrom __future__ import annotations\n\n\n'
+              b'class Empty(Exception):\n    """Only a docstring: it stays."""\n\n\n'
+              b'def f(x):  # a comment\n    """Two\n    lines."""\n    return "# not a comment"  # gone\n\n\n'
+              b'def g(): "kept: it shares the line"; return 1\n')
+    stripped = strip_source(source).decode()
+    assert stripped == ('\nfrom __future__ import annotations\n\n\n'
+                        'class Empty(Exception):\n    """Only a docstring: it stays."""\n\n\n'
+                        'def f(x):\n\n\n    return "# not a comment"\n\n\n'
+                        'def g(): "kept: it shares the line"; return 1\n')
+    namespace: dict = {}
+    exec(compile(stripped, "m.py", "exec"), namespace)
+    assert namespace["f"](0) == "# not a comment" and namespace["g"]() == 1

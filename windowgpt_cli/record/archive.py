@@ -3,7 +3,9 @@
 `python code.pyz train ...` (or `torchrun code.pyz ...`) runs the record stages from the
 archive alone, so the archive is both the code that ran and the code counted. Members are
 deflated at the highest level (zipimport reads no other compression) in a fixed order with
-fixed timestamps and modes: the same source gives the same bytes.
+fixed timestamps and modes: the same source gives the same bytes. With `strip`, each module
+goes in without its comments and docstrings (`strip.strip_source`), and the archive's
+comment says so.
 """
 from __future__ import annotations
 
@@ -13,21 +15,27 @@ from pathlib import Path
 
 from ..storage.outputs import check_apart, claim_file
 from . import codesize
+from .strip import strip_source
 
 MAIN_MEMBER = "__main__.py"
 MAIN_SOURCE = f"from {codesize.ENTRY} import run\nrun({codesize.RECORD_ENTRY!r})\n"
 FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest a zip entry can carry
 
 
-def archive_members() -> list[tuple[str, bytes]]:
-    """(name, bytes) of each member: the entry point, then the record modules, sorted."""
+def archive_members(strip: bool = False) -> list[tuple[str, bytes]]:
+    """(name, bytes) of each member: the entry point, then the record modules, sorted
+    (without comments and docstrings with `strip`)."""
     sources = [(path, (codesize.PACKAGE_DIR.parent / path).read_bytes()) for path in codesize.record_modules()]
+    if strip:
+        sources = [(path, strip_source(source)) for path, source in sources]
     return [(MAIN_MEMBER, MAIN_SOURCE.encode()), *sorted(sources)]
 
 
-def archive_bytes(members: list[tuple[str, bytes]]) -> bytes:
+def archive_bytes(members: list[tuple[str, bytes]], strip: bool = False) -> bytes:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
+        if strip:
+            archive.comment = codesize.STRIPPED_COMMENT
         for name, data in members:
             info = zipfile.ZipInfo(name, FIXED_TIME)
             info.compress_type = zipfile.ZIP_DEFLATED
@@ -37,17 +45,19 @@ def archive_bytes(members: list[tuple[str, bytes]]) -> bytes:
     return buffer.getvalue()
 
 
-def pack(out: Path) -> codesize.CodeCount:
-    """Write the record's code as a runnable zipapp at `out`; returns what it counts."""
+def pack(out: Path, strip: bool = False) -> codesize.CodeCount:
+    """Write the record's code as a runnable zipapp at `out` (its modules without comments
+    and docstrings with `strip`); returns what it counts."""
     from ..storage.files import atomic_write_bytes, sha256_bytes  # imports torch: only when packing
 
     out = Path(out)
     check_apart(out, [codesize.PACKAGE_DIR])
     claim_file(out, "packed code", is_packed_code)
-    members = archive_members()
-    data = archive_bytes(members)
+    members = archive_members(strip)
+    data = archive_bytes(members, strip)
     atomic_write_bytes(out, data)
-    return codesize.CodeCount(len(data), codesize.archive_form(len(members), out), [name for name, _ in members],
+    return codesize.CodeCount(len(data), codesize.archive_form(len(members), out, strip),
+                              [name for name, _ in members],
                               sum(len(source) for _, source in members), str(out), sha256_bytes(data))
 
 

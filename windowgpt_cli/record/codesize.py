@@ -27,6 +27,7 @@ RECORD_ENTRY = f"{PACKAGE}.cli.record_app"
 ENTRY = f"{PACKAGE}.entry"  # the packed code's __main__ starts there
 RECORD_ROOTS = (*RECORD_STAGES, RECORD_ENTRY, ENTRY)
 SOURCE_FORM = "Python source as on disk (uncompressed), not packed"
+STRIPPED_COMMENT = b"windowgpt: modules without comments and docstrings"  # the zip comment of `pack --strip`
 
 
 @functools.lru_cache(maxsize=4096)
@@ -123,8 +124,9 @@ def running_archive() -> Path | None:
     return Path(loader.archive) if isinstance(loader, zipimport.zipimporter) else None
 
 
-def archive_form(files: int, archive: Path) -> str:
-    return f"zipapp (deflate) of {files} files, runnable as `python {archive.name}`"
+def archive_form(files: int, archive: Path, stripped: bool = False) -> str:
+    without = ", without comments and docstrings" if stripped else ""
+    return f"zipapp (deflate) of {files} files{without}, runnable as `python {archive.name}`"
 
 
 def count_code() -> CodeCount:
@@ -137,5 +139,6 @@ def count_code() -> CodeCount:
     data = archive.read_bytes()
     with zipfile.ZipFile(archive) as packed:
         members = packed.infolist()
-    return CodeCount(len(data), archive_form(len(members), archive), [m.filename for m in members],
+        stripped = packed.comment == STRIPPED_COMMENT
+    return CodeCount(len(data), archive_form(len(members), archive, stripped), [m.filename for m in members],
                      sum(m.file_size for m in members), str(archive), sha256_bytes(data))
