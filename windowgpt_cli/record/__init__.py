@@ -1,7 +1,7 @@
 """The challenge's record: the code counted against the budget, that is the modules a
-record run imports (`codesize`), packed into one runnable archive (`archive`; `strip` leaves out comments and docstrings when
-asked), and the
-report that checks a `make record` run against the rules (`rules`).
+record run imports (`codesize`), packed into one runnable archive (`archive`; `strip` leaves
+their comments and docstrings out when asked), and the report that checks a `make record`
+run against the rules (`rules`).
 
 May import: ground, storage.
 """
