@@ -32,8 +32,8 @@ from ..record import codesize
 from ..runtime import out_of_memory_as_error, resolve_device, synchronize, use_cpu_threads
 from ..storage.files import atomic_write_bytes, atomic_write_json, read_json, sha256_bytes, tensors_sha256
 from ..storage.outputs import check_apart, claim_file
-from .fit import fit_to_budget
 from .calibration import Calibration, calibrate, load_hessians
+from .fit import fit_to_budget
 from .gptq import quantize_state_dict
 from .schemes import QuantPlan
 
