@@ -36,9 +36,13 @@
 #                                       (RUN_ESTIMATE_S, default 400) fits before it
 #   RESUME=1                            a run whose training finished in WORK (a call stopped
 #                                       at its limit) keeps it: export, quantize and eval run
+#   PACK_FLAGS (default --strip)        pack's flags for the code counted
+#   BUDGET (default 16000000)           quantize's --budget (over it a run stops after quantize)
 # Each run leaves LOG_DIR/NAME/{train.log,summary.json,quantize.json,eval.json} and WORK/NAME/
-# {export,model.ptz} (bench/quant_schemes.py takes the export); the bytes count the code as
-# `pack` writes it (LOG_DIR/packed_code_bytes); LOG_DIR/frontier_h200.json collects them
+# {export,model.ptz} (bench/quant_schemes.py takes the export); quantize runs from the packed
+# code, so the bytes count the code as `pack` writes it (LOG_DIR/packed_code_bytes) and a
+# preset that fits its artifact into the budget aims at the budget less that code;
+# LOG_DIR/frontier_h200.json collects them
 # (bench/frontier_results.py merges several calls' logs into bench/results/frontier_h200.json).
 # usage: [RUNS="..."] [TRAIN_SECONDS=240] bench/frontier.sh SHARED_DIR WORK_DIR LOG_DIR
 source "$(dirname "$0")/lib.sh"
@@ -131,8 +135,7 @@ measure() {  # NAME: train, export, quantize and evaluate one run
   python3 "$repo/bench/frontier_results.py" "$logs" --out "$logs/frontier_h200.json" --only "$name"
 }
 
-# The record counts the code as `pack` writes it (a zipapp), not as source on disk; PACK_FLAGS
-# (default --strip: its modules without comments and docstrings) are pack's.
+# The record counts the code as `pack` writes it (a zipapp), not as source on disk.
 wg pack ${PACK_FLAGS---strip} --out "$work/code.pyz" > "$logs/pack.log" 2>&1 || { tail "$logs/pack.log"; exit 1; }
 stat -c %s "$work/code.pyz" > "$logs/packed_code_bytes"
 for name in $runs; do
