@@ -137,6 +137,7 @@ def test_quantize_fits_a_run_into_a_budget_it_would_exceed(tiny_run_dir: Path, t
     fit = report["fit"]
     assert fit["fitted"] and fit["zeroed_codes"] > 0 and fit["allowed_bytes"] == budget - report["code_bytes"]
     assert f"fit: zeroed {fit['zeroed_codes']:,} codes of +-1" in result.output
+    assert "the code counted is its source" in result.output  # run from source, not a packed archive
     # The cost shows in the round trip's error, a little, and the artifact records the setting.
     assert report["groups"]["mlp"]["rel_error"] >= plain["groups"]["mlp"]["rel_error"]
     from windowgpt_cli.artifacts import ptz

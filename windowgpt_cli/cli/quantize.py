@@ -84,9 +84,13 @@ def _fit_line(report: dict[str, Any]) -> str | None:
     if not fit or not fit["zeroed_codes"]:
         return None
     outcome = "fits" if fit["fitted"] else "still does not fit"
-    return (f"fit: zeroed {fit['zeroed_codes']:,} codes of +-1 ({100 * fit['zeroed_fraction']:.2f}% of the codes) "
+    line = (f"fit: zeroed {fit['zeroed_codes']:,} codes of +-1 ({100 * fit['zeroed_fraction']:.2f}% of the codes) "
             f"in {fit['rounds']} rounds: model {fit['bytes_before']:,} -> {fit['bytes_after']:,} bytes, {outcome} "
             f"in {fit['allowed_bytes']:,}")
+    if report["code_archive"] is None:  # the source counts several times the packed code's bytes
+        line += ("; the code counted is its source: quantize run from `windowgpt pack`'s archive counts the packed "
+                 "code and gives up fewer codes")
+    return line
 
 
 QUANT_FLAG_ALIASES = {"use_gptq": ("--gptq",), "gptq_calib_samples": ("--calib-batches",),
