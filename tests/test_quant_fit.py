@@ -113,7 +113,7 @@ def test_fitting_is_off_by_default_and_on_in_the_frontier_preset():
 
 
 @pytest.mark.slow
-def test_quantize_fits_a_run_into_a_budget_it_would_exceed(tiny_run_dir: Path, tmp_path: Path,
+def test_quantize_fits_a_run_into_a_budget_it_would_exceed(tiny_run_dir: Path, tiny_data_dir: Path, tmp_path: Path,
                                                             quant_single_thread):
     from typer.testing import CliRunner
 
@@ -142,3 +142,8 @@ def test_quantize_fits_a_run_into_a_budget_it_would_exceed(tiny_run_dir: Path, t
     assert report["groups"]["mlp"]["rel_error"] >= plain["groups"]["mlp"]["rel_error"]
     from windowgpt_cli.artifacts import ptz
     assert ptz.load(tmp_path / "fit.ptz").config.quant.quant_fit_budget is True
+    # It scores as any .ptz does, a little worse than the artifact it was fitted from.
+    from windowgpt_cli.eval.evaluate import evaluate_artifact
+    scores = [evaluate_artifact(tmp_path / name, tiny_data_dir, device="cpu").record["val_bpb"]
+              for name in ("plain.ptz", "fit.ptz")]
+    assert scores[0] < scores[1] < scores[0] + 0.05
