@@ -7,11 +7,11 @@ stride-64 sliding val_bpb, and what quantization costs against the unquantized w
 EXPORT is an export of a run trained with `--use-gptq --quant-gptq-embed` (its Hessians
 cover the output layer too, for the schemes that quantize the embedding by GPTQ). Every
 scheme quantizes with GPTQ on those Hessians and the `auto` compressor (`own`: with the
-export's own settings, a preset's scheme), run from the packed code (`windowgpt pack`) so that
-its report counts the code as a record does and a scheme that fits its artifact into the
-budget (`--quant-fit-budget`, `pr1855_fit`) aims at `--budget` less that code; a scheme over
-the budget is measured all the same; a scheme that fails is recorded with its error and the
-others are still measured; `reference` is also
+export's own settings, a preset's scheme), run from the packed code (`windowgpt pack
+--strip`) so that its report counts the code as a record does and a scheme that fits its
+artifact into the budget (`--quant-fit-budget`, `pr1855_fit`) aims at `--budget` less that
+code; a scheme over the budget is measured all the same; a scheme that fails is recorded
+with its error and the others are still measured; `reference` is also
 written with each whole-payload compressor (the same weights and codes), so the file
 compares the compressors too, and every .ptz's decoding is timed. `--compressor rans`
 measures schemes quickly (rans is within 0.2% of auto on the record model). Writes RESULT.json
@@ -84,8 +84,11 @@ def windowgpt(*args: str, code: Path | None = None) -> dict:
     done = subprocess.run([sys.executable, *program, *args, "--json"], cwd=REPO, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     sys.stderr.write(done.stderr)
-    if done.returncode == 1 and args[0] == "quantize" and done.stdout.strip():
-        report = json.loads(done.stdout)
+    if done.returncode == 1 and args[0] == "quantize":
+        try:
+            report = json.loads(done.stdout)
+        except ValueError:  # no report: a failure like any other
+            report = {}
         if report.get("within_budget") is False:
             return report
     if done.returncode != 0:
@@ -123,8 +126,8 @@ def main() -> None:
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     code = args.work / "code.pyz"
-    subprocess.run([sys.executable, "-m", "windowgpt_cli", "pack", "--out", str(code)], cwd=REPO, check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "windowgpt_cli", "pack", "--strip", "--out", str(code)], cwd=REPO,
+                   check=True, stdout=subprocess.DEVNULL)
     import torch
 
     result: dict = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
