@@ -1,7 +1,7 @@
 """What the benches that time kernels at one forward pass of the record step share (two
 micro-batches of 48 x 2,048 positions on one H200): their common arguments, the checks of
-them, the pass's random inputs, a relative difference, an error's line and the report, a JSON object printed and,
-with --json, written to a file."""
+them, the pass's random inputs, a relative difference, an error's line and the report, a
+JSON object printed and, with --json, written to a file."""
 from __future__ import annotations
 
 import argparse

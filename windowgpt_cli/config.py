@@ -704,8 +704,7 @@ def frontier_preset() -> RunConfig:
         quant=QuantConfig(use_gptq=True, gptq_calib_samples=16, gptq_reserve_seconds=4.0, quant_embed_bits=7,
                           quant_gptq_embed=True, quant_mlp_clip_sigmas=11.5, quant_attn_clip_sigmas=13.0,
                           quant_embed_clip_sigmas=14.0, quant_gates_int8=True, quant_lqer_rank=4, quant_lqer_top_k=3,
-                          quant_lqer_factor_bits=4, quant_lqer_group_size=64,
-                          quant_fit_budget=True),
+                          quant_lqer_factor_bits=4, quant_lqer_group_size=64, quant_fit_budget=True),
         ttt=TTTConfig(ttt_method="lora", ttt_lora_rank=80, ttt_lora_chunk_tokens=48, ttt_lora_beta2=0.99,
                       ttt_lora_weight_decay=0.5, ttt_lora_phases=3, ttt_lora_prefix_docs=2500),
     )

@@ -19,8 +19,8 @@ from torch import Tensor
 
 from ..artifacts.quantized import INT_SCHEMES, QuantizedTensor
 from ..model.state_dict import is_control_tensor
+from .gptq import Hessians
 
-Hessians = Mapping[tuple[str, ...], Tensor]
 Compress = Callable[[dict[str, QuantizedTensor]], bytes]
 
 MAX_ROUNDS = 6

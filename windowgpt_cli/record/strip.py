@@ -13,9 +13,10 @@ import io
 import tokenize
 
 
-def docstring_lines(tree: ast.Module) -> set[int]:
+def docstring_lines(text: str, tree: ast.Module) -> set[int]:
     """0-based lines held by docstrings that can go: on lines of their own, not a body's only statement."""
-    lines: set[int] = set()
+    lines = text.splitlines()
+    removable: set[int] = set()
     for node in ast.walk(tree):
         if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
@@ -23,10 +24,10 @@ def docstring_lines(tree: ast.Module) -> set[int]:
         if len(body) < 2 or not _is_docstring(body[0]):
             continue
         first, after = body[0], body[1]
-        header_end = node.body[0].lineno - 1 if isinstance(node, ast.Module) else _header_end(node)
-        if first.lineno > header_end and after.lineno > first.end_lineno:
-            lines.update(range(first.lineno - 1, first.end_lineno))
-    return lines
+        alone = not lines[first.lineno - 1][:first.col_offset].strip() and after.lineno > first.end_lineno
+        if alone:
+            removable.update(range(first.lineno - 1, first.end_lineno))
+    return removable
 
 
 def _is_docstring(statement: ast.stmt) -> bool:
@@ -34,20 +35,11 @@ def _is_docstring(statement: ast.stmt) -> bool:
             and isinstance(statement.value.value, str))
 
 
-def _header_end(node: ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) -> int:
-    """The last line (1-based) before the body: where the signature ends."""
-    parts = [*node.decorator_list, *getattr(node, "bases", []), *getattr(node, "keywords", [])]
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        parts += [*node.args.args, *node.args.posonlyargs, *node.args.kwonlyargs, *node.args.defaults,
-                  *node.args.kw_defaults, node.args.vararg, node.args.kwarg, node.returns]
-    return max([node.lineno, *(p.end_lineno or p.lineno for p in parts if p is not None)])
-
-
 def strip_source(source: bytes) -> bytes:
     """The source with its comments and removable docstrings blanked; the same lines and statements."""
     text = source.decode("utf-8")
     lines = text.splitlines(keepends=True)
-    blank = docstring_lines(ast.parse(text))
+    blank = docstring_lines(text, ast.parse(text))
     cut: dict[int, int] = {}  # 0-based line -> column where its comment starts
     for token in tokenize.generate_tokens(io.StringIO(text).readline):
         if token.type == tokenize.COMMENT:
