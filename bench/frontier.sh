@@ -36,7 +36,7 @@
 #                                       (RUN_ESTIMATE_S, default 400) fits before it
 #   RESUME=1                            a run whose training finished in WORK (a call stopped
 #                                       at its limit) keeps it: export, quantize and eval run
-#   PACK_FLAGS (default --strip)        pack's flags for the code counted
+#   PACK_FLAGS (default --strip --lzma) pack's flags for the code counted
 #   BUDGET (default 16000000)           quantize's --budget (over it a run stops after quantize)
 # Each run leaves LOG_DIR/NAME/{train.log,summary.json,quantize.json,eval.json} and WORK/NAME/
 # {export,model.ptz} (bench/quant_schemes.py takes the export); quantize runs from the packed
@@ -136,7 +136,7 @@ measure() {  # NAME: train, export, quantize and evaluate one run
 }
 
 # The record counts the code as `pack` writes it (a zipapp), not as source on disk.
-wg pack ${PACK_FLAGS---strip} --out "$work/code.pyz" > "$logs/pack.log" 2>&1 || { tail "$logs/pack.log"; exit 1; }
+wg pack ${PACK_FLAGS---strip --lzma} --out "$work/code.pyz" > "$logs/pack.log" 2>&1 || { tail "$logs/pack.log"; exit 1; }
 stat -c %s "$work/code.pyz" > "$logs/packed_code_bytes"
 for name in $runs; do
   left=$(( ${DEADLINE_S:-570} - (SECONDS - started) ))

@@ -8,7 +8,7 @@ EXPORT is an export of a run trained with `--use-gptq --quant-gptq-embed` (its H
 cover the output layer too, for the schemes that quantize the embedding by GPTQ). Every
 scheme quantizes with GPTQ on those Hessians and the `auto` compressor (`own`: with the
 export's own settings, a preset's scheme), run from the packed code (`windowgpt pack
---strip`) so that its report counts the code as a record does and a scheme that fits its
+--strip --lzma`) so that its report counts the code as a record does and a scheme that fits its
 artifact into the budget (`--quant-fit-budget`, `pr1855_fit`) aims at `--budget` less that
 code; a scheme over the budget is measured all the same; a scheme that fails is recorded
 with its error and the others are still measured; `reference` is also
@@ -126,7 +126,7 @@ def main() -> None:
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     code = args.work / "code.pyz"
-    subprocess.run([sys.executable, "-m", "windowgpt_cli", "pack", "--strip", "--out", str(code)], cwd=REPO,
+    subprocess.run([sys.executable, "-m", "windowgpt_cli", "pack", "--strip", "--lzma", "--out", str(code)], cwd=REPO,
                    check=True, stdout=subprocess.DEVNULL)
     import torch
 

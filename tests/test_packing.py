@@ -3,6 +3,7 @@ runnable on its own."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import io
 import json
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from windowgpt_cli.record import codesize
+from windowgpt_cli.record import codesize, module_stream
 from windowgpt_cli.storage.files import sha256_file
 from windowgpt_cli.record.archive import FIXED_TIME, MAIN_MEMBER, MAIN_SOURCE, pack
 from windowgpt_cli.record.strip import strip_source
@@ -41,12 +42,80 @@ def test_packing_is_reproducible_and_holds_exactly_the_record_modules(tmp_path: 
     assert first.form == f"zipapp (deflate) of {len(names)} files, runnable as `python code.pyz`"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("strip", [False, True])
-def test_the_archive_alone_runs_a_record_stage_and_counts_itself(tiny_run_dir: Path, tmp_path: Path,
-                                                                 quant_single_thread, strip: bool):
+def test_the_lzma_form_holds_the_record_modules_in_one_stream(tmp_path: Path, strip: bool):
+    count = pack(tmp_path / "code.pyz", strip, lzma=True)
+    data = (tmp_path / "code.pyz").read_bytes()
+    pack(tmp_path / "again.pyz", strip, lzma=True)
+    assert (tmp_path / "again.pyz").read_bytes() == data
+    with zipfile.ZipFile(tmp_path / "code.pyz") as archive:
+        members = {m.filename: m for m in archive.infolist()}
+        stream = module_stream.split_sources(archive.read(module_stream.MODULES_MEMBER))
+        bootstrap = archive.read(module_stream.BOOTSTRAP_MEMBER)
+    assert list(members) == [MAIN_MEMBER, module_stream.BOOTSTRAP_MEMBER, module_stream.MODULES_MEMBER]
+    assert members[module_stream.MODULES_MEMBER].compress_type == zipfile.ZIP_STORED
+    # the stream holds each record module's source exactly as the plain archive would, the bootstrap is module_stream's
+    form = strip_source if strip else (lambda source: source)
+    expected = {path: form((codesize.PACKAGE_DIR.parent / path).read_bytes()) for path in codesize.record_modules()}
+    assert stream == expected and list(stream) == sorted(expected)
+    assert bootstrap == expected[codesize.module_path(module_stream.__name__)]
+    assert count.bytes == len(data) and count.files[:2] == [MAIN_MEMBER, module_stream.BOOTSTRAP_MEMBER]
+    assert count.files[2:] == [f"{module_stream.MODULES_MEMBER}:{path}" for path in expected]
+    assert count.source_bytes == len(MAIN_SOURCE) + len(bootstrap) + sum(map(len, expected.values()))
+    assert f"zipapp of 3 files, {len(expected)} modules in one lzma stream" in count.form
+    plain = pack(tmp_path / "plain.pyz", strip)
+    assert count.bytes < 0.75 * plain.bytes
+
+
+def test_a_module_stream_with_bytes_past_its_modules_is_refused():
+    stream = module_stream.join_sources([("a.py", b"x = 1\n"), ("b/__init__.py", b"")])
+    assert module_stream.split_sources(stream) == {"a.py": b"x = 1\n", "b/__init__.py": b""}
+    import lzma
+
+    with pytest.raises(ValueError, match="1 bytes past its last module"):
+        module_stream.split_sources(lzma.compress(lzma.decompress(stream) + b"!"))
+
+
+STREAM_PROBE = """
+import inspect, sys, traceback
+archive, source_tree = sys.argv[1:]
+sys.path[:0] = [archive, source_tree]  # the source tree after the archive: the archive's modules win
+from windowgpt_cli.kernels import attention_output
+from windowgpt_cli.record import codesize, module_stream
+print(attention_output.__file__)
+print(codesize.running_archive())
+print(inspect.getsource(codesize.module_path).splitlines()[0])
+print(type(attention_output._xsa_forward_kernel.parse()).__name__)  # Triton reads the kernel's source
+try:
+    module_stream.split_sources(b"not lzma")
+except Exception as error:
+    print(traceback.extract_tb(error.__traceback__)[-2].line)  # a line of the stream's module, in the traceback
+try:
+    import windowgpt_cli.no_such_module
+except ModuleNotFoundError as error:
+    print(error.name)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_modules_from_the_stream_give_their_source_and_their_files_inside_the_archive(tmp_path: Path):
     archive = tmp_path / "code.pyz"
-    pack(archive, strip)
+    pack(archive, strip=True, lzma=True)
+    done = subprocess.run([sys.executable, "-c", STREAM_PROBE, str(archive), str(codesize.PACKAGE_DIR.parent)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [f"{archive}/windowgpt_cli/kernels/attention_output.py", str(archive),
+                                        "def module_path(module: str) -> str:", "Module",
+                                        'header, _, body = lzma.decompress(stream).partition(b"\\n")',
+                                        "windowgpt_cli.no_such_module"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strip, lzma", [(False, False), (True, False), (True, True)])
+def test_the_archive_alone_runs_a_record_stage_and_counts_itself(tiny_run_dir: Path, tmp_path: Path,
+                                                                 quant_single_thread, strip: bool, lzma: bool):
+    archive = tmp_path / "code.pyz"
+    pack(archive, strip, lzma)
     work = tmp_path / "elsewhere"  # neither the working directory nor the path holds the source tree
     work.mkdir()
     done = subprocess.run([sys.executable, str(archive), "quantize", str(tiny_run_dir), "--out", "model.ptz",
@@ -67,6 +136,7 @@ def test_the_archive_alone_runs_a_record_stage_and_counts_itself(tiny_run_dir: P
     if strip:  # the archive says what it left out; its modules are smaller than their source
         assert "without comments and docstrings" in packed["code_counted"]
         assert packed["code_source_bytes"] - len(MAIN_SOURCE) < 0.85 * source["code_bytes"]
+        assert ("in one lzma stream" in packed["code_counted"]) == lzma
     else:
         assert "without" not in packed["code_counted"]
         assert source["code_bytes"] == packed["code_source_bytes"] - len(MAIN_SOURCE)
@@ -90,14 +160,21 @@ def test_pack_command_writes_the_archive_and_says_what_it_counts(tmp_path: Path)
     assert (tmp_path / "small.pyz").stat().st_size < 0.8 * size
     with zipfile.ZipFile(tmp_path / "small.pyz") as archive:
         assert archive.comment == codesize.STRIPPED_COMMENT
+    result = CliRunner().invoke(app, ["pack", "--strip", "--lzma", "--out", str(tmp_path / "smaller.pyz")],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "modules in one lzma stream, without comments and docstrings, runnable as `python smaller.pyz`" \
+        in result.output
+    assert (tmp_path / "smaller.pyz").stat().st_size < 0.75 * (tmp_path / "small.pyz").stat().st_size
 
 
-def test_a_child_process_of_the_packed_code_finds_the_archive(tmp_path: Path):
+@pytest.mark.parametrize("lzma", [False, True])
+def test_a_child_process_of_the_packed_code_finds_the_archive(tmp_path: Path, lzma: bool):
     """Run as `python code.pyz`, the package is on no path a child inherits; the background
     compile's process (`bytecode.module_process`) still imports it from the archive. Python
     runs without site-packages (-S), where an installed windowgpt would hide the difference."""
     archive = tmp_path / "code.pyz"
-    pack(archive)
+    pack(archive, lzma=lzma)
     work = tmp_path / "elsewhere"
     work.mkdir()
     script = (f"import subprocess, sys; sys.path.insert(0, {str(archive)!r}); "

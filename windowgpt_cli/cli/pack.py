@@ -17,11 +17,14 @@ def command(
                                         "(their lines left blank, so tracebacks keep their line numbers): about "
                                         "a third fewer bytes; the packed commands' --help then describes less.")]
     = False,
+    lzma: Annotated[bool, typer.Option("--lzma", help="Put the modules into one lzma stream that the archive "
+                                       "unpacks in memory when it runs: about a third fewer bytes than deflating "
+                                       "each module alone.")] = False,
 ) -> None:
     """Pack the modules a record run imports into a zipapp that runs the record stages.
 
-    Example: windowgpt pack --out record-out/code.pyz
+    Example: windowgpt pack --strip --lzma --out record-out/code.pyz
     """
-    packed = pack(out, strip)
+    packed = pack(out, strip, lzma)
     console.print(f"wrote {out}: {packed.form}, {packed.bytes:,} bytes (source {packed.source_bytes:,} bytes, "
                   f"sha256 {packed.sha256[:16]}...)", highlight=False, soft_wrap=True)

@@ -5,7 +5,8 @@ archive alone, so the archive is both the code that ran and the code counted. Me
 deflated at the highest level (zipimport reads no other compression) in a fixed order with
 fixed timestamps and modes: the same source gives the same bytes. With `strip`, each module
 goes in without its comments and docstrings (`strip.strip_source`), and the archive's
-comment says so.
+comment says so. With `lzma`, the modules go into one lzma stream (stored as it is), which
+the archive's package `__init__` unpacks when imported (`module_stream`).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import zipfile
 from pathlib import Path
 
 from ..storage.outputs import check_apart, claim_file
-from . import codesize
+from . import codesize, module_stream
 from .strip import strip_source
 
 MAIN_MEMBER = "__main__.py"
@@ -22,13 +23,19 @@ MAIN_SOURCE = f"from {codesize.ENTRY} import run\nrun({codesize.RECORD_ENTRY!r})
 FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest a zip entry can carry
 
 
-def archive_members(strip: bool = False) -> list[tuple[str, bytes]]:
+def archive_members(strip: bool = False, lzma: bool = False) -> list[tuple[str, bytes]]:
     """(name, bytes) of each member: the entry point, then the record modules, sorted
-    (without comments and docstrings with `strip`)."""
+    (without comments and docstrings with `strip`); with `lzma`, the package's bootstrap
+    `__init__` and the modules' stream in their place."""
     sources = [(path, (codesize.PACKAGE_DIR.parent / path).read_bytes()) for path in codesize.record_modules()]
     if strip:
         sources = [(path, strip_source(source)) for path, source in sources]
-    return [(MAIN_MEMBER, MAIN_SOURCE.encode()), *sorted(sources)]
+    sources.sort()
+    if lzma:  # module_stream is a record module: its source (stripped or not) is among them
+        bootstrap = dict(sources)[codesize.module_path(module_stream.__name__)]
+        sources = [(module_stream.BOOTSTRAP_MEMBER, bootstrap),
+                   (module_stream.MODULES_MEMBER, module_stream.join_sources(sources))]
+    return [(MAIN_MEMBER, MAIN_SOURCE.encode()), *sources]
 
 
 def archive_bytes(members: list[tuple[str, bytes]], strip: bool = False) -> bytes:
@@ -38,27 +45,26 @@ def archive_bytes(members: list[tuple[str, bytes]], strip: bool = False) -> byte
             archive.comment = codesize.STRIPPED_COMMENT
         for name, data in members:
             info = zipfile.ZipInfo(name, FIXED_TIME)
-            info.compress_type = zipfile.ZIP_DEFLATED
+            # The lzma stream stored as it is: deflate would only add bytes to it.
+            stored = name == module_stream.MODULES_MEMBER
+            info.compress_type = zipfile.ZIP_STORED if stored else zipfile.ZIP_DEFLATED
             info.create_system = 3  # unix, whatever the machine packing
             info.external_attr = 0o644 << 16
             archive.writestr(info, data, compresslevel=9)
     return buffer.getvalue()
 
 
-def pack(out: Path, strip: bool = False) -> codesize.CodeCount:
+def pack(out: Path, strip: bool = False, lzma: bool = False) -> codesize.CodeCount:
     """Write the record's code as a runnable zipapp at `out` (its modules without comments
-    and docstrings with `strip`); returns what it counts."""
+    and docstrings with `strip`, in one lzma stream with `lzma`); returns what it counts."""
     from ..storage.files import atomic_write_bytes, sha256_bytes  # imports torch: only when packing
 
     out = Path(out)
     check_apart(out, [codesize.PACKAGE_DIR])
     claim_file(out, "packed code", is_packed_code)
-    members = archive_members(strip)
-    data = archive_bytes(members, strip)
+    data = archive_bytes(archive_members(strip, lzma), strip)
     atomic_write_bytes(out, data)
-    return codesize.CodeCount(len(data), codesize.archive_form(len(members), out, strip),
-                              [name for name, _ in members],
-                              sum(len(source) for _, source in members), str(out), sha256_bytes(data))
+    return codesize.archive_count(out, data, sha256_bytes(data))
 
 
 def is_packed_code(path: Path) -> bool:

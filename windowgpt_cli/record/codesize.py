@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import ast
 import functools
+import io
 import zipfile
-import zipimport
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+
+from .module_stream import MODULES_MEMBER, split_sources
 
 PACKAGE = "windowgpt_cli"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
@@ -97,9 +99,14 @@ def _with_packages(module: str) -> list[str]:
     return [".".join(parts[:i + 1]) for i in range(len(parts))]
 
 
+def module_path(module: str) -> str:
+    """A package module's file, relative to the package's parent (as the archive names it)."""
+    return str(module_file(module).relative_to(PACKAGE_DIR.parent))
+
+
 def record_modules() -> list[str]:
     """The package's source files a record run imports, relative to the package's parent."""
-    return [str(module_file(m).relative_to(PACKAGE_DIR.parent)) for m in import_closure()]
+    return [module_path(m) for m in import_closure()]
 
 
 def code_bytes() -> int:
@@ -119,14 +126,31 @@ class CodeCount:
 
 
 def running_archive() -> Path | None:
-    """The archive this package runs from, or None when it runs from source files."""
-    loader = globals().get("__loader__")
-    return Path(loader.archive) if isinstance(loader, zipimport.zipimporter) else None
+    """The archive this package runs from, or None when it runs from source files (a
+    zipimporter, or module_stream's importer in an archive `pack --lzma` wrote)."""
+    archive = getattr(globals().get("__loader__"), "archive", None)
+    return Path(archive) if isinstance(archive, str) else None
 
 
-def archive_form(files: int, archive: Path, stripped: bool = False) -> str:
+def archive_form(files: int, archive: Path, stripped: bool = False, streamed: int = 0) -> str:
+    """What an archive is, in words: its files, and with a module stream how many modules it holds."""
+    kind = f"zipapp of {files} files, {streamed} modules in one lzma stream" if streamed \
+        else f"zipapp (deflate) of {files} files"
     without = ", without comments and docstrings" if stripped else ""
-    return f"zipapp (deflate) of {files} files{without}, runnable as `python {archive.name}`"
+    return f"{kind}{without}, runnable as `python {archive.name}`"
+
+
+def archive_count(archive: Path, data: bytes, sha256: str) -> CodeCount:
+    """What a packed archive counts: its bytes; its modules, those of its stream included."""
+    with zipfile.ZipFile(io.BytesIO(data)) as packed:
+        members = packed.infolist()
+        stripped = packed.comment == STRIPPED_COMMENT
+        names = [m.filename for m in members]
+        stream = split_sources(packed.read(MODULES_MEMBER)) if MODULES_MEMBER in names else {}
+    files = [name for name in names if name != MODULES_MEMBER] + [f"{MODULES_MEMBER}:{path}" for path in stream]
+    source_bytes = sum(m.file_size for m in members if m.filename != MODULES_MEMBER) + sum(map(len, stream.values()))
+    return CodeCount(len(data), archive_form(len(members), archive, stripped, len(stream)), files, source_bytes,
+                     str(archive), sha256)
 
 
 def count_code() -> CodeCount:
@@ -137,8 +161,4 @@ def count_code() -> CodeCount:
     if archive is None:
         return CodeCount(code_bytes(), SOURCE_FORM, record_modules(), code_bytes())
     data = archive.read_bytes()
-    with zipfile.ZipFile(archive) as packed:
-        members = packed.infolist()
-        stripped = packed.comment == STRIPPED_COMMENT
-    return CodeCount(len(data), archive_form(len(members), archive, stripped), [m.filename for m in members],
-                     sum(m.file_size for m in members), str(archive), sha256_bytes(data))
+    return archive_count(archive, data, sha256_bytes(data))
