@@ -67,13 +67,15 @@ def test_the_lzma_form_holds_the_record_modules_in_one_stream(tmp_path: Path, st
     assert count.bytes < 0.75 * plain.bytes
 
 
-def test_a_module_stream_with_bytes_past_its_modules_is_refused():
-    stream = module_stream.join_sources([("a.py", b"x = 1\n"), ("b/__init__.py", b"")])
-    assert module_stream.split_sources(stream) == {"a.py": b"x = 1\n", "b/__init__.py": b""}
+def test_a_module_stream_whose_sizes_disagree_with_its_bytes_is_refused():
     import lzma
 
-    with pytest.raises(ValueError, match="1 bytes past its last module"):
+    stream = module_stream.join_sources([("a.py", b"x = 1\n"), ("b/__init__.py", b"")])
+    assert module_stream.split_sources(stream) == {"a.py": b"x = 1\n", "b/__init__.py": b""}
+    with pytest.raises(ValueError, match="its modules take 6 bytes, it holds 7"):
         module_stream.split_sources(lzma.compress(lzma.decompress(stream) + b"!"))
+    with pytest.raises(ValueError, match="its modules take 6 bytes, it holds 5"):
+        module_stream.split_sources(lzma.compress(lzma.decompress(stream)[:-1]))
 
 
 STREAM_PROBE = """

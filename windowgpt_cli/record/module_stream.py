@@ -37,7 +37,7 @@ def split_sources(stream: bytes) -> dict[str, bytes]:
         sources[path] = body[start:start + size]
         start += size
     if start != len(body):
-        raise ValueError(f"module stream: {len(body) - start} bytes past its last module")
+        raise ValueError(f"module stream: its modules take {start} bytes, it holds {len(body)}")
     return sources
 
 
