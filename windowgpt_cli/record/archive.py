@@ -2,7 +2,7 @@
 
 `python code.pyz train ...` (or `torchrun code.pyz ...`) runs the record stages from the
 archive alone, so the archive is both the code that ran and the code counted. Members are
-deflated at the highest level (zipimport reads no other compression) in a fixed order with
+deflated at the highest level (zipimport reads no compression but deflate) in a fixed order with
 fixed timestamps and modes: the same source gives the same bytes. With `strip`, each module
 goes in without its comments and docstrings (`strip.strip_source`), and the archive's
 comment says so. With `lzma`, the modules go into one lzma stream (stored as it is), which
