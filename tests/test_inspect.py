@@ -73,6 +73,63 @@ def test_inspect_refuses_what_is_no_artifact_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_ptz_budget_counts_the_code_its_quantize_report_counted_or_the_code_given(three_kinds, tmp_path):
+    from windowgpt_cli.record.archive import pack
+    from windowgpt_cli.record.codesize import code_bytes
+
+    _, _, model = three_kinds
+    report_path = model.with_name(model.name + ".json")
+    report = json.loads(report_path.read_text())
+    assert inspect_artifact(model)["code_bytes"] == report["code_bytes"] == code_bytes()  # quantized from source
+    # A .ptz quantized from packed code: its report counted the archive, and so does inspect.
+    report.update(code_bytes=132_000, code_counted="zipapp of 3 files, 94 modules in one lzma stream")
+    report_path.write_text(json.dumps(report))
+    record = inspect_artifact(model)
+    assert record["code_bytes"] == 132_000 and record["total_bytes"] == record["file_bytes"] + 132_000
+    assert record["code_counted"] == report["code_counted"] and record["code_from"].startswith("model.ptz.json")
+    shown = cli("inspect", model)
+    assert "code counted" in shown.stdout and "132,000" in shown.stdout  # (the table wraps long values)
+    assert json.loads(cli("inspect", model, "--json").stdout)["code_bytes"] == 132_000
+    # --code counts the archive given, whatever the report says.
+    count = pack(tmp_path / "code.pyz", strip=True, lzma=True)
+    record = inspect_artifact(model, code=tmp_path / "code.pyz")
+    assert record["code_bytes"] == count.bytes and record["code_counted"] == count.form
+    assert record["code_from"] == str(tmp_path / "code.pyz")
+    # A report of another .ptz (the file replaced since) is not this one's: the running code is counted.
+    report_path.write_text(json.dumps({**report, "sha256": "0" * 64}))
+    record = inspect_artifact(model)
+    assert record["code_bytes"] == code_bytes() and record["code_from"] == "this windowgpt's record code"
+
+
+@pytest.mark.slow
+def test_inspect_describes_packed_code_and_no_stage_takes_it_for_a_model(three_kinds, tmp_path, eval_data_dir):
+    from windowgpt_cli.record.archive import pack
+
+    run, _, model = three_kinds
+    count = pack(tmp_path / "code.pyz", lzma=True)
+    record = inspect_artifact(tmp_path / "code.pyz")
+    assert record == {"artifact": str(tmp_path / "code.pyz"), "kind": "packed code", "sha256": count.sha256,
+                      "file_bytes": count.bytes, "form": count.form, "files": count.files,
+                      "source_bytes": count.source_bytes}
+    shown = cli("inspect", tmp_path / "code.pyz")
+    assert shown.exit_code == 0 and "(packed code)" in shown.stdout and "lzma stream" in shown.stdout
+    for args in (["inspect", run, "--code", tmp_path / "code.pyz"],
+                 ["inspect", tmp_path / "code.pyz", "--code", tmp_path / "code.pyz"],
+                 ["inspect", model, "--code", run / "config.json"],
+                 ["inspect", model, "--code", tmp_path / "missing.pyz"],
+                 ["report", tmp_path / "code.pyz"],
+                 ["eval", tmp_path / "code.pyz", "--data", eval_data_dir]):
+        result = cli(*args)
+        assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, (args, result.output)
+        assert "Traceback" not in result.output
+    assert "is a run, not a .ptz" in cli("inspect", run, "--code", tmp_path / "code.pyz").output
+    assert "not packed code" in cli("inspect", model, "--code", run / "config.json").output
+    assert "it is packed code" in cli("eval", tmp_path / "code.pyz", "--data", eval_data_dir).output
+    assert "packed code, not a model" in cli("report", tmp_path / "code.pyz").output
+    assert not list(tmp_path.glob("code.pyz.report.*"))
+
+
+@pytest.mark.slow
 def test_same_weights_and_settings_give_the_same_ptz_bytes_anywhere(three_kinds, tmp_path):
     _, exported, packed = three_kinds
     elsewhere = tmp_path / "elsewhere" / "deeper" / "copy"

@@ -17,7 +17,8 @@ import pytest
 
 from windowgpt_cli.record import codesize, module_stream
 from windowgpt_cli.storage.files import sha256_file
-from windowgpt_cli.record.archive import FIXED_TIME, MAIN_MEMBER, MAIN_SOURCE, pack
+from windowgpt_cli.record.archive import FIXED_TIME, pack
+from windowgpt_cli.record.codesize import MAIN_MEMBER, MAIN_SOURCE
 from windowgpt_cli.record.strip import strip_source
 from windowgpt_cli.quant.quantize import quantize
 

@@ -21,7 +21,8 @@ from windowgpt_cli.quant.calibration import load_hessians
 from windowgpt_cli.artifacts.checkpoint import load_checkpoint
 from windowgpt_cli.cli.app import app
 from windowgpt_cli.errors import ArtifactError, ConfigError
-from windowgpt_cli.record.archive import MAIN_SOURCE, pack
+from windowgpt_cli.record.archive import pack
+from windowgpt_cli.record.codesize import MAIN_SOURCE
 from windowgpt_cli.record.rules import FAIL, NOT_APPLICABLE, PASS, Rules, write_report
 from windowgpt_cli.artifacts.export import export
 from windowgpt_cli.quant.quantize import quantize

@@ -40,6 +40,8 @@ def test_a_card_for_a_run_an_export_and_a_ptz(eval_run_dir: Path, tmp_path: Path
     assert card["lineage"]["kind"] == "export"  # what it was quantized from
     markdown = (tmp_path / "model.ptz.report.md").read_text()
     assert "| eval sliding (seq_len 128, stride 32) | 2.500000 |" in markdown and "within the budget" in markdown
+    assert size["code_from"] == "model.ptz.json, its quantize report"  # the code quantize counted: the source here
+    assert f"The code counted: {size['code_counted']} (from model.ptz.json" in markdown
 
     export_card = write_report_card(tmp_path / "export")
     assert export_card["artifact_kind"] == "export"

@@ -1,4 +1,5 @@
-"""`windowgpt inspect`: what a run, an export or a `.ptz` holds, without building its model."""
+"""`windowgpt inspect`: what a run, an export, a `.ptz` or the packed code holds, without
+building its model."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,14 +7,26 @@ from typing import Any
 
 from ..challenge import BUDGET_BYTES
 from ..config import check_settings
-from ..record.codesize import code_bytes
+from ..errors import ArtifactError
+from ..record.codesize import CodeCount, archive_count, count_code, is_packed_code
+from ..storage.files import sha256_bytes
 from .info import ArtifactInfo, changed_from_defaults, flat_settings, read_artifact
 
+PACKED_CODE = "packed code"
 
-def inspect_artifact(path: Path, budget: int = BUDGET_BYTES) -> dict[str, Any]:
-    """Everything `inspect --json` prints."""
+
+def inspect_artifact(path: Path, budget: int = BUDGET_BYTES, code: Path | None = None) -> dict[str, Any]:
+    """Everything `inspect --json` prints. A .ptz's budget counts `code` (packed code) if
+    given, else the code its quantize report counted, else this windowgpt's record code."""
     check_settings(budget=budget)
-    info = read_artifact(Path(path))
+    path = Path(path)
+    kind = PACKED_CODE if path.is_file() and is_packed_code(path) else None
+    info = read_artifact(path) if kind is None else None
+    kind = kind or info.kind
+    if code is not None and kind != "ptz":
+        raise ArtifactError(f"--code is the code a .ptz's budget counts; {path} is a {kind}, not a .ptz")
+    if info is None:
+        return _packed_code_record(path)
     record: dict[str, Any] = {
         "artifact": str(info.path), "kind": info.kind, "format_version": info.format_version,
         "sha256": info.sha256, "file_bytes": info.file_bytes, "step": info.step,
@@ -29,11 +42,40 @@ def inspect_artifact(path: Path, budget: int = BUDGET_BYTES) -> dict[str, Any]:
         "training": _training_summary(info), "evals": {mode: _eval_summary(r) for mode, r in info.evals.items()},
     }
     if info.kind == "ptz":
-        code = code_bytes()
-        total = info.file_bytes + code
-        record.update({"compressor": info.compressor, "sections": info.sections, "code_bytes": code,
+        counted = _counted_code(info, code)
+        total = info.file_bytes + counted["code_bytes"]
+        record.update({"compressor": info.compressor, "sections": info.sections, **counted,
                        "total_bytes": total, "budget_bytes": budget, "within_budget": total <= budget})
     return record
+
+
+def _counted_code(info: ArtifactInfo, code: Path | None) -> dict[str, Any]:
+    """The code a .ptz's budget counts: code_bytes, code_counted (what, in words), code_from."""
+    report = info.report or {}
+    if code is not None:
+        count, source = _packed_count(Path(code)), str(code)
+    elif report.get("sha256") == info.sha256 and isinstance(report.get("code_bytes"), int):
+        return {"code_bytes": report["code_bytes"], "code_counted": report.get("code_counted"),
+                "code_from": f"{info.path.name}.json, its quantize report"}
+    else:
+        count, source = count_code(), "this windowgpt's record code"
+    return {"code_bytes": count.bytes, "code_counted": count.form, "code_from": source}
+
+
+def _packed_count(path: Path) -> CodeCount:
+    if not path.is_file():
+        raise ArtifactError(f"{path}: no such file")
+    if not is_packed_code(path):
+        raise ArtifactError(f"{path}: not packed code (`windowgpt pack` writes it)")
+    data = path.read_bytes()
+    return archive_count(path, data, sha256_bytes(data))
+
+
+def _packed_code_record(path: Path) -> dict[str, Any]:
+    """What `inspect` says of an archive `pack` wrote."""
+    count = _packed_count(path)
+    return {"artifact": str(path), "kind": PACKED_CODE, "sha256": count.sha256, "file_bytes": count.bytes,
+            "form": count.form, "files": count.files, "source_bytes": count.source_bytes}
 
 
 def _training_summary(info: ArtifactInfo) -> dict[str, Any] | None:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import RunConfig
 from ..errors import ArtifactError, ConfigError
+from ..record.codesize import is_packed_code
 from ..storage import tensorfile
 from ..storage.files import atomic_write_bytes, is_sha256
 from . import compressors, grouped
@@ -311,6 +312,8 @@ def _check_header(data: bytes, source: str) -> None:
 
 
 def _foreign_format_hint(data: bytes) -> str:
+    if is_packed_code(data):
+        return " (it is packed code, the archive `windowgpt pack` writes: the model is the .ptz quantize wrote)"
     if data[:6] == b"\xfd7zXZ\x00" or data[:1] == b"\x80" or data[:2] == b"PK":
         return (" (it looks like a pickle, compressed or in a torch.save zip, as the reference writes; "
                 "windowgpt never unpickles, since that can run code)")

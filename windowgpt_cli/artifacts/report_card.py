@@ -14,11 +14,12 @@ from typing import Any
 
 from ..challenge import BUDGET_BYTES
 from ..config import PRESETS, preset
+from ..errors import ArtifactError
 from ..storage.files import atomic_write_json, atomic_write_text, read_json, starts_with
 from ..storage.outputs import claim_file
 from .curves import is_plot, load_run_curves, write_plot
 from .info import flat_settings
-from .inspect import eval_windows_text, inspect_artifact
+from .inspect import PACKED_CODE, eval_windows_text, inspect_artifact
 
 CARD_KIND = "windowgpt.report_card"
 CARD_MARK = "<!-- windowgpt report card -->"
@@ -54,10 +55,13 @@ def write_report_card(artifact: Path, budget: int = BUDGET_BYTES) -> dict[str, A
 
 def build_card(artifact: Path, budget: int = BUDGET_BYTES) -> dict[str, Any]:
     record = inspect_artifact(artifact, budget)
+    if record["kind"] == PACKED_CODE:
+        raise ArtifactError(f"{artifact}: packed code, not a model (`windowgpt inspect` describes it)")
     name, changes = closest_preset(record["settings"])
     size = {"file_bytes": record["file_bytes"], "parameters": record["parameters"], "groups": record["groups"]}
     if record["kind"] == "ptz":
-        size.update({k: record[k] for k in ("code_bytes", "total_bytes", "budget_bytes", "within_budget")})
+        size.update({k: record[k] for k in ("code_bytes", "code_counted", "code_from", "total_bytes", "budget_bytes",
+                                            "within_budget")})
         size["headroom_bytes"] = record["budget_bytes"] - record["total_bytes"]
     return {
         "kind": CARD_KIND, "artifact": record["artifact"], "artifact_kind": record["kind"],
@@ -113,7 +117,8 @@ def render_card(card: dict[str, Any]) -> str:
     if "total_bytes" in size:
         verdict = "within" if size["within_budget"] else "**over**"
         lines.append(f"With the code ({size['code_bytes']:,} bytes): {size['total_bytes']:,} of "
-                     f"{size['budget_bytes']:,} bytes, {verdict} the budget ({size['headroom_bytes']:,} to spare).")
+                     f"{size['budget_bytes']:,} bytes, {verdict} the budget ({size['headroom_bytes']:,} to spare). "
+                     f"The code counted: {size.get('code_counted') or 'not recorded'} (from {size.get('code_from')}).")
     else:
         lines.append("Not quantized: `windowgpt quantize` gives the bytes that count against the budget.")
     lines += ["", "| group | tensors | parameters | bytes |", "| --- | ---: | ---: | ---: |"]

@@ -1,4 +1,5 @@
-"""`windowgpt inspect`: what a run, an export or a `.ptz` holds, without building its model."""
+"""`windowgpt inspect`: what a run, an export, a `.ptz` or the packed code holds, without
+building its model."""
 from __future__ import annotations
 
 import json
@@ -77,6 +78,7 @@ def inspect_table(r: dict[str, Any]) -> Table:
         table.add_row("budget", Text.assemble((f"{r['total_bytes']:,}", style),
                                               f" bytes (model {r['file_bytes']:,} + code {r['code_bytes']:,}) of "
                                               f"{r['budget_bytes']:,}"))
+        table.add_row("code counted", f"{r['code_counted'] or 'not recorded'} (from {r['code_from']})")
     for key, value in r["lineage"].items():
         table.add_row(f"from: {key}", _number(value))
     if r["training"]:
@@ -94,12 +96,27 @@ def inspect_table(r: dict[str, Any]) -> Table:
     return table
 
 
+def packed_code_table(r: dict[str, Any]) -> Table:
+    table = Table(title=f"{r['artifact']} ({r['kind']})", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    table.add_row("sha256", r["sha256"])
+    table.add_row("size", f"{r['file_bytes']:,} bytes")
+    table.add_row("form", r["form"])
+    table.add_row("source", f"{r['source_bytes']:,} bytes uncompressed")
+    return table
+
+
 @user_errors_exit_1
 def command(
-    artifact: Annotated[Path, typer.Argument(help="A training run directory, an export directory or a .ptz.",
-                                             show_default=False)],
+    artifact: Annotated[Path, typer.Argument(help="A training run directory, an export directory, a .ptz or the "
+                                             "packed code (code.pyz).", show_default=False)],
     budget: Annotated[int, typer.Option("--budget", help="Bytes allowed for code plus compressed model.")]
     = BUDGET_BYTES,
+    code: Annotated[Path | None, typer.Option("--code", help="The packed code (code.pyz) a .ptz's budget counts; "
+                                              "without it, the code its quantize report counted (MODEL.ptz.json), "
+                                              "else this windowgpt's record modules' source.",
+                                              show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of a table.")] = False,
 ) -> None:
     """Show what an artifact holds: settings, sizes by group, quantization, budget, hashes and lineage.
@@ -108,9 +125,11 @@ def command(
     """
     from ..artifacts import inspect as describe  # loaded only when the command runs
 
-    record = describe.inspect_artifact(artifact, budget)
+    record = describe.inspect_artifact(artifact, budget, code)
     if as_json:
         typer.echo(json.dumps(record, indent=2))
+    elif record["kind"] == describe.PACKED_CODE:
+        console.print(packed_code_table(record))
     else:
         console.print(inspect_table(record))
         if record.get("sections"):

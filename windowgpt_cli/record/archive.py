@@ -18,8 +18,6 @@ from ..storage.outputs import check_apart, claim_file
 from . import codesize, module_stream
 from .strip import strip_source
 
-MAIN_MEMBER = "__main__.py"
-MAIN_SOURCE = f"from {codesize.ENTRY} import run\nrun({codesize.RECORD_ENTRY!r})\n"
 FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest a zip entry can carry
 
 
@@ -35,7 +33,7 @@ def archive_members(strip: bool = False, lzma: bool = False) -> list[tuple[str, 
         bootstrap = dict(sources)[codesize.module_path(module_stream.__name__)]
         sources = [(module_stream.BOOTSTRAP_MEMBER, bootstrap),
                    (module_stream.MODULES_MEMBER, module_stream.join_sources(sources))]
-    return [(MAIN_MEMBER, MAIN_SOURCE.encode()), *sources]
+    return [(codesize.MAIN_MEMBER, codesize.MAIN_SOURCE.encode()), *sources]
 
 
 def archive_bytes(members: list[tuple[str, bytes]], strip: bool = False) -> bytes:
@@ -61,16 +59,7 @@ def pack(out: Path, strip: bool = False, lzma: bool = False) -> codesize.CodeCou
 
     out = Path(out)
     check_apart(out, [codesize.PACKAGE_DIR])
-    claim_file(out, "packed code", is_packed_code)
+    claim_file(out, "packed code", codesize.is_packed_code)
     data = archive_bytes(archive_members(strip, lzma), strip)
     atomic_write_bytes(out, data)
     return codesize.archive_count(out, data, sha256_bytes(data))
-
-
-def is_packed_code(path: Path) -> bool:
-    """Whether a file is an archive pack wrote: a zip whose entry point is pack's."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            return archive.read(MAIN_MEMBER) == MAIN_SOURCE.encode()
-    except (OSError, KeyError, zipfile.BadZipFile):
-        return False

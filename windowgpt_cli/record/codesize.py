@@ -30,6 +30,8 @@ ENTRY = f"{PACKAGE}.entry"  # the packed code's __main__ starts there
 RECORD_ROOTS = (*RECORD_STAGES, RECORD_ENTRY, ENTRY)
 SOURCE_FORM = "Python source as on disk (uncompressed), not packed"
 STRIPPED_COMMENT = b"windowgpt: modules without comments and docstrings"  # the zip comment of `pack --strip`
+MAIN_MEMBER = "__main__.py"  # the packed archive's entry point
+MAIN_SOURCE = f"from {ENTRY} import run\nrun({RECORD_ENTRY!r})\n"
 
 
 @functools.lru_cache(maxsize=4096)
@@ -162,3 +164,12 @@ def count_code() -> CodeCount:
         return CodeCount(code_bytes(), SOURCE_FORM, record_modules(), code_bytes())
     data = archive.read_bytes()
     return archive_count(archive, data, sha256_bytes(data))
+
+
+def is_packed_code(path: Path | bytes) -> bool:
+    """Whether a file (or its bytes) is an archive pack wrote: a zip whose entry point is pack's."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(path) if isinstance(path, bytes) else path) as archive:
+            return archive.read(MAIN_MEMBER) == MAIN_SOURCE.encode()
+    except (OSError, KeyError, zipfile.BadZipFile):
+        return False
