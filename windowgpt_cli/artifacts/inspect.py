@@ -20,9 +20,9 @@ def inspect_artifact(path: Path, budget: int = BUDGET_BYTES, code: Path | None =
     given, else the code its quantize report counted, else this windowgpt's record code."""
     check_settings(budget=budget)
     path = Path(path)
-    kind = PACKED_CODE if path.is_file() and is_packed_code(path) else None
-    info = read_artifact(path) if kind is None else None
-    kind = kind or info.kind
+    packed = path.is_file() and is_packed_code(path)
+    info = None if packed else read_artifact(path)
+    kind = PACKED_CODE if info is None else info.kind
     if code is not None and kind != "ptz":
         raise ArtifactError(f"--code is the code a .ptz's budget counts; {path} is a {kind}, not a .ptz")
     if info is None:
