@@ -52,14 +52,20 @@ def sections_table(sections: list[dict[str, Any]]) -> Table:
     return table
 
 
-def inspect_table(r: dict[str, Any]) -> Table:
-    from ..artifacts.inspect import eval_windows_text
-
-    table = Table(title=f"{r['artifact']} ({r['kind']}, format {r['format_version']})", show_header=False)
+def file_table(r: dict[str, Any], kind: str) -> Table:
+    """A table of fields, opening with the file's sha256 and size."""
+    table = Table(title=f"{r['artifact']} ({kind})", show_header=False)
     table.add_column("field", style="bold")
     table.add_column("value")
     table.add_row("sha256", r["sha256"])
     table.add_row("size", f"{r['file_bytes']:,} bytes")
+    return table
+
+
+def inspect_table(r: dict[str, Any]) -> Table:
+    from ..artifacts.inspect import eval_windows_text
+
+    table = file_table(r, f"{r['kind']}, format {r['format_version']}")
     if r["step"] is not None:
         seconds = f", {r['training_time_ms'] / 1000:.1f} s of training" if r["training_time_ms"] else ""
         table.add_row("step", f"{r['step']:,}{seconds}")
@@ -97,11 +103,7 @@ def inspect_table(r: dict[str, Any]) -> Table:
 
 
 def packed_code_table(r: dict[str, Any]) -> Table:
-    table = Table(title=f"{r['artifact']} ({r['kind']})", show_header=False)
-    table.add_column("field", style="bold")
-    table.add_column("value")
-    table.add_row("sha256", r["sha256"])
-    table.add_row("size", f"{r['file_bytes']:,} bytes")
+    table = file_table(r, r["kind"])
     table.add_row("form", r["form"])
     table.add_row("source", f"{r['source_bytes']:,} bytes uncompressed")
     return table
