@@ -53,13 +53,13 @@ def _counted_code(info: ArtifactInfo, code: Path | None) -> dict[str, Any]:
     """The code a .ptz's budget counts: code_bytes, code_counted (what, in words), code_from."""
     report = info.report or {}
     if code is not None:
-        count, source = _packed_count(Path(code)), str(code)
+        count, origin = _packed_count(Path(code)), str(code)
     elif report.get("sha256") == info.sha256 and isinstance(report.get("code_bytes"), int):
         return {"code_bytes": report["code_bytes"], "code_counted": report.get("code_counted"),
                 "code_from": f"{info.path.name}.json, its quantize report"}
     else:
-        count, source = count_code(), "this windowgpt's record code"
-    return {"code_bytes": count.bytes, "code_counted": count.form, "code_from": source}
+        count, origin = count_code(), "this windowgpt's record code"
+    return {"code_bytes": count.bytes, "code_counted": count.form, "code_from": origin}
 
 
 def _packed_count(path: Path) -> CodeCount:
