@@ -53,15 +53,15 @@ def test_the_lzma_form_holds_the_record_modules_in_one_stream(tmp_path: Path, st
     with zipfile.ZipFile(tmp_path / "code.pyz") as archive:
         members = {m.filename: m for m in archive.infolist()}
         stream = module_stream.split_sources(archive.read(module_stream.MODULES_MEMBER))
-        bootstrap = archive.read(module_stream.BOOTSTRAP_MEMBER)
-    assert list(members) == [MAIN_MEMBER, module_stream.BOOTSTRAP_MEMBER, module_stream.MODULES_MEMBER]
+        bootstrap = archive.read(module_stream.PACKAGE_INIT)
+    assert list(members) == [MAIN_MEMBER, module_stream.PACKAGE_INIT, module_stream.MODULES_MEMBER]
     assert members[module_stream.MODULES_MEMBER].compress_type == zipfile.ZIP_STORED
     # the stream holds each record module's source exactly as the plain archive would, the bootstrap is module_stream's
     form = strip_source if strip else (lambda source: source)
     expected = {path: form((codesize.PACKAGE_DIR.parent / path).read_bytes()) for path in codesize.record_modules()}
     assert stream == expected and list(stream) == sorted(expected)
     assert bootstrap == expected[codesize.module_path(module_stream.__name__)]
-    assert count.bytes == len(data) and count.files[:2] == [MAIN_MEMBER, module_stream.BOOTSTRAP_MEMBER]
+    assert count.bytes == len(data) and count.files[:2] == [MAIN_MEMBER, module_stream.PACKAGE_INIT]
     assert count.files[2:] == [f"{module_stream.MODULES_MEMBER}:{path}" for path in expected]
     assert count.source_bytes == len(MAIN_SOURCE) + len(bootstrap) + sum(map(len, expected.values()))
     assert f"zipapp of 3 files, {len(expected)} modules in one lzma stream" in count.form

@@ -31,7 +31,7 @@ def archive_members(strip: bool = False, lzma: bool = False) -> list[tuple[str, 
     sources.sort()
     if lzma:  # module_stream is a record module: its source (stripped or not) is among them
         bootstrap = dict(sources)[codesize.module_path(module_stream.__name__)]
-        sources = [(module_stream.BOOTSTRAP_MEMBER, bootstrap),
+        sources = [(module_stream.PACKAGE_INIT, bootstrap),
                    (module_stream.MODULES_MEMBER, module_stream.join_sources(sources))]
     return [(codesize.MAIN_MEMBER, codesize.MAIN_SOURCE.encode()), *sources]
 

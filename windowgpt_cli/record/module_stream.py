@@ -20,7 +20,7 @@ import sys
 
 PACKAGE = "windowgpt_cli"
 MODULES_MEMBER = f"{PACKAGE}/modules.xz"
-BOOTSTRAP_MEMBER = f"{PACKAGE}/__init__.py"
+PACKAGE_INIT = f"{PACKAGE}/__init__.py"  # in the archive, the bootstrap (this file); in the stream, the real one
 
 
 def join_sources(sources: list[tuple[str, bytes]]) -> bytes:
@@ -80,7 +80,7 @@ def install(package: dict) -> None:
     importer = StreamImporter(archive, split_sources(package["__loader__"].get_data(f"{archive}/{MODULES_MEMBER}")))
     sys.meta_path.insert(0, importer)
     package["__loader__"] = package["__spec__"].loader = importer
-    exec(compile(importer.sources[BOOTSTRAP_MEMBER], f"{archive}/{BOOTSTRAP_MEMBER}", "exec"), package)
+    exec(compile(importer.sources[PACKAGE_INIT], f"{archive}/{PACKAGE_INIT}", "exec"), package)
 
 
 if __name__ == PACKAGE:  # this source as the archive's package __init__; imported as itself, it only defines
