@@ -9,7 +9,6 @@ from ..challenge import BUDGET_BYTES
 from ..config import check_settings
 from ..errors import ArtifactError
 from ..record.codesize import CodeCount, archive_count, count_code, is_packed_code
-from ..storage.files import sha256_bytes
 from .info import ArtifactInfo, changed_from_defaults, flat_settings, read_artifact
 
 PACKED_CODE = "packed code"
@@ -67,13 +66,12 @@ def _packed_count(path: Path) -> CodeCount:
         raise ArtifactError(f"{path}: no such file")
     if not is_packed_code(path):
         raise ArtifactError(f"{path}: not packed code (`windowgpt pack` writes it)")
-    data = path.read_bytes()
-    return archive_count(path, data, sha256_bytes(data))
+    return archive_count(path)
 
 
 def _packed_code_record(path: Path) -> dict[str, Any]:
-    """What `inspect` says of an archive `pack` wrote."""
-    count = _packed_count(path)
+    """What `inspect` says of an archive `pack` wrote (is_packed_code has said so)."""
+    count = archive_count(path)
     return {"artifact": str(path), "kind": PACKED_CODE, "sha256": count.sha256, "file_bytes": count.bytes,
             "form": count.form, "files": count.files, "source_bytes": count.source_bytes}
 

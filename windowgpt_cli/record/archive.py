@@ -55,11 +55,11 @@ def archive_bytes(members: list[tuple[str, bytes]], strip: bool = False) -> byte
 def pack(out: Path, strip: bool = False, lzma: bool = False) -> codesize.CodeCount:
     """Write the record's code as a runnable zipapp at `out` (its modules without comments
     and docstrings with `strip`, in one lzma stream with `lzma`); returns what it counts."""
-    from ..storage.files import atomic_write_bytes, sha256_bytes  # imports torch: only when packing
+    from ..storage.files import atomic_write_bytes
 
     out = Path(out)
     check_apart(out, [codesize.PACKAGE_DIR])
     claim_file(out, "packed code", codesize.is_packed_code)
     data = archive_bytes(archive_members(strip, lzma), strip)
     atomic_write_bytes(out, data)
-    return codesize.archive_count(out, data, sha256_bytes(data))
+    return codesize.archive_count(out, data)

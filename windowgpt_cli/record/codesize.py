@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from ..storage.files import sha256_bytes
 from .module_stream import MODULES_MEMBER, split_sources
 
 PACKAGE = "windowgpt_cli"
@@ -142,8 +143,10 @@ def archive_form(files: int, archive: Path, stripped: bool = False, streamed: in
     return f"{kind}{without}, runnable as `python {archive.name}`"
 
 
-def archive_count(archive: Path, data: bytes, sha256: str) -> CodeCount:
-    """What a packed archive counts: its bytes; its modules, those of its stream included."""
+def archive_count(archive: Path, data: bytes | None = None) -> CodeCount:
+    """What a packed archive counts (its bytes, `data` when given, else the file's): its
+    modules, those of its stream included."""
+    data = Path(archive).read_bytes() if data is None else data
     with zipfile.ZipFile(io.BytesIO(data)) as packed:
         members = packed.infolist()
         stripped = packed.comment == STRIPPED_COMMENT
@@ -152,18 +155,15 @@ def archive_count(archive: Path, data: bytes, sha256: str) -> CodeCount:
     files = [name for name in names if name != MODULES_MEMBER] + [f"{MODULES_MEMBER}:{path}" for path in stream]
     source_bytes = sum(m.file_size for m in members if m.filename != MODULES_MEMBER) + sum(map(len, stream.values()))
     return CodeCount(len(data), archive_form(len(members), archive, stripped, len(stream)), files, source_bytes,
-                     str(archive), sha256)
+                     str(archive), sha256_bytes(data))
 
 
 def count_code() -> CodeCount:
     """The packed archive this code runs from; without one, the record modules' source."""
-    from ..storage.files import sha256_bytes  # imports torch: not at the top, so that --help answers at once
-
     archive = running_archive()
     if archive is None:
         return CodeCount(code_bytes(), SOURCE_FORM, record_modules(), code_bytes())
-    data = archive.read_bytes()
-    return archive_count(archive, data, sha256_bytes(data))
+    return archive_count(archive)
 
 
 def is_packed_code(path: Path | bytes) -> bool:
