@@ -687,7 +687,7 @@ def tiny_preset() -> RunConfig:
 
 def frontier_preset() -> RunConfig:
     """The final leaderboard record's recipe (openai/parameter-golf PR #1855, 1.0611 bpb) as
-    far as windowgpt's settings go; docs/usage.md lists it against the record's README, with
+    far as windowgpt's settings go; docs/frontier.md lists it against the record's README, with
     what is left out. Its data: `prepare --vocab-size 8192`."""
     return RunConfig(
         model=ModelConfig(
