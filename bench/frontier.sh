@@ -38,6 +38,8 @@
 #                                       at its limit) keeps it: export, quantize and eval run
 #   PACK_FLAGS (default --strip --lzma) pack's flags for the code counted
 #   BUDGET (default 16000000)           quantize's --budget (over it a run stops after quantize)
+#   COMPILE_CACHE                       train's --compile-cache for every run: a file of
+#                                       torch.compile's caches that a fresh machine starts from
 # Each run leaves LOG_DIR/NAME/{train.log,summary.json,quantize.json,eval.json} and WORK/NAME/
 # {export,model.ptz} (bench/quant_schemes.py takes the export); quantize runs from the packed
 # code, so the bytes count the code as `pack` writes it (LOG_DIR/packed_code_bytes) and a
@@ -115,9 +117,10 @@ measure() {  # NAME: train, export, quantize and evaluate one run
   else
     rm -rf "$dir"
     step "$out/train.log" wg train --data "$data" --out "$dir/run" --max-wallclock-seconds "${TRAIN_SECONDS:-240}" \
-      --val-loss-every 0 --train-log-every 100 "${flags[@]}" ${TRAIN_FLAGS:-} || return 1
+      --val-loss-every 0 --train-log-every 100 "${flags[@]}" ${TRAIN_FLAGS:-} \
+      ${COMPILE_CACHE:+--compile-cache "$COMPILE_CACHE"} || return 1
   fi
-  grep -hE "graphs_after_warmup|recurrence:|stopping_early|post_ema" "$out/train.log"
+  grep -hE "graphs_after_warmup|recurrence:|stopping_early|post_ema|compile_cache" "$out/train.log"
   cp "$dir/run/summary.json" "$dir/run/config.json" "$out/"
   step "$out/export.log" wg export "$dir/run" --out "$dir/export" || return 1
   # From the packed code: the report counts the code as the record does, and a preset that fits

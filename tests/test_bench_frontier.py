@@ -166,3 +166,13 @@ def test_the_reference_runs_are_the_preset_with_the_reference_s_values(tmp_path,
     assert {k: v for k, v in printed.items() if k not in changed} == \
         {k: v for k, v in frontier.items() if k not in changed}
     assert all(frontier[k] != reference[k] for k in changed)
+
+
+def test_a_compile_cache_reaches_every_training_and_only_when_named(tmp_path):
+    args = tmp_path / "args.txt"
+    run_frontier(tmp_path, RUNS="default frontier", COMPILE_CACHE=str(tmp_path / "c.cache"), ARGS=str(args))
+    trains = [line.split() for line in args.read_text().splitlines() if line.startswith("train ")]
+    assert len(trains) == 2 and all(t[t.index("--compile-cache") + 1] == str(tmp_path / "c.cache") for t in trains)
+    args.unlink()
+    run_frontier(tmp_path, ARGS=str(args))
+    assert all("--compile-cache" not in line for line in args.read_text().splitlines())

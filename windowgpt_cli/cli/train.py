@@ -163,6 +163,10 @@ def command(
         "training.")] = False,
     json_output: Annotated[bool, typer.Option(
         "--json", help="Print the final summary as JSON on stdout (log lines go to stderr).")] = False,
+    compile_cache: Annotated[Optional[Path], typer.Option(
+        "--compile-cache", help="A file of torch.compile's caches, loaded before the first step where it was made "
+        "with this torch, Triton and GPU, and written after the warm-up: a fresh machine starts with what another "
+        "compiled. Replaces only a compile cache.", show_default=False)] = None,
     overrides: dict[str, dict[str, Any]] | None = None,
 ) -> None:
     """Train a model on token shards; logs like the reference, checkpoints atomically.
@@ -209,7 +213,8 @@ def command(
     _warn_if_slow(cfg)
     say = Output(json_output)
     done = train_and_report(cfg, out, resume=resume, force=force, stop_at_step=stop_at_step,
-                            progress=progress_bar if err_console.is_terminal else None, echo=say.line)
+                            progress=progress_bar if err_console.is_terminal else None, echo=say.line,
+                            compile_cache=compile_cache)
     if not done.is_main:
         return
     result = done.result

@@ -27,13 +27,15 @@ from ..artifacts.checkpoint import (
 )
 from ..config import RunConfig, parameter_estimate
 from ..distributed import init_distributed, shutdown
-from ..errors import ArtifactError, ConfigError, DataError
+from ..errors import ArtifactError, ConfigError, DataError, OutputRefused
 from ..model.attention import resolve_backend
 from ..runtime import out_of_memory_as_error, resolve_device, use_cpu_threads
+from ..storage.compile_cache import FLAG as COMPILE_CACHE_FLAG
+from ..storage.compile_cache import claim_compile_cache, load_compile_cache, save_compile_cache
 from ..storage.files import atomic_write_json
 from ..storage.outputs import check_apart, claim_dir
 from ..storage.runlock import run_lock
-from ..timing import Phases, compile_line, compile_seconds
+from ..timing import Phases, compile_line, compile_seconds, compiled_graphs
 from .metric_sinks import check_logger, open_sink
 from .trainer import RunLog, StopRequests, Trainer, TrainResult, build_setup, describe
 
@@ -90,21 +92,22 @@ class TrainReport:
 
 def train(cfg: RunConfig, out_dir: Path, *, resume: bool = False, force: bool = False,
           stop_at_step: int | None = None, progress: ProgressDisplay | None = None,
-          echo: Echo | None = None) -> TrainResult:
+          echo: Echo | None = None, compile_cache: Path | None = None) -> TrainResult:
     """Train (or resume) into out_dir: config.json, train.log, metrics.jsonl, checkpoint.pt,
     and summary.json when it finishes. echo receives the log lines (default: stdout)."""
     return train_and_report(cfg, out_dir, resume=resume, force=force, stop_at_step=stop_at_step,
-                            progress=progress, echo=echo).result
+                            progress=progress, echo=echo, compile_cache=compile_cache).result
 
 
 def train_and_report(cfg: RunConfig, out_dir: Path, *, resume: bool = False, force: bool = False,
                      stop_at_step: int | None = None, progress: ProgressDisplay | None = None,
-                     echo: Echo | None = None) -> TrainReport:
+                     echo: Echo | None = None, compile_cache: Path | None = None) -> TrainReport:
     """train(), with what the command prints. `progress` shows the steps on the first rank.
 
     One process writes to a run at a time (RUN/.lock). A new run refuses a directory that
     holds one unless `force` (the old run's files are removed first); resuming a finished
-    run changes nothing.
+    run changes nothing. `compile_cache` names a file of torch.compile's caches, loaded
+    before the first step and written (by the first rank) after the warm-up and at the end.
     """
     phases = Phases()
     echo = echo or (lambda line: print(line, flush=True))
@@ -114,8 +117,11 @@ def train_and_report(cfg: RunConfig, out_dir: Path, *, resume: bool = False, for
     if out_dir.exists() and not out_dir.is_dir():
         raise ArtifactError(f"{out_dir}: exists and is not a directory")
     cfg = cfg.resolved()
-    check_apart(out_dir, [Path(p) if p else None for p in (cfg.data.data_path, cfg.data.tokenizer_path,
-                                                            cfg.data.tokenizer_meta_path)])
+    inputs = [Path(p) if p else None for p in (cfg.data.data_path, cfg.data.tokenizer_path,
+                                               cfg.data.tokenizer_meta_path)]
+    check_apart(out_dir, inputs)
+    if compile_cache is not None:
+        _check_compile_cache_path(Path(compile_cache), inputs, out_dir)
     if not resume:
         claim_dir(out_dir, "a training run", is_run_dir)  # before the directory is touched (and again, locked)
     check_requirements(cfg)
@@ -149,9 +155,22 @@ def train_and_report(cfg: RunConfig, out_dir: Path, *, resume: bool = False, for
             with out_of_memory_as_error(ctx.device, "training", "lower --train-batch-tokens, raise "
                                         "--grad-accum-steps, or train a smaller model; the last checkpoint, if any, "
                                         "is unchanged"):
-                return _train_locked(cfg, ctx, setup, ckpt, out_dir, stop_at_step, progress, echo, phases)
+                return _train_locked(cfg, ctx, setup, ckpt, out_dir, stop_at_step, progress, echo, phases,
+                                     compile_cache)
     finally:
         shutdown()
+
+
+def _check_compile_cache_path(path: Path, inputs: list[Path | None], out_dir: Path) -> None:
+    """A compile cache outside the inputs and the run (it serves every run), naming nothing
+    yet or a compile cache."""
+    check_apart(path, inputs, flag=COMPILE_CACHE_FLAG)
+    run = out_dir.resolve()
+    if run == path.resolve() or run in path.resolve().parents:
+        where = "is" if run == path.resolve() else "lies in"
+        raise OutputRefused(f"{COMPILE_CACHE_FLAG} {path} {where} the run directory {out_dir}; give a file outside "
+                            "it, where other runs find it")
+    claim_compile_cache(path)
 
 
 def _claim_run_dir(out_dir: Path, resume: bool, force: bool, notify: Echo):
@@ -175,7 +194,7 @@ def _claim_run_dir(out_dir: Path, resume: bool, force: bool, notify: Echo):
 
 
 def _train_locked(cfg, ctx, setup, ckpt, out_dir: Path, stop_at_step: int | None, progress: ProgressDisplay | None,
-                  echo: Echo, phases: Phases) -> TrainReport:
+                  echo: Echo, phases: Phases, compile_cache: Path | None) -> TrainReport:
 
     sink = open_sink(cfg.train.logger, out_dir, cfg) if ctx.is_main else None
     try:
@@ -183,15 +202,20 @@ def _train_locked(cfg, ctx, setup, ckpt, out_dir: Path, stop_at_step: int | None
         with display(cfg.train.iterations, echo) as (echo, on_step):
             log = RunLog(out_dir, enabled=ctx.is_main, echo=echo, sink=sink)
             trainer = Trainer(setup, out_dir, log, progress=on_step, phases=phases)
+            save_cache = _compile_cache_saver(compile_cache, log, ctx.is_main)
+            if compile_cache is not None:
+                log.line(load_compile_cache(compile_cache))
             if ckpt is not None:
                 trainer.restore(ckpt)
                 log.line(f"resume:step:{trainer.step}/{cfg.train.iterations} from {checkpoint_path(out_dir)}")
             else:
                 describe(setup, log)
                 trainer.warm_up()
+                save_cache()
             trained_before_ms = trainer.training_time_ms
             with StopRequests().installed() as stops:
                 result = trainer.run(stop_at_step, stops)
+            save_cache()
             result.stop_signal = stops.signal  # a stop asked after the last step too
             phases.add("training", (result.training_time_ms - trained_before_ms) / 1000.0)
             timings = phases.as_dict()
@@ -206,6 +230,19 @@ def _train_locked(cfg, ctx, setup, ckpt, out_dir: Path, stop_at_step: int | None
         record.update(timings_s=timings, compile_s=round(compile_seconds(), 3))
         atomic_write_json(out_dir / SUMMARY, record)
     return TrainReport(result, record, ctx.is_main)
+
+
+def _compile_cache_saver(path: Path | None, log: RunLog, is_main: bool) -> Callable[[], None]:
+    """What writes the compile cache (on the first rank only): after the warm-up, every
+    graph of the run is compiled; at the end, again where training compiled more."""
+    saved_at: list[int] = []  # the count of graphs compiled when it was last written
+
+    def save() -> None:
+        if path is None or not is_main or saved_at[-1:] == [compiled_graphs()]:
+            return
+        log.line(save_compile_cache(path))
+        saved_at.append(compiled_graphs())
+    return save
 
 
 @contextlib.contextmanager
