@@ -84,7 +84,7 @@ def load_compile_cache(path: Path) -> str:
         return f"compile_cache: {path} does not exist yet; it will hold what this run compiles"
     try:
         cache = read_compile_cache(path)
-    except ArtifactError as error:
+    except (ArtifactError, OSError) as error:
         return f"compile_cache: {error}; compiling anew, and replacing it"
     here, made = machine(), cache.header.get("machine")
     if made != here:
