@@ -165,3 +165,26 @@ def test_a_cache_torch_cannot_load_or_a_path_that_cannot_be_written_ends_nothing
     assert user_file.read_text() == "a user's file"
     assert save_compile_cache(path) == f"compile_cache: wrote 1 artifacts (7 bytes) to {path}"
     assert read_compile_cache(path).payload == b"payload"
+
+
+def test_the_bench_script_trains_twice_on_empty_caches_and_writes_its_result(tiny_data_dir, tmp_path):
+    """bench/compile_cache.sh on the CPU (the model eager: nothing compiled, nothing cached):
+    two runs, each with caches of its own, both given the cache, and the result's shape."""
+    logs, bin_dir = tmp_path / "logs", tmp_path / "bin"
+    (tmp_path / "shared").mkdir()
+    bin_dir.mkdir()
+    python = bin_dir / "python3"  # the scripts' python3: this one
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    done = subprocess.run(["bash", str(REPO / "bench" / "compile_cache.sh"), str(tmp_path / "shared"),
+                           str(tmp_path / "work"), str(logs)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "DATA": str(tiny_data_dir),
+                               "TRAIN_FLAGS": "--preset tiny --iterations 2 --device cpu"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((logs / "compile_cache.json").read_text())
+    assert result["gpu"] == "cpu" and result["cache_bytes"] is None
+    assert set(result["runs"]) == {"cold", "from_cache"}
+    for run in result["runs"].values():
+        assert run["warmup_s"] is not None and run["compile_s"] == 0
+        assert any("nothing was compiled" in line for line in run["compile_cache_lines"])
+    assert "warm-up from the cache / cold:" in done.stdout
