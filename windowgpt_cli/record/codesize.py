@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Iterator
 
 from ..storage.files import sha256_bytes
-from .module_stream import MODULES_MEMBER, split_sources
+from .module_stream import MODULES_MEMBER, PACKAGE, split_sources
 
-PACKAGE = "windowgpt_cli"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 RECORD_STAGES = tuple(f"{PACKAGE}.cli.{name}" for name in ("train", "export", "quantize", "evaluate", "eval_ttt"))
 RECORD_ENTRY = f"{PACKAGE}.cli.record_app"

@@ -94,7 +94,7 @@ def load_compile_cache(path: Path) -> str:
         info = torch.compiler.load_cache_artifacts(cache.payload)
     except Exception as error:  # a cache only spares time: it never ends a run
         return f"compile_cache: {path} could not be loaded ({type(error).__name__}: {error}); compiling anew"
-    count = sum(len(keys) for keys in info.artifacts.values()) if info is not None else 0
+    count = _artifact_count(info) if info is not None else 0
     return f"compile_cache: loaded {count} cached artifacts ({len(cache.payload):,} bytes) from {path}"
 
 
@@ -107,7 +107,7 @@ def save_compile_cache(path: Path) -> str:
     if saved is None:
         return f"compile_cache: nothing was compiled (the model runs eagerly here); {path} left as it was"
     payload, info = saved
-    count = sum(len(keys) for keys in info.artifacts.values())
+    count = _artifact_count(info)
     header = {"machine": machine(), "artifacts": count, "bytes": len(payload), "sha256": sha256_bytes(payload),
               "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
@@ -116,6 +116,11 @@ def save_compile_cache(path: Path) -> str:
     except (OSError, WindowGPTError) as error:  # the run goes on without it
         return f"compile_cache: not written ({error})"
     return f"compile_cache: wrote {count} artifacts ({len(payload):,} bytes) to {path}"
+
+
+def _artifact_count(info: Any) -> int:
+    """The artifacts in torch's CacheInfo, of every kind."""
+    return sum(len(keys) for keys in info.artifacts.values())
 
 
 def _describe(made: Any) -> str:

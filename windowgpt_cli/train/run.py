@@ -235,13 +235,14 @@ def _train_locked(cfg, ctx, setup, ckpt, out_dir: Path, stop_at_step: int | None
 def _compile_cache_saver(path: Path | None, log: RunLog, is_main: bool) -> Callable[[], None]:
     """What writes the compile cache (on the first rank only): after the warm-up, every
     graph of the run is compiled; at the end, again where training compiled more."""
-    saved_at: list[int] = []  # the count of graphs compiled when it was last written
+    graphs_when_saved: int | None = None
 
     def save() -> None:
-        if path is None or not is_main or saved_at[-1:] == [compiled_graphs()]:
+        nonlocal graphs_when_saved
+        if path is None or not is_main or compiled_graphs() == graphs_when_saved:
             return
         log.line(save_compile_cache(path))
-        saved_at.append(compiled_graphs())
+        graphs_when_saved = compiled_graphs()
     return save
 
 
