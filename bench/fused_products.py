@@ -26,8 +26,10 @@ runs without the flag: the fair comparison). --tiles default times the default t
 into a chosen template's epilogue; the autotuning takes a minute or more). Where this GPU
 has float8 products, it also times the MLP with them (`train --fp8-mlp`), compiled, and where
 quack-kernels runs, quack's two products and the MLP through them (`train --fused-mlp
-quack`, auto's choice there), the MLP also replayed as a CUDA graph beside the compiler's
-(the GPU's time alone, without the host's dispatch).
+quack`, auto's choice there): its gradient product storing the activation again and storing
+the gradient alone, the MLP with the forward's activation kept (`--keep-mlp-activation`'s
+auto) and not, and the MLP also replayed as a CUDA graph beside the compiler's (the GPU's time
+alone, without the host's dispatch).
 """
 from __future__ import annotations
 
@@ -51,7 +53,8 @@ from windowgpt_cli.model.fused_ops import FusedOps  # noqa: E402
 from windowgpt_cli.kernels.elementwise import MatmulTiles, leaky_square_matmul_with_product  # noqa: E402
 from windowgpt_cli.kernels.elementwise_backward import leaky_square_backward, leaky_square_grad_matmul  # noqa: E402
 from windowgpt_cli.kernels.fused_mlp import TRAINING_TILES, leaky_square_mlp  # noqa: E402
-from windowgpt_cli.kernels.quack_products import leaky_square_back, leaky_square_up, quack_targets  # noqa: E402
+from windowgpt_cli.kernels.quack_products import (  # noqa: E402
+    leaky_square_back, leaky_square_grad, leaky_square_up, quack_targets)
 from windowgpt_cli.kernels.fp8_products import fp8_available  # noqa: E402
 from windowgpt_cli.model.fp8_ops import Fp8Ops  # noqa: E402
 from windowgpt_cli.model.ops import TorchOps  # noqa: E402
@@ -174,6 +177,9 @@ def training_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
         if with_quack:
             rows.append(_timed_variant("gradient: quack's product with the derivative", lambda: leaky_square_back(
                 grad, down_w, product, slope)[0], a.repeats, base_ms, lambda out: bf16_steps(out, grad_product)))
+            rows.append(_timed_variant("gradient: quack's product with the derivative, the gradient alone stored",
+                                       lambda: leaky_square_grad(grad, down_w, product, slope), a.repeats, base_ms,
+                                       lambda out: bf16_steps(out, grad_product)))
     params = [p.detach().clone().requires_grad_(True) for p in (x, up_w, down_w)]
 
     def step(mlp: Callable[..., torch.Tensor]) -> Callable[[], object]:
@@ -196,6 +202,9 @@ def training_rows(a: argparse.Namespace, cfg, device) -> list[dict]:
     if with_quack:
         quack_step = step(lambda *args: leaky_square_mlp(*args, products="quack"))
         rows.append(_timed_variant("MLP forward and backward: quack's products", quack_step, a.repeats, base_ms))
+        rows.append(_timed_variant("MLP forward and backward: quack's products, the activation not kept",
+                                   step(lambda *args: leaky_square_mlp(*args, products="quack", keep_activation=False)),
+                                   a.repeats, base_ms))
         graphed = _timed_variant("MLP forward and backward: torch, compiled, replayed as a CUDA graph",
                                  replayed(step(compiled)), a.repeats, base_ms)
         rows.append(graphed)

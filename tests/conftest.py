@@ -138,11 +138,15 @@ def training_steps_agree(plain_step: tuple, fused_step: tuple, names, close) -> 
         assert close(fused_grads[name], plain_grads[name], 2 ** -4), name
 
 
-def compiled_step_on_cuda(variants, grads_of) -> list[tuple[float, list]]:
+def compiled_step_on_cuda(variants, grads_of, model_changes: dict | None = None,
+                          training_backend: bool = False) -> list[tuple[float, list]]:
     """The full-size model's compiled training loss in bf16 autocast at a micro-batch of 8
     sequences, once per variant (a function that sets the model up): (loss, grads_of(model)).
     Every weight is moved off its initialization first: at it the output projections are zero,
-    and so are the gradients of every matrix behind them."""
+    and so are the gradients of every matrix behind them. model_changes: settings of the
+    model other than the defaults; training_backend: the attention `auto` picks to train."""
+    import dataclasses
+
     import torch
 
     from windowgpt_cli.config import RunConfig
@@ -150,11 +154,11 @@ def compiled_step_on_cuda(variants, grads_of) -> list[tuple[float, list]]:
 
     device = torch.device("cuda")
     torch.manual_seed(0)
-    model = build_model(RunConfig().model, device)
+    model = build_model(dataclasses.replace(RunConfig().model, **(model_changes or {})), device)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
-    model.set_attention_backend("auto", device)
+    model.set_attention_backend("auto", device, training=training_backend)
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randint(0, 1024, (8, 2048), device="cuda", generator=g)
     y = torch.randint(0, 1024, (8, 2048), device="cuda", generator=g)

@@ -119,3 +119,81 @@ def test_the_fa4_ops_stay_in_one_compiled_graph(fake_fa4):
     assert torch.allclose(out.detach(), reference(q.detach(), k.detach(), v.detach(), 5, 3), atol=1e-5)
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
+
+
+def model_step(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = model(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_windowed_layers_handed_copied_key_heads_give_the_same_loss_and_gradients(fake_fa4):
+    """`GPT.copy_kv_heads`: FA4's windowed layers (sinks included) take keys and values of as
+    many heads as the queries; the model's loss and every gradient stay as they were."""
+    from test_model import perturbed_tiny
+
+    ids = torch.randint(0, 1024, (2, 70), generator=torch.Generator().manual_seed(3))
+    steps, copied = [], []
+    for copy in (False, True):
+        model = perturbed_tiny(window_attn_size=12, num_sink_tokens=2).train()
+        for block in model.blocks:
+            block.attn.backend = "fa4"
+        copied.append(model.copy_kv_heads() if copy else [])
+        steps.append(model_step(model, ids))
+    (loss, grads), (copied_loss, copied_grads) = steps
+    assert copied == [[], [1, 3]] and torch.allclose(loss, copied_loss, atol=1e-6)
+    assert grads.keys() == copied_grads.keys()
+    for name, grad in grads.items():
+        assert torch.allclose(copied_grads[name], grad, atol=1e-5 * max(grad.abs().max().item(), 1.0)), name
+
+
+def test_only_fa4s_windowed_layers_of_grouped_heads_take_copies_until_the_backend_is_set_again():
+    from test_model import perturbed_tiny
+
+    model = perturbed_tiny()
+    assert model.copy_kv_heads() == []  # sdpa's layers
+    for block in model.blocks:
+        block.attn.backend = "fa4"
+    assert model.copy_kv_heads() == [1, 3] and [b.attn.kv_copies for b in model.blocks] == [1, 2, 1, 2]
+    model.set_attention_backend("sdpa", torch.device("cpu"))
+    assert [b.attn.kv_copies for b in model.blocks] == [1, 1, 1, 1]
+    ungrouped = perturbed_tiny(num_kv_heads=4)
+    for block in ungrouped.blocks:
+        block.attn.backend = "fa4"
+    assert ungrouped.copy_kv_heads() == []
+
+
+@pytest.mark.parametrize("setting, asked", [("auto", True), ("on", True), ("off", False)])
+def test_the_setting_asks_the_training_model_for_copies(setting, asked, tiny_data_dir, tmp_path, monkeypatch):
+    """Where the layers run no FA4 (a CPU), nothing is copied and the log says so."""
+    from test_train import tiny_cfg
+
+    from windowgpt_cli.config import RunConfig
+    from windowgpt_cli.model.gpt import GPT
+    from windowgpt_cli.train.run import train
+
+    calls = []
+    original = GPT.copy_kv_heads
+    monkeypatch.setattr(GPT, "copy_kv_heads", lambda model: calls.append(model) or original(model))
+    train(tiny_cfg(tiny_data_dir, iterations=1, copy_kv_heads=setting), tmp_path / "run")
+    assert len(calls) == int(asked) and "copy_kv_heads:off" in (tmp_path / "run" / "train.log").read_text()
+    assert RunConfig.load(tmp_path / "run" / "config.json").train.copy_kv_heads == setting
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and attention.fa4_targets(torch.device("cuda"))),
+                    reason="needs a Hopper or Blackwell GPU with flash-attn-4")
+def test_on_cuda_the_compiled_record_step_with_copied_key_heads_gives_the_same_loss_and_gradients():
+    """The record model's windows through FA4, compiled, in bf16: the loss within 1e-3 and the
+    attention banks' gradients within 2% of their size with the key heads copied."""
+    from conftest import bank_grads, compiled_step_on_cuda
+
+    def copied(model):
+        assert model.copy_kv_heads() == [2, 4, 6, 8, 10]
+
+    record = {"window_attn_size": 512, "num_sink_tokens": 4, "window_attn_layers": (2, 4, 6, 8, 10)}
+    (loss, grads), (copied_loss, copied_grads) = compiled_step_on_cuda(
+        [lambda model: None, copied], bank_grads, model_changes=record, training_backend=True)
+    assert abs(loss - copied_loss) <= 1e-3
+    for grad, copied_grad in zip(grads, copied_grads):
+        assert (grad - copied_grad).abs().max() <= 0.02 * grad.abs().max()

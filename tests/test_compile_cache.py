@@ -67,9 +67,12 @@ def test_a_second_process_with_empty_caches_finds_the_first_ones_compiled_graph(
     header = read_compile_cache(path).header
     assert header["machine"] == machine() and header["artifacts"] >= 1
 
+    written = path.stat().st_mtime_ns
     lines, counts = compile_in_a_fresh_process(path, tmp_path / "second")
     assert lines[0].startswith(f"compile_cache: loaded {header['artifacts']} cached artifacts")
     assert counts.get("fxgraph_cache_hit", 0) >= 1 and not counts.get("fxgraph_cache_miss"), counts
+    assert lines[1] == f"compile_cache: {path} already holds these {header['artifacts']} artifacts; left as it was"
+    assert path.stat().st_mtime_ns == written
 
 
 def test_a_cache_of_another_machine_is_not_loaded(tmp_path, monkeypatch):
@@ -165,6 +168,7 @@ def test_a_cache_torch_cannot_load_or_a_path_that_cannot_be_written_ends_nothing
     assert user_file.read_text() == "a user's file"
     assert save_compile_cache(path) == f"compile_cache: wrote 1 artifacts (7 bytes) to {path}"
     assert read_compile_cache(path).payload == b"payload"
+    assert save_compile_cache(path) == f"compile_cache: {path} already holds these 1 artifacts; left as it was"
 
 
 def test_the_bench_script_trains_twice_on_empty_caches_and_writes_its_result(tiny_data_dir, tmp_path):

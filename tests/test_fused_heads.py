@@ -59,6 +59,18 @@ def test_the_op_gives_torchs_steps_and_their_gradients(with_gain):
     assert close(out, want, 1e-5) and all(close(a, b, 1e-5) for a, b in zip(grads, want_grads))
 
 
+@pytest.mark.parametrize("copies", [2, 3])
+def test_copies_store_each_head_once_per_query_head_of_its_group_and_add_up_their_gradients(copies):
+    x, gain, cos, sin = heads()
+    (out, grads), (want, want_grads) = (
+        output_and_grads(lambda x, g: fn(x, cos, sin, ROPE_DIMS, g, copies) * g.sum(), x, gain)
+        for fn in (fused_head_prep, TORCH_OPS.head_prep))
+    assert out.shape == (2, 24, 4 * copies, 16)
+    once = TORCH_OPS.head_prep(x, cos, sin, ROPE_DIMS, gain)
+    assert torch.equal(want, once.repeat_interleave(copies, 2) * gain.sum())
+    assert close(out, want, 1e-5) and all(close(a, b, 1e-5) for a, b in zip(grads, want_grads))
+
+
 def test_in_bfloat16_the_op_keeps_the_dtype_and_stays_within_rounding():
     x, gain, cos, sin = heads()
     out, (dx, dgain) = output_and_grads(lambda x, g: fused_head_prep(x, cos, sin, ROPE_DIMS, g), x.bfloat16(), gain)

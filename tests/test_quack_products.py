@@ -96,7 +96,7 @@ def torch_products(monkeypatch):
     """quack's two products as torch computes them (float32 from the bf16 operands, stored
     bf16), through the epilogue bodies above; counts each call."""
     activation, derivative = qp.leaky_square_epilogues(SLOPE, torch.maximum)
-    calls = {"up": 0, "back": 0}
+    calls = {"up": 0, "back": 0, "grad": 0}
 
     def up(x, up_w, slope):
         calls["up"] += 1
@@ -108,35 +108,68 @@ def torch_products(monkeypatch):
         grad_product, hidden = derivative(product.float(), grad.float() @ down_w.float())
         return grad_product.bfloat16(), hidden.bfloat16()
 
+    def grad_only(grad, down_w, product, slope):  # through the epilogue's own body
+        calls["grad"] += 1
+        return qp.gradient_only(derivative)(grad.float() @ down_w.float(), product.float())["D"].bfloat16()
+
     monkeypatch.setattr(fused_mlp, "leaky_square_up", up)
     monkeypatch.setattr(fused_mlp, "leaky_square_back", back)
+    monkeypatch.setattr(fused_mlp, "leaky_square_grad", grad_only)
     return calls
 
 
-def test_the_op_with_quacks_products_gives_torchs_output_and_gradients(torch_products):
+def mlp_results(mlp, x, up_w, down_w):
+    """The output and the three gradients of mlp(x, up_w, down_w) under a fixed output gradient."""
+    inputs = [t.detach().clone().requires_grad_(True) for t in (x, up_w, down_w)]
+    out = mlp(*inputs)
+    (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+    return out.detach().float(), [t.grad.float() for t in inputs]
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_op_with_quacks_products_gives_torchs_output_and_gradients(torch_products, keep):
     x, up_w, down_w = operands()
-    results = []
-    for mlp in (lambda a, u, d: fused_mlp.leaky_square_mlp(a, u, d, SLOPE, products="quack"),
-                lambda a, u, d: F.linear(TORCH_OPS.leaky_square(F.linear(a.float(), u.float()), SLOPE), d.float())):
-        inputs = [t.detach().clone().requires_grad_(True) for t in (x, up_w, down_w)]
-        out = mlp(*inputs)
-        (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
-        results.append((out.detach().float(), [t.grad.float() for t in inputs]))
-    (got, got_grads), (want, want_grads) = results
-    assert torch_products == {"up": 1, "back": 1}
+    got, got_grads = mlp_results(lambda a, u, d: fused_mlp.leaky_square_mlp(a, u, d, SLOPE, products="quack",
+                                                                            keep_activation=keep), x, up_w, down_w)
+    want, want_grads = mlp_results(lambda a, u, d: F.linear(TORCH_OPS.leaky_square(F.linear(a.float(), u.float()),
+                                                                                   SLOPE), d.float()), x, up_w, down_w)
+    assert torch_products == ({"up": 1, "back": 0, "grad": 1} if keep else {"up": 1, "back": 1, "grad": 0})
     assert (got - want).abs().max() <= 2 ** -6 * want.abs().max()
     for g, w in zip(got_grads, want_grads):
         assert g.shape == w.shape and (g - w).abs().max() <= 2 ** -5 * w.abs().max()
 
 
-def test_the_op_keeps_no_activation_for_quacks_backward(torch_products):
-    """The backward's product stores the activation again, so the forward's is not saved."""
+def test_kept_or_not_the_gradients_through_the_product_are_the_same_and_the_weights_differ_by_rounding(
+        torch_products):
+    """The gradient product's values do not depend on where the activation comes from; the
+    down projection's weight gradient reads the forward's activation (from the unrounded
+    product) or the backward's (from the bf16 one)."""
+    x, up_w, down_w = operands()
+    (out, (dx, d_up, d_down)), (out_again, (dx_again, d_up_again, d_down_again)) = (
+        mlp_results(lambda a, u, d, keep=keep: fused_mlp.leaky_square_mlp(a, u, d, SLOPE, products="quack",
+                                                                          keep_activation=keep), x, up_w, down_w)
+        for keep in (True, False))
+    assert torch.equal(out, out_again) and torch.equal(dx, dx_again) and torch.equal(d_up, d_up_again)
+    assert not torch.equal(d_down, d_down_again)
+    assert (d_down - d_down_again).abs().max() <= 2 ** -5 * d_down.abs().max()
+
+
+def test_the_gradient_epilogue_stores_the_gradient_alone_as_the_derivative_gives_it():
+    activation, derivative = qp.leaky_square_epilogues(SLOPE, torch.maximum)
+    product, dout = torch.linspace(-3, 3, 61, dtype=torch.float64), torch.linspace(2, -1, 61, dtype=torch.float64)
+    stored = qp.gradient_only(derivative)(dout, product)
+    assert list(stored) == ["D"] and torch.equal(stored["D"], derivative(product, dout)[0])
+
+
+@pytest.mark.parametrize("keep, kept_shapes", [(True, 2), (False, 1)])
+def test_the_op_keeps_the_activation_for_quacks_backward_only_where_asked(torch_products, keep, kept_shapes):
+    """Not kept, the backward's product stores the activation again and the forward's is not saved."""
     x, up_w, down_w = (t.requires_grad_(True) for t in operands())
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
-        fused_mlp.leaky_square_mlp(x, up_w, down_w, SLOPE, products="quack")
-    assert torch.Size([24, 64]) in saved and saved.count(torch.Size([24, 64])) == 1  # the product alone
-    assert torch.Size([0]) in saved
+        fused_mlp.leaky_square_mlp(x, up_w, down_w, SLOPE, products="quack", keep_activation=keep)
+    assert saved.count(torch.Size([24, 64])) == kept_shapes  # the product, and the activation where kept
+    assert (torch.Size([0]) in saved) is not keep
 
 
 def test_quacks_products_take_bf16_operands_in_whole_vectors():
@@ -226,6 +259,21 @@ def test_on_cuda_the_compiled_step_with_quacks_products_gives_the_same_loss_and_
                          lambda model: [model.mlp_up_bank.grad, model.mlp_down_bank.grad])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and qp.quack_targets(torch.device("cuda"))),
+                    reason="needs a Hopper or Blackwell GPU with quack-kernels")
+def test_on_cuda_the_gradient_alone_is_the_gradient_quacks_derivative_product_stores():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    grad, down_w, product = (torch.randn(*shape, device="cuda", generator=g).bfloat16()
+                             for shape in ((4096, 512), (512, 1536), (4096, 1536)))
+    alone = qp.leaky_square_grad(grad, down_w, product, SLOPE)
+    with_activation, _ = qp.leaky_square_back(grad, down_w, product, SLOPE)
+    want = qp.leaky_square_epilogues(SLOPE, torch.maximum)[1](product.float(), grad.float() @ down_w.float())[0]
+    assert alone.shape == want.shape and alone.dtype == torch.bfloat16
+    assert (alone.float() - with_activation.float()).abs().max() <= 2 ** -7 * want.abs().max()
+    assert (alone.float() - want).abs().max() <= 2 ** -7 * want.abs().max()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what a CPU does")
 def test_training_on_a_cpu_says_quacks_products_are_off(tiny_data_dir, tmp_path):
     from typer.testing import CliRunner
@@ -237,7 +285,7 @@ def test_training_on_a_cpu_says_quacks_products_are_off(tiny_data_dir, tmp_path)
     assert result.exit_code == 0, result.output
     log = (tmp_path / "run" / "train.log").read_text()
     assert "fused_mlp: off on this device (its quack products need a Hopper or Blackwell GPU)" in log
-    assert "fused_mlp:off fold_output_scales:off" in log
+    assert "fused_mlp:off keep_mlp_activation:off fold_output_scales:off copy_kv_heads:off" in log
     assert RunConfig.load(tmp_path / "run" / "config.json").train.fused_mlp == "quack"
 
 
@@ -267,7 +315,8 @@ def test_auto_trains_with_the_compilers_mlp_where_quack_fails_at_its_first_produ
         train(tiny_cfg(tiny_data_dir, iterations=3, train_log_every=1, fused_mlp=setting), tmp_path / setting)
         losses[setting] = [r["train_loss"] for r in metrics(tmp_path / setting) if "train_loss" in r]
     log = (tmp_path / "auto" / "train.log").read_text()
-    assert calls and "fused_mlp:quack fold_output_scales:off" in log  # auto chose quack's products, which failed
+    # auto chose quack's products, which failed
+    assert calls and "fused_mlp:quack keep_mlp_activation:on fold_output_scales:off copy_kv_heads:off" in log
     assert ("fused_mlp: auto leaves quack's products (RuntimeError: no kernel image for sm_90a); the compiler's MLP "
             "instead") in log
     assert json.loads((tmp_path / "auto" / "summary.json").read_text())["kernels"]["fused_mlp"] == "off"

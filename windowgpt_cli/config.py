@@ -198,6 +198,20 @@ class TrainConfig:
                                      "negative_slope in 0..1), triton (windowgpt's kernels; Hopper or later), "
                                      "off (cuBLAS's products and the compiler's element-wise kernels), or auto: "
                                      "quack's where they run and the MLP's products are not float8, else off.")
+    keep_mlp_activation: str = setting("auto", "With fused_mlp quack: the forward's activation kept until the "
+                                               "backward, where the down projection's weight gradient reads the "
+                                               "very activation the forward multiplied and the product that "
+                                               "brings the gradient back stores the gradient alone (on); or not "
+                                               "kept, that product storing it again from the rounded up product "
+                                               "(off: a [tokens x mlp_dim] bfloat16 tensor a layer less held "
+                                               "between forward and backward, a pass more over one). auto: on.")
+    copy_kv_heads: str = setting("auto", "In the training step, the layers that attend in windows through FA4 "
+                                         "(attn_backend fa4) handed keys and values of as many heads as the "
+                                         "queries: each key head stored once per query head of its group by the "
+                                         "heads' kernel, the values repeated where they are made, so that FA4's "
+                                         "backward writes their gradients directly instead of summing each "
+                                         "group's in float32 and converting them after. The same function, "
+                                         "rounded otherwise. on, off, or auto: on.")
     fold_output_scales: str = setting("auto", "In the training step, each block's attention and MLP output "
                                               "scales multiplied into the rows of their output projections (a "
                                               "product over [dim x width] weights) instead of into the "
@@ -784,6 +798,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "ttt_lora_phase_span": ("share", "prefix"),
     "compile_tuning": ("default", "gemm", "full"),
     "fused_mlp": ("auto", "off", "triton", "quack"),
+    "keep_mlp_activation": ("auto", "on", "off"),
+    "copy_kv_heads": ("auto", "on", "off"),
     "fold_output_scales": ("auto", "on", "off"),
     "fused_head_prep": ("auto", "on", "off"),
     "fused_xsa": ("auto", "on", "off"),

@@ -181,14 +181,15 @@ def pair_partners(x, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.c
     return tl.reshape(tl.flip(groups, 2), (ROWS, HEAD_DIM))
 
 
-@triton.jit(do_not_specialize=["positions", "heads", "has_gain", "rows_per_seq"])
+@triton.jit(do_not_specialize=["positions", "heads", "has_gain", "rows_per_seq", "copies"])
 def _head_prep_kernel(x_ptr, cos_ptr, sin_ptr, gain_ptr, out_ptr, positions, rows_per_seq, cos_seq_stride,
-                      cos_row_stride, eps, heads, has_gain, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr,
-                      POSITIONS: tl.constexpr):
+                      cos_row_stride, eps, heads, has_gain, copies, HEAD_DIM: tl.constexpr,
+                      ROPE_HALF: tl.constexpr, POSITIONS: tl.constexpr):
     """Every head at POSITIONS positions (`head_positions`): each normed, its first
-    2 * ROPE_HALF channels rotated (pairs c, c + ROPE_HALF), times its gain if has_gain. A
-    rotated channel is the sum of two products, each rounded to out's dtype first. The
-    rotary tables are read once per position, for all its heads."""
+    2 * ROPE_HALF channels rotated (pairs c, c + ROPE_HALF), times its gain if has_gain, and
+    stored `copies` times, as heads h * copies .. h * copies + copies - 1 of out. A rotated
+    channel is the sum of two products, each rounded to out's dtype first. The rotary tables
+    are read once per position, for all its heads."""
     position, col, live, seq, pos = head_positions(positions, rows_per_seq, HEAD_DIM, POSITIONS)
     in_first = col < ROPE_HALF
     rotated = col < 2 * ROPE_HALF
@@ -206,7 +207,8 @@ def _head_prep_kernel(x_ptr, cos_ptr, sin_ptr, gain_ptr, out_ptr, positions, row
         out = tl.where(in_first, first, tl.where(rotated, second, x))
         if has_gain:
             out = out * tl.load(gain_ptr + head)
-        tl.store(out_ptr + offsets, out, mask=live)
+        for copy in range(copies):
+            tl.store(out_ptr + ((position * heads + head) * copies + copy) * HEAD_DIM + col, out, mask=live)
 
 
 @triton.jit
@@ -363,15 +365,15 @@ def head_table_strides(table: Tensor) -> tuple[int, int]:
 
 
 def head_prep(x: Tensor, cos: Tensor, sin: Tensor, gain: Tensor | None, dtype: torch.dtype,
-              launch: HeadLaunch = HEAD_LAUNCH) -> Tensor:
+              launch: HeadLaunch = HEAD_LAUNCH, copies: int = 1) -> Tensor:
     """`_head_prep_kernel` over queries or keys x [B, T, H, D], the tables as `head_tables`
-    gives them; the result in dtype."""
+    gives them; the result [B, T, H * copies, D] (each head `copies` times over) in dtype."""
     b, t, heads, head_dim = x.shape
-    out = torch.empty(b, t, heads, head_dim, device=x.device, dtype=dtype)
+    out = torch.empty(b, t, heads * copies, head_dim, device=x.device, dtype=dtype)
     _head_prep_kernel[(triton.cdiv(b * t, launch.positions),)](
         x.contiguous(), cos, sin, float32_values(gain, cos), out, b * t, t, *head_table_strides(cos), FLOAT32_EPS,
-        heads, int(gain is not None), HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1), POSITIONS=launch.positions,
-        num_warps=launch.warps)
+        heads, int(gain is not None), copies, HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1),
+        POSITIONS=launch.positions, num_warps=launch.warps)
     return out
 
 

@@ -3,7 +3,9 @@
 backward (`elementwise_backward._head_prep_backward_kernel`), each reading the heads once.
 Left to the compiler, the same steps take four passes over the queries forward (the norm's
 statistics, the rotated channels, the concatenation with the others, the gain) and three
-back, on a tensor as large as the residual stream.
+back, on a tensor as large as the residual stream. For attention handed keys of as many
+heads as queries, the forward stores each key head once per query head of its group and the
+backward adds up their gradients, with no pass of their own.
 
 A custom op, opaque to torch.compile (its fake implementation gives the shapes), with its own
 backward op, so a compiled step keeps one graph; eager test-time training runs the same op.
@@ -21,13 +23,14 @@ from .elementwise_backward import head_prep_backward
 
 
 @torch.library.custom_op("windowgpt::head_prep", mutates_args=())
-def _head_prep_op(x: Tensor, cos: Tensor, sin: Tensor, gain: Optional[Tensor]) -> Tensor:
-    return head_prep(x, cos, sin, gain, x.dtype)
+def _head_prep_op(x: Tensor, cos: Tensor, sin: Tensor, gain: Optional[Tensor], copies: int) -> Tensor:
+    return head_prep(x, cos, sin, gain, x.dtype, copies=copies)
 
 
 @_head_prep_op.register_fake
-def _head_prep_shape(x, cos, sin, gain):
-    return x.new_empty(x.shape)
+def _head_prep_shape(x, cos, sin, gain, copies):
+    b, t, heads, head_dim = x.shape
+    return x.new_empty(b, t, heads * copies, head_dim)
 
 
 @torch.library.custom_op("windowgpt::head_prep_backward", mutates_args=())
@@ -43,23 +46,24 @@ def _head_prep_backward_shapes(grad, x, cos, sin, gain):
 
 
 def _save_for_backward(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs)
+    ctx.save_for_backward(*inputs[:4])
 
 
 def _head_prep_grads(ctx, grad):
     x, cos, sin, gain = ctx.saved_tensors
     dx, dgain = _head_prep_backward_op(grad, x, cos, sin, gain)
-    return dx, None, None, (dgain if gain is not None else None)
+    return dx, None, None, (dgain if gain is not None else None), None
 
 
 _head_prep_op.register_autograd(_head_prep_grads, setup_context=_save_for_backward)
 
 
-def fused_head_prep(x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None) -> Tensor | None:
+def fused_head_prep(x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None,
+                    copies: int = 1) -> Tensor | None:
     """`model.ops.TorchOps.head_prep` of queries or keys x [B, T, H, D] as the fused op, in
-    x's dtype, differentiable in x and gain; None where the kernels cannot take x's heads (a
+    x's dtype, [B, T, H * copies, D], differentiable in x and gain; None where the kernels cannot take x's heads (a
     head or its rotated half not a power of two: the caller runs torch's steps)."""
     tables = head_tables(x, cos, sin, rope_dims)
     if tables is None:
         return None
-    return _head_prep_op(x, *tables, gain)
+    return _head_prep_op(x, *tables, gain, copies)

@@ -4,8 +4,10 @@ quack-kernels package's CuTe GEMMs, which flash-attn-4 installs (Hopper and Blac
 LeakyReLU² with the model's slope joins quack's activations, so its GEMM with an activation
 stores the up product and the activation in one epilogue, and its GEMM with an activation's
 derivative brings the gradient back through the down projection, multiplied by the
-derivative at the stored product, and stores the activation again on the way (the down
-projection's weight gradient reads it, so the forward's copy need not be kept). windowgpt's
+derivative at the stored product: with the forward's activation kept for the down
+projection's weight gradient (`leaky_square_grad`, an epilogue of windowgpt's through quack's
+epilogue frontend) it stores the gradient alone; without, it stores the activation again on
+the way (`leaky_square_back`), so that the forward's copy need not be kept. windowgpt's
 own Triton products (`elementwise`) run at about half cuBLAS's rate at the training step's
 shapes; quack's are warp-specialized TMA kernels whose epilogue overlaps the next tile's
 products (how near cuBLAS they come here, `bench/fused_products.py --training` measures).
@@ -166,3 +168,32 @@ def leaky_square_back(grad: Tensor, down_w: Tensor, product: Tensor, slope: floa
 
     grad_product, hidden = through_quack(lambda: gemm_dact(grad, down_w, product, activation=quack_activation(slope)))
     return grad_product, hidden
+
+
+def gradient_only(derivative: Callable) -> Callable:
+    """The epilogue body of a product that brings dout back through the down projection
+    (acc) and multiplies it by the derivative at the stored product (c): the gradient alone,
+    where `derivative` (x, dout) -> (gradient, activation) also gives the activation."""
+    def leaky_square_gradient(acc, c):
+        grad, _ = derivative(c, acc)  # the activation is not stored: the compiler drops it
+        return {"D": grad}
+
+    return leaky_square_gradient
+
+
+@functools.cache
+def gradient_epilogue(slope: float):
+    """quack's GEMM with `gradient_only`'s epilogue for LeakyReLU(slope)² (once per slope)."""
+    from quack.activation import dact_fn_map
+    from quack.epilogue.frontend import gemm_epilogue
+
+    return gemm_epilogue()(gradient_only(dact_fn_map[quack_activation(slope)]))
+
+
+def leaky_square_grad(grad: Tensor, down_w: Tensor, product: Tensor, slope: float) -> Tensor:
+    """(grad @ down_w) times leaky_square's derivative at product, [rows, mlp_dim], in one
+    product that stores nothing else (the activation kept from the forward serves the down
+    projection's weight gradient); grad [rows, dim] contiguous."""
+    out = torch.empty_like(product)
+    through_quack(lambda: gradient_epilogue(slope)(grad, down_w, product, out={"D": out}, dynamic_scheduler=True))
+    return out

@@ -141,11 +141,12 @@ class FusedOps(TorchOps):
         shared = injection.shared
         return kernels.add_values(v, shared.projected, shared.scale, float32_values(injection.layer_scale, v))
 
-    def head_prep(self, x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None) -> Tensor:
+    def head_prep(self, x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None,
+                  copies: int = 1) -> Tensor:
         tables = kernels.head_tables(x, cos, sin, rope_dims)
         if tables is None:
-            return super().head_prep(x, cos, sin, rope_dims, gain)
-        return kernels.head_prep(x, *tables, gain, torch.bfloat16)
+            return super().head_prep(x, cos, sin, rope_dims, gain, copies)
+        return kernels.head_prep(x, *tables, gain, torch.bfloat16, copies=copies)
 
     def exclude_self_value(self, y: Tensor, v: Tensor) -> Tensor:
         out = kernels.exclude_self_value(y, v)

@@ -73,11 +73,12 @@ class TrainingOps(TorchOps):
 
 class ProductEpilogueOps(TorchOps):
     """`TorchOps` with the MLP as `kernels.fused_mlp.leaky_square_mlp` (its epilogue products
-    windowgpt's Triton kernels or quack's: `products`) where its operands, cast as autocast
-    casts them, fit those products (the rest as torch's, for the compiler)."""
+    windowgpt's Triton kernels or quack's: `products`; whether quack's keep the forward's
+    activation: `keep_activation`) where its operands, cast as autocast casts them, fit those
+    products (the rest as torch's, for the compiler)."""
 
-    def __init__(self, tiles: MatmulTiles = TRAINING_TILES, products: str = "triton"):
-        self.tiles, self.products = tiles, products
+    def __init__(self, tiles: MatmulTiles = TRAINING_TILES, products: str = "triton", keep_activation: bool = True):
+        self.tiles, self.products, self.keep_activation = tiles, products, keep_activation
 
     def mlp(self, x: Tensor, up_w: Tensor, down_w: Tensor, negative_slope: float) -> Tensor:
         device = x.device.type
@@ -85,5 +86,5 @@ class ProductEpilogueOps(TorchOps):
             dtype = torch.get_autocast_dtype(device)
             x, up_w, down_w = x.to(dtype), up_w.to(dtype), down_w.to(dtype)
         if mlp_fits(x, up_w, down_w, self.tiles, self.products):
-            return leaky_square_mlp(x, up_w, down_w, negative_slope, self.tiles, self.products)
+            return leaky_square_mlp(x, up_w, down_w, negative_slope, self.tiles, self.products, self.keep_activation)
         return super().mlp(x, up_w, down_w, negative_slope)

@@ -77,6 +77,7 @@ class CausalSelfAttention(nn.Module):
         self.attn_gate = (nn.Parameter(torch.zeros(cfg.num_heads, self.gate_width, dtype=torch.float32))
                           if self.gate_width > 0 else None)
         self.backend = "sdpa"
+        self.kv_copies = 1  # each key and value head handed to the attention this many times (`GPT.copy_kv_heads`)
         self.observer: LinearObserver | None = None
         self.adapter: LinearAdapter | None = None
         self.kv_cache: Any = None  # set during incremental decoding (`generate.decoding.StaticCache`)
@@ -103,8 +104,10 @@ class CausalSelfAttention(nn.Module):
         k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
         v, v_xsa = ops.values(v, v_embed)
         v, v_xsa = (values.reshape(b, t, self.num_kv_heads, self.head_dim) for values in (v, v_xsa))
+        copies = self.kv_copies if queries is None and self.kv_cache is None else 1
+        v = v if copies == 1 else v.repeat_interleave(copies, dim=2)  # XSA keeps v_xsa's heads
         cos, sin = rotary
-        k = ops.head_prep(k, cos, sin, self.rope_dims, None)
+        k = ops.head_prep(k, cos, sin, self.rope_dims, None, copies)
         q_cos, q_sin = (cos, sin) if queries is None else (table_rows(cos, queries), table_rows(sin, queries))
         q = ops.head_prep(q, q_cos, q_sin, self.rope_dims, self.q_gain)
         if self.kv_cache is not None:  # new positions against the cached ones
@@ -514,8 +517,20 @@ class GPT(nn.Module):
     def set_attention_backend(self, name: str, device: torch.device, training: bool = False) -> str:
         backend = resolve_backend(name, device, training)
         for block in self.blocks:
-            block.attn.backend = backend
+            block.attn.backend, block.attn.kv_copies = backend, 1
         return backend
+
+    def copy_kv_heads(self) -> list[int]:
+        """Hands the layers that attend in windows through FA4 (the backend fa4) keys and
+        values of as many heads as the queries, each head once per query head of its group,
+        so that FA4's backward writes their gradients directly instead of summing each
+        group's in float32 and converting them after; the same function. Returns those
+        layers (none without grouped heads). Undone by `set_attention_backend`."""
+        group = self.cfg.num_heads // self.cfg.num_kv_heads
+        for block in self.blocks:
+            attn = block.attn
+            attn.kv_copies = group if attn.window > 0 and attn.backend == "fa4" else 1
+        return [block.attn.layer for block in self.blocks if block.attn.kv_copies > 1]
 
     @property
     def attention_backend(self) -> str:

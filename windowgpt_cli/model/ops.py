@@ -108,7 +108,7 @@ class TorchOps:
     the ops that `head_prep` and `attention_output` run instead of torch's steps, for the
     tensors they take (they return None for the others)."""
 
-    fused_heads: Callable[[Tensor, Tensor, Tensor, int, Tensor | None], Tensor | None] | None = None
+    fused_heads: Callable[[Tensor, Tensor, Tensor, int, Tensor | None, int], Tensor | None] | None = None
     fused_output: Callable[[Tensor, Tensor, Tensor | None], Tensor | None] | None = None
 
     def embed(self, ids: Tensor, table: Tensor, bigram: Tensor | None, bigram_scale: Tensor | None,
@@ -168,15 +168,19 @@ class TorchOps:
             v = v + shared * injection.layer_scale.to(dtype=shared.dtype)
         return v, v
 
-    def head_prep(self, x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None) -> Tensor:
-        """Queries or keys [B, T, H, D]: each head normed, rotated, and scaled by its gain."""
+    def head_prep(self, x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None,
+                  copies: int = 1) -> Tensor:
+        """Queries or keys [B, T, H, D]: each head normed, rotated, and scaled by its gain;
+        [B, T, H * copies, D], each head `copies` times over (keys for attention that takes
+        as many key heads as query heads)."""
         if self.fused_heads is not None:
-            fused = self.fused_heads(x, cos, sin, rope_dims, gain)
+            fused = self.fused_heads(x, cos, sin, rope_dims, gain, copies)
             if fused is not None:
                 return fused
         x = rms_norm(x)
         x = apply_rotary(x, cos.to(dtype=x.dtype), sin.to(dtype=x.dtype), rope_dims)
-        return x if gain is None else x * gain.to(dtype=x.dtype)[None, None, :, None]
+        x = x if gain is None else x * gain.to(dtype=x.dtype)[None, None, :, None]
+        return x if copies == 1 else x.repeat_interleave(copies, dim=2)
 
     def exclude_self_value(self, y: Tensor, v: Tensor) -> Tensor:
         return exclude_self_value(y, v)

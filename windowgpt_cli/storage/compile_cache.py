@@ -3,7 +3,7 @@ autotuning choices), so that a process on a fresh machine starts with what anoth
 compiled: `train --compile-cache FILE` loads it before the warm-up and writes it after.
 
 The file is MAGIC, one JSON line that describes it (the torch, Triton and device it was made
-with, the payload's bytes and sha256), then the bytes of
+with, a digest of its artifacts' keys, the payload's bytes and sha256), then the bytes of
 `torch.compiler.save_cache_artifacts()`. Torch keys each cached graph by its code, shapes
 and settings, so a file of another model or settings only misses; one made with another
 torch, Triton or device is not loaded at all (its kernels would not be this machine's).
@@ -99,17 +99,20 @@ def load_compile_cache(path: Path) -> str:
 
 
 def save_compile_cache(path: Path) -> str:
-    """Write what this process compiled or loaded (atomically, over a compile cache only);
-    the log line that says so, or why it was not written (the run goes on either way)."""
+    """Write what this process compiled or loaded (atomically, over a compile cache only,
+    and not where the file already holds it); the log line that says so, or why it was not
+    written (the run goes on either way)."""
     import torch
 
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return f"compile_cache: nothing was compiled (the model runs eagerly here); {path} left as it was"
     payload, info = saved
-    count = _artifact_count(info)
-    header = {"machine": machine(), "artifacts": count, "bytes": len(payload), "sha256": sha256_bytes(payload),
-              "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    count, keys = _artifact_count(info), _artifact_keys(info)
+    if _held(path) == (machine(), keys):  # what it loaded: nothing new to write
+        return f"compile_cache: {path} already holds these {count} artifacts; left as it was"
+    header = {"machine": machine(), "artifacts": count, "keys": keys, "bytes": len(payload),
+              "sha256": sha256_bytes(payload), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
         claim_compile_cache(path)
         atomic_write_bytes(path, MAGIC.encode() + json.dumps(header, sort_keys=True).encode() + b"\n" + payload)
@@ -118,9 +121,25 @@ def save_compile_cache(path: Path) -> str:
     return f"compile_cache: wrote {count} artifacts ({len(payload):,} bytes) to {path}"
 
 
+def _held(path: Path) -> tuple[Any, Any] | None:
+    """The machine and artifact keys' digest of the compile cache at path, or None where there is none."""
+    try:
+        header = read_compile_cache(path).header
+    except (ArtifactError, OSError):
+        return None
+    return header.get("machine"), header.get("keys")
+
+
 def _artifact_count(info: Any) -> int:
     """The artifacts in torch's CacheInfo, of every kind."""
     return sum(len(keys) for keys in info.artifacts.values())
+
+
+def _artifact_keys(info: Any) -> str:
+    """A digest of the artifacts' kinds and keys in torch's CacheInfo: what a file holds
+    (its bytes differ from one save of the same artifacts to the next)."""
+    names = sorted(f"{kind}:{key}" for kind, keys in info.artifacts.items() for key in keys)
+    return sha256_bytes("\n".join(names).encode())
 
 
 def _describe(made: Any) -> str:
