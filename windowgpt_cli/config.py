@@ -202,9 +202,10 @@ class TrainConfig:
                                                "backward, where the down projection's weight gradient reads the "
                                                "very activation the forward multiplied and the product that "
                                                "brings the gradient back stores the gradient alone (on); or not "
-                                               "kept, that product storing it again from the rounded up product "
-                                               "(off: a [tokens x mlp_dim] bfloat16 tensor a layer less held "
-                                               "between forward and backward, a pass more over one). auto: on.")
+                                               "kept, that product storing it again from the up product as stored "
+                                               "in bfloat16 (off: a [tokens x mlp_dim] bfloat16 tensor a layer "
+                                               "less held between forward and backward, a pass more over one). "
+                                               "auto: on.")
     copy_kv_heads: str = setting("auto", "In the training step, the layers that attend in windows through FA4 "
                                          "(attn_backend fa4) handed keys and values of as many heads as the "
                                          "queries: each key head stored once per query head of its group by the "

@@ -61,8 +61,9 @@ _head_prep_op.register_autograd(_head_prep_grads, setup_context=_save_for_backwa
 def fused_head_prep(x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None,
                     copies: int = 1) -> Tensor | None:
     """`model.ops.TorchOps.head_prep` of queries or keys x [B, T, H, D] as the fused op, in
-    x's dtype, [B, T, H * copies, D], differentiable in x and gain; None where the kernels cannot take x's heads (a
-    head or its rotated half not a power of two: the caller runs torch's steps)."""
+    x's dtype, [B, T, H * copies, D], differentiable in x and gain; None where the kernels
+    cannot take x's heads (a head or its rotated half not a power of two: the caller runs
+    torch's steps)."""
     tables = head_tables(x, cos, sin, rope_dims)
     if tables is None:
         return None
