@@ -894,12 +894,12 @@ class Trainer:
 def step_kernels(model: GPT) -> dict[str, str]:
     """What the training step runs where a setting may be auto: the attention's kernels (the
     first layer's backend), whose products the fused MLP runs (and whether quack's keep the
-    forward's activation), whether the scales fold, whether windowed layers take copied key heads,
-    whether the heads' steps and XSA are fused ops."""
+    forward's activation), whether the scales fold, whether windowed layers take copied key
+    heads, whether the heads' steps and XSA are fused ops."""
+    products = getattr(model.train_ops, "products", None)
     return {"attn_backend": model.blocks[0].attn.backend,
-            "fused_mlp": getattr(model.train_ops, "products", None) or "off",
-            "keep_mlp_activation": "on" if getattr(model.train_ops, "products", None) == "quack"
-            and model.train_ops.keep_activation else "off",
+            "fused_mlp": products or "off",
+            "keep_mlp_activation": "on" if products == "quack" and model.train_ops.keep_activation else "off",
             "fold_output_scales": "on" if model.fold_output_scales else "off",
             "copy_kv_heads": "on" if any(block.attn.kv_copies > 1 for block in model.blocks) else "off",
             "fused_head_prep": "on" if getattr(model.train_ops, "fused_heads", None) is not None else "off",
