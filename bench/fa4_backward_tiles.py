@@ -47,40 +47,47 @@ MATCH = 2e-2  # the largest gradient difference, as a fraction of the gradient's
 
 
 @contextlib.contextmanager
-def backward_tiles(interface, changes: dict) -> Iterator[None]:
-    """FA4's interface choosing its sm90 backward's tiles with `changes` to its own choice,
-    for the calls inside the block (FA4 compiles a kernel for each tile configuration)."""
-    own = interface._tile_size_bwd_sm90
+def chosen_tiles(interface, chooser: str, changes: dict) -> Iterator[None]:
+    """FA4's interface choosing its tiles with `changes` to its own choice (the config that its
+    function `chooser` returns), for the calls inside the block (FA4 compiles a kernel for each
+    tile configuration)."""
+    own = getattr(interface, chooser)
 
     def changed(*args, **kwargs):
         return dataclasses.replace(own(*args, **kwargs), **changes)
 
-    interface._tile_size_bwd_sm90 = changed
+    setattr(interface, chooser, changed)
     try:
         yield
     finally:
-        interface._tile_size_bwd_sm90 = own
+        setattr(interface, chooser, own)
+
+
+def backward_tiles(interface, changes: dict):
+    """`chosen_tiles` for FA4's sm90 backward."""
+    return chosen_tiles(interface, "_tile_size_bwd_sm90", changes)
 
 
 def check_candidates(config_type: type, candidates: dict[str, dict]) -> None:
-    """Every candidate names fields of FA4's BwdConfig (a dataclass)."""
+    """Every candidate names fields of FA4's config (a dataclass: BwdConfig, FwdConfig)."""
     fields = {f.name for f in dataclasses.fields(config_type)}
     for name, changes in candidates.items():
         unknown = sorted(set(changes) - fields)
         if unknown:
-            raise SystemExit(f"candidate {name}: {', '.join(unknown)} not in FA4's BwdConfig "
+            raise SystemExit(f"candidate {name}: {', '.join(unknown)} not in FA4's {config_type.__name__} "
                              f"({', '.join(sorted(fields))})")
 
 
 def gradient_difference(want: tuple, got: tuple) -> float:
-    """The largest difference of any gradient, as a fraction of that gradient's largest magnitude."""
+    """The largest difference of any gradient (or output), as a fraction of that tensor's
+    largest magnitude."""
     return max(relative_difference(b, a) for a, b in zip(want, got))
 
 
-def fastest_matching(figures: dict[str, dict]) -> str | None:
-    """The candidate with the shortest backward among those whose gradients match FA4's own."""
-    matching = {name: f["backward_ms"] for name, f in figures.items()
-                if "backward_ms" in f and f["gradient_difference"] <= MATCH}
+def fastest_matching(figures: dict[str, dict], time: str = "backward_ms",
+                     difference: str = "gradient_difference") -> str | None:
+    """The candidate with the shortest time among those whose results match FA4's own tiles'."""
+    matching = {name: f[time] for name, f in figures.items() if time in f and f[difference] <= MATCH}
     return min(matching, key=matching.get) if matching else None
 
 
@@ -90,7 +97,7 @@ def layer_backward(kind: str, positions: int) -> Callable[[], tuple]:
     q, k, v = randn(HEADS, HEAD_DIM), randn(KV_HEADS, HEAD_DIM), randn(KV_HEADS, HEAD_DIM)
     dout = randn(HEADS, HEAD_DIM)
     if kind == "full":
-        out, lse = fa4_attention(q, k, v, FULL)
+        out, lse = fa4_attention(q, k, v, FULL, 1)
         dlse = torch.zeros_like(lse)
         return lambda: fa4_attention_backward(dout, dlse, q, k, v, out, lse, FULL)
     out, lse = fa4_window_sinks(q, k, v, WINDOW, SINKS)

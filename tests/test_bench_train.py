@@ -409,7 +409,7 @@ def test_a_candidate_naming_a_field_fa4_lacks_is_refused_before_anything_runs():
     import fa4_backward_tiles
 
     fa4_backward_tiles.check_candidates(_Tiles, {"fa4": {}, "m64": {"m_block_size": 64}})
-    with pytest.raises(SystemExit, match="candidate odd: num_stages_PdS not in FA4's BwdConfig"):
+    with pytest.raises(SystemExit, match="candidate odd: num_stages_PdS not in FA4's _Tiles"):
         fa4_backward_tiles.check_candidates(_Tiles, {"odd": {"num_stages_PdS": 1}})
 
 
@@ -427,6 +427,20 @@ def test_the_best_tiles_are_the_fastest_whose_gradients_match():
                "faster": {"backward_ms": 2.5, "gradient_difference": 0.004}}
     assert fa4_backward_tiles.fastest_matching(figures) == "faster"
     assert fa4_backward_tiles.fastest_matching({"broken": {"error": "x"}}) is None
+
+
+def test_the_forward_bench_changes_fa4s_forward_choice_and_picks_by_forward_time():
+    import fa4_backward_tiles
+    import fa4_forward_tiles
+
+    interface = types.SimpleNamespace(_tile_size_fwd_sm90=lambda head_dim, head_dim_v, causal, local: _Tiles(192))
+    with fa4_backward_tiles.chosen_tiles(interface, "_tile_size_fwd_sm90", fa4_forward_tiles.CANDIDATES["m128"]):
+        assert interface._tile_size_fwd_sm90(64, 64, True, True) == _Tiles(128)
+    assert interface._tile_size_fwd_sm90(64, 64, True, True) == _Tiles(192)
+    figures = {"fa4": {"forward_ms": 1.2, "output_difference": 0.0},
+               "m128": {"forward_ms": 1.0, "output_difference": 0.001},
+               "n64": {"forward_ms": 0.5, "output_difference": 0.3}}
+    assert fa4_backward_tiles.fastest_matching(figures, "forward_ms", "output_difference") == "m128"
 
 
 def test_a_candidates_error_is_its_first_line_without_terminal_colours():
