@@ -97,7 +97,7 @@ def layer_backward(kind: str, positions: int) -> Callable[[], tuple]:
     q, k, v = randn(HEADS, HEAD_DIM), randn(KV_HEADS, HEAD_DIM), randn(KV_HEADS, HEAD_DIM)
     dout = randn(HEADS, HEAD_DIM)
     if kind == "full":
-        out, lse = fa4_attention(q, k, v, FULL, 1)
+        out, lse = fa4_attention(q, k, v, FULL)
         dlse = torch.zeros_like(lse)
         return lambda: fa4_attention_backward(dout, dlse, q, k, v, out, lse, FULL)
     out, lse = fa4_window_sinks(q, k, v, WINDOW, SINKS)

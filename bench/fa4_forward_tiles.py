@@ -46,7 +46,7 @@ def layer_forward(kind: str, positions: int):
     randn = pass_randn(positions)
     q, k, v = randn(HEADS, HEAD_DIM), randn(KV_HEADS, HEAD_DIM), randn(KV_HEADS, HEAD_DIM)
     if kind == "full":
-        return lambda: fa4_attention(q, k, v, FULL, 1)
+        return lambda: fa4_attention(q, k, v, FULL)
     return lambda: fa4_window_sinks(q, k, v, WINDOW, SINKS)
 
 

@@ -1,16 +1,13 @@
 """What FA4's backward pays for grouped keys and values: with fewer key heads than query heads
 its sm90 backward sums dK and dV over each group in float32 buffers (zeroed first, converted
 after), where with one key head a query head it writes them directly. This times one layer's
-attention, forward and backward, three ways for each kind of layer, and a fourth for full
-causal layers:
+attention, forward and backward, three ways for each kind of layer:
 
     grouped   k, v of 4 heads, as the model makes them
     expanded  k, v repeated to 8 heads inside the timed call (the copy forward, the pairs'
               sum backward, as eager torch does them)
     repeated  k, v already of 8 heads: the bound for an expansion fused into the kernels
               that make k and v
-    copies    k, v of 8 heads, each head twice: the forward reads them as 4 grouped
-              heads, the backward as 8 (`train --copy-kv-heads all`'s full layers)
 
     python bench/fa4_gqa_speed.py [--positions 196608] [--repeats 20] [--json PATH]
 
@@ -33,9 +30,9 @@ from windowgpt_cli.kernels.flash4 import FULL, fa4_attention, fa4_window_sinks  
 HEADS, KV_HEADS, HEAD_DIM, WINDOW, SINKS = 8, 4, 64, 512, 4
 
 
-def attend(kind: str, q, k, v, kv_copies: int = 1):
+def attend(kind: str, q, k, v):
     if kind == "full":
-        return fa4_attention(q, k, v, FULL, kv_copies)[0]
+        return fa4_attention(q, k, v, FULL)[0]
     return fa4_window_sinks(q, k, v, WINDOW, SINKS)[0]
 
 
@@ -53,8 +50,6 @@ def layer_figures(kind: str, positions: int, repeats: int) -> dict:
             "expanded": lambda: attend(kind, q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)),
             "repeated": lambda: attend(kind, q, k8, v8)}
     inputs = {"grouped": (q, k, v), "expanded": (q, k, v), "repeated": (q, k8, v8)}
-    if kind == "full":
-        ways["copies"], inputs["copies"] = lambda: attend(kind, q, k8, v8, group), (q, k8, v8)
     figures: dict = {}
     for name, forward in ways.items():
         def step(forward=forward, leaves=inputs[name]):
@@ -65,13 +60,6 @@ def layer_figures(kind: str, positions: int, repeats: int) -> dict:
     want = torch.autograd.grad(ways["grouped"](), (q, k, v), grad)
     got = torch.autograd.grad(ways["expanded"](), (q, k, v), grad)
     figures["expanded_max_grad_diff"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(want, got))
-    if kind == "full":
-        out = ways["copies"]()
-        copied = torch.autograd.grad(out, (q, k8, v8), grad)
-        summed = (copied[0], *(g.unflatten(2, (KV_HEADS, group)).sum(3) for g in copied[1:]))
-        figures["copies_max_out_diff"] = (out.float() - ways["grouped"]().float()).abs().max().item()
-        figures["copies_max_grad_diff"] = max((a.float() - b.float()).abs().max().item()
-                                              for a, b in zip(want, summed))
     return figures
 
 

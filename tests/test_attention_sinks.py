@@ -10,8 +10,6 @@ against the Triton window kernels at the record model's shape.
 """
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -129,31 +127,9 @@ def model_step(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_full_causal_fa4_over_copied_heads_reads_them_grouped_forward_and_gives_each_copy_its_gradient(
-        fake_fa4, monkeypatch):
-    """kv_copies: FA4's forward is handed one of each key and value head's copies (a grouped
-    call); its backward all of them, whose gradients sum to the grouped heads'."""
-    interface = sys.modules["flash_attn.cute.interface"]
-    key_heads = []
-    forward = interface.flash_attn_func
-    monkeypatch.setattr(interface, "flash_attn_func", lambda q, k, *a, **kw: key_heads.append(k.shape[2])
-                        or forward(q, k, *a, **kw))
-    q, k, v = qkv(11, 40, 4, 2)
-    copied = [x.repeat_interleave(2, dim=2) for x in (k, v)]
-    got = outputs_and_grads(lambda q, k, v: attention.attention(q, k, v, 0, 0, "fa4", kv_copies=2), q, *copied)
-    want = outputs_and_grads(lambda *x: attention.attention(*x, 0, 0, "sdpa"), q, k, v)
-    assert key_heads == [2]
-    summed = (got[0], got[1], *(g.unflatten(2, (2, 2)).sum(3) for g in got[2:]))
-    for name, g, w in zip(("out", "dq", "dk", "dv"), summed, want):
-        assert torch.allclose(g, w, atol=1e-5, rtol=0), name
-    assert not torch.allclose(got[2][:, :, 0], got[2][:, :, 1])  # each copy's own share
-
-
-@pytest.mark.parametrize("full_layers, layers", [(False, [1, 3]), (True, [0, 1, 2, 3])])
-def test_layers_handed_copied_key_heads_give_the_same_loss_and_gradients(fake_fa4, full_layers, layers):
-    """`GPT.copy_kv_heads`: FA4's windowed layers (sinks included), and with full_layers its
-    full causal ones, take keys and values of as many heads as the queries; the model's loss
-    and every gradient stay as they were."""
+def test_windowed_layers_handed_copied_key_heads_give_the_same_loss_and_gradients(fake_fa4):
+    """`GPT.copy_kv_heads`: FA4's windowed layers (sinks included) take keys and values of as
+    many heads as the queries; the model's loss and every gradient stay as they were."""
     from test_model import perturbed_tiny
 
     ids = torch.randint(0, 1024, (2, 70), generator=torch.Generator().manual_seed(3))
@@ -162,40 +138,32 @@ def test_layers_handed_copied_key_heads_give_the_same_loss_and_gradients(fake_fa
         model = perturbed_tiny(window_attn_size=12, num_sink_tokens=2).train()
         for block in model.blocks:
             block.attn.backend = "fa4"
-        copied.append(model.copy_kv_heads(full_layers) if copy else [])
+        copied.append(model.copy_kv_heads() if copy else [])
         steps.append(model_step(model, ids))
     (loss, grads), (copied_loss, copied_grads) = steps
-    assert copied == [[], layers] and torch.allclose(loss, copied_loss, atol=1e-6)
+    assert copied == [[], [1, 3]] and torch.allclose(loss, copied_loss, atol=1e-6)
     assert grads.keys() == copied_grads.keys()
     for name, grad in grads.items():
         assert torch.allclose(copied_grads[name], grad, atol=1e-5 * max(grad.abs().max().item(), 1.0)), name
 
 
-def test_only_fa4s_layers_of_grouped_heads_take_copies_until_the_backend_is_set_again():
+def test_only_fa4s_windowed_layers_of_grouped_heads_take_copies_until_the_backend_is_set_again():
     from test_model import perturbed_tiny
 
-    from windowgpt_cli.train.trainer import copied_kv_heads
-
     model = perturbed_tiny()
-    assert model.copy_kv_heads(full_layers=True) == [] and copied_kv_heads(model) == "off"  # sdpa's layers
+    assert model.copy_kv_heads() == []  # sdpa's layers
     for block in model.blocks:
         block.attn.backend = "fa4"
     assert model.copy_kv_heads() == [1, 3] and [b.attn.kv_copies for b in model.blocks] == [1, 2, 1, 2]
-    assert copied_kv_heads(model) == "windowed"
-    assert model.copy_kv_heads(full_layers=True) == [0, 1, 2, 3] and copied_kv_heads(model) == "all"
     model.set_attention_backend("sdpa", torch.device("cpu"))
     assert [b.attn.kv_copies for b in model.blocks] == [1, 1, 1, 1]
-    for block in model.blocks:  # FA4's full causal layers, the Triton kernels' windows
-        block.attn.backend = "triton_fa4"
-    assert model.copy_kv_heads() == [] and model.copy_kv_heads(full_layers=True) == [0, 2]
     ungrouped = perturbed_tiny(num_kv_heads=4)
     for block in ungrouped.blocks:
         block.attn.backend = "fa4"
-    assert ungrouped.copy_kv_heads(full_layers=True) == []
+    assert ungrouped.copy_kv_heads() == []
 
 
-@pytest.mark.parametrize("setting, asked", [("auto", [True]), ("all", [True]), ("windowed", [False]),
-                                            ("off", [])])
+@pytest.mark.parametrize("setting, asked", [("auto", True), ("on", True), ("off", False)])
 def test_the_setting_asks_the_training_model_for_copies(setting, asked, tiny_data_dir, tmp_path, monkeypatch):
     """Where the layers run no FA4 (a CPU), nothing is copied and the log says so."""
     from test_train import tiny_cfg
@@ -206,10 +174,9 @@ def test_the_setting_asks_the_training_model_for_copies(setting, asked, tiny_dat
 
     calls = []
     original = GPT.copy_kv_heads
-    monkeypatch.setattr(GPT, "copy_kv_heads", lambda model, full_layers: calls.append(full_layers)
-                        or original(model, full_layers))
+    monkeypatch.setattr(GPT, "copy_kv_heads", lambda model: calls.append(model) or original(model))
     train(tiny_cfg(tiny_data_dir, iterations=1, copy_kv_heads=setting), tmp_path / "run")
-    assert calls == asked and "copy_kv_heads:off" in (tmp_path / "run" / "train.log").read_text()
+    assert len(calls) == int(asked) and "copy_kv_heads:off" in (tmp_path / "run" / "train.log").read_text()
     assert RunConfig.load(tmp_path / "run" / "config.json").train.copy_kv_heads == setting
 
 
@@ -217,21 +184,16 @@ def test_the_setting_asks_the_training_model_for_copies(setting, asked, tiny_dat
 @pytest.mark.skipif(not (torch.cuda.is_available() and attention.fa4_targets(torch.device("cuda"))),
                     reason="needs a Hopper or Blackwell GPU with flash-attn-4")
 def test_on_cuda_the_compiled_record_step_with_copied_key_heads_gives_the_same_loss_and_gradients():
-    """The record model through FA4, compiled, in bf16: the loss within 1e-3 and the
-    attention banks' gradients within 2% of their size with the windowed layers' key heads
-    copied, and with every layer's."""
+    """The record model's windows through FA4, compiled, in bf16: the loss within 1e-3 and the
+    attention banks' gradients within 2% of their size with the key heads copied."""
     from conftest import bank_grads, compiled_step_on_cuda
 
-    def windowed(model):
+    def copied(model):
         assert model.copy_kv_heads() == [2, 4, 6, 8, 10]
 
-    def every_layer(model):
-        assert model.copy_kv_heads(full_layers=True) == list(range(11))
-
     record = {"window_attn_size": 512, "num_sink_tokens": 4, "window_attn_layers": (2, 4, 6, 8, 10)}
-    (loss, grads), *copied = compiled_step_on_cuda(
-        [lambda model: None, windowed, every_layer], bank_grads, model_changes=record, training_backend=True)
-    for copied_loss, copied_grads in copied:
-        assert abs(loss - copied_loss) <= 1e-3
-        for grad, copied_grad in zip(grads, copied_grads):
-            assert (grad - copied_grad).abs().max() <= 0.02 * grad.abs().max()
+    (loss, grads), (copied_loss, copied_grads) = compiled_step_on_cuda(
+        [lambda model: None, copied], bank_grads, model_changes=record, training_backend=True)
+    assert abs(loss - copied_loss) <= 1e-3
+    for grad, copied_grad in zip(grads, copied_grads):
+        assert (grad - copied_grad).abs().max() <= 0.02 * grad.abs().max()

@@ -221,12 +221,10 @@ def test_validation_runs_through_the_compiled_training_graph(tiny_data_dir, tmp_
     assert 0 < val_loss < 10 and 0 < val_bpb < 10
 
 
-@pytest.mark.parametrize("mix_order, multi_kernel, cuda_graphs", [(True, False, True), (False, True, False)])
-def test_the_step_is_compiled_with_the_runs_inductor_settings(tiny_data_dir, monkeypatch, mix_order, multi_kernel,
-                                                              cuda_graphs):
-    """--compile-tuning, --compile-mix-order, --compile-multi-kernel and --compile-cuda-graphs
-    reach torch.compile's options (on the CPU the step stays eager, but the options are the
-    ones CUDA would compile with)."""
+@pytest.mark.parametrize("mix_order, multi_kernel", [(True, False), (False, True)])
+def test_the_step_is_compiled_with_the_runs_inductor_settings(tiny_data_dir, monkeypatch, mix_order, multi_kernel):
+    """--compile-tuning, --compile-mix-order and --compile-multi-kernel reach torch.compile's
+    options (on the CPU the step stays eager, but the options are the ones CUDA would compile with)."""
     from windowgpt_cli import runtime
     from windowgpt_cli.distributed import DistContext
     from windowgpt_cli.train import trainer
@@ -234,15 +232,13 @@ def test_the_step_is_compiled_with_the_runs_inductor_settings(tiny_data_dir, mon
     calls = []
     monkeypatch.setattr(trainer, "compiled", lambda fn, enabled, **options: calls.append(options) or fn)
     cfg = tiny_cfg(tiny_data_dir, compile_tuning="gemm", compile_mix_order=mix_order,
-                   compile_multi_kernel=multi_kernel, compile_cuda_graphs=cuda_graphs).resolved()
+                   compile_multi_kernel=multi_kernel).resolved()
     setup = trainer.build_setup(cfg, DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
-    assert calls == [{"tuning": "gemm", "mix_order": mix_order, "multi_kernel": multi_kernel,
-                      "cuda_graphs": cuda_graphs}]
+    assert calls == [{"tuning": "gemm", "mix_order": mix_order, "multi_kernel": multi_kernel}]
     assert setup.forward is setup.model
     compiled = runtime.compiled(lambda x: x, True, **calls[0])
     assert (compiled.options.get("triton.mix_order_reduction", True)) is mix_order
     assert compiled.options.get("triton.multi_kernel", 0) == int(multi_kernel)
-    assert compiled.options.get("triton.cudagraphs", False) is cuda_graphs
 
 
 def test_warm_up_takes_one_micro_batch_per_step_and_undoes_itself(tiny_data_dir, tmp_path):

@@ -206,15 +206,13 @@ class TrainConfig:
                                                "in bfloat16 (off: a [tokens x mlp_dim] bfloat16 tensor a layer "
                                                "less held between forward and backward, a pass more over one). "
                                                "auto: on.")
-    copy_kv_heads: str = setting("auto", "In the training step, the layers that attend through FA4 handed keys "
-                                         "and values of as many heads as the queries: each key head stored once "
-                                         "per query head of its group by the heads' kernel, the values repeated "
-                                         "where they are made, so that FA4's backward writes their gradients "
-                                         "directly instead of summing each group's in float32 and converting "
-                                         "them after (full causal layers' forward still reads them grouped). The "
-                                         "same function, rounded otherwise. windowed (the layers that attend in "
-                                         "windows, attn_backend fa4), all (those and the full causal layers FA4 "
-                                         "runs), off, or auto: all.")
+    copy_kv_heads: str = setting("auto", "In the training step, the layers that attend in windows through FA4 "
+                                         "(attn_backend fa4) handed keys and values of as many heads as the "
+                                         "queries: each key head stored once per query head of its group by the "
+                                         "heads' kernel, the values repeated where they are made, so that FA4's "
+                                         "backward writes their gradients directly instead of summing each "
+                                         "group's in float32 and converting them after. The same function, "
+                                         "rounded otherwise. on, off, or auto: on.")
     fold_output_scales: str = setting("auto", "In the training step, each block's attention and MLP output "
                                               "scales multiplied into the rows of their output projections (a "
                                               "product over [dim x width] weights) instead of into the "
@@ -282,10 +280,6 @@ class TrainConfig:
                                                 "over it, and keep the faster at its first call (Inductor's "
                                                 "multi-kernels): rows over 1,024 columns, as the MLP's 1,536, "
                                                 "may then be read once instead of twice; a longer warm-up.")
-    compile_cuda_graphs: bool = setting(False, "Replay the compiled training step's forward and backward as "
-                                               "CUDA graphs (torch.compile's CUDA graph trees, its reduce-overhead "
-                                               "mode): the host launches each pass's kernels at once instead of "
-                                               "one by one; the graphs hold their memory in a pool of their own.")
     sample_every: int = setting(0, "Log a short greedy sample every N steps; 0 = never.")
     sample_prompt: str = setting("The", "The prompt of those samples.")
     logger: str = setting("none", "Also send the metrics to: none, tensorboard or wandb.")
@@ -674,8 +668,7 @@ def grad_accum_steps_for(cfg: RunConfig, world_size: int) -> int:
 
 # Settings that a resumed run may change: where its data lies and how it runs, never what it computes.
 RESUMABLE_SETTINGS = ("data_path", "tokenizer_path", "tokenizer_meta_path", "device", "cpu_threads", "attn_backend",
-                      "compile", "compile_tuning", "compile_mix_order", "compile_multi_kernel", "compile_cuda_graphs",
-                      "fp8_mlp_kernels",
+                      "compile", "compile_tuning", "compile_mix_order", "compile_multi_kernel", "fp8_mlp_kernels",
                       "micro_batches_per_pass", "sample_every", "sample_prompt", "logger", "keep_checkpoints")
 
 
@@ -807,7 +800,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "compile_tuning": ("default", "gemm", "full"),
     "fused_mlp": ("auto", "off", "triton", "quack"),
     "keep_mlp_activation": ("auto", "on", "off"),
-    "copy_kv_heads": ("auto", "windowed", "all", "off"),
+    "copy_kv_heads": ("auto", "on", "off"),
     "fold_output_scales": ("auto", "on", "off"),
     "fused_head_prep": ("auto", "on", "off"),
     "fused_xsa": ("auto", "on", "off"),

@@ -85,9 +85,6 @@ MIX_ORDER_OFF = {"triton.mix_order_reduction": False}
 # (a row's scale for float8) reads the row twice. With multi-kernels each row reduction of up
 # to 16,384 columns is built both ways and the faster one kept at its first call.
 MULTI_KERNEL_ON = {"triton.multi_kernel": 1}
-# torch.compile's reduce-overhead mode: each compiled graph recorded once as a CUDA graph and
-# replayed after (its CUDA graph trees), inputs that are not parameters copied into place.
-CUDA_GRAPHS_ON = {"triton.cudagraphs": True}
 
 
 class _Compiled:
@@ -114,18 +111,16 @@ class _Compiled:
 
 
 def compiled(fn, enabled: bool = True, *, autotune: bool = True, tuning: str = "default", mix_order: bool = True,
-             multi_kernel: bool = False, cuda_graphs: bool = False):
+             multi_kernel: bool = False):
     """torch.compile with static shapes (one graph per shape) when enabled, else fn.
     autotune=False suits a graph that runs over the data once (see ONE_PASS_OPTIONS);
     tuning names TUNING_OPTIONS' settings, for graphs that run many times; mix_order=False
     keeps Inductor from fusing a reduction along rows with one along columns (MIX_ORDER_OFF);
-    multi_kernel=True builds long rows' reductions both ways and keeps the faster (MULTI_KERNEL_ON);
-    cuda_graphs=True replays the graphs as CUDA graphs (CUDA_GRAPHS_ON)."""
+    multi_kernel=True builds long rows' reductions both ways and keeps the faster (MULTI_KERNEL_ON)."""
     if not enabled:
         return fn
     options = dict((TUNING_OPTIONS[tuning] if autotune else ONE_PASS_OPTIONS) or {})
-    for wanted, settings in ((not mix_order, MIX_ORDER_OFF), (multi_kernel, MULTI_KERNEL_ON),
-                             (cuda_graphs, CUDA_GRAPHS_ON)):
+    for wanted, settings in ((not mix_order, MIX_ORDER_OFF), (multi_kernel, MULTI_KERNEL_ON)):
         if wanted:  # an Inductor without such a setting has no such kernels: nothing to set
             options.update({key: value for key, value in settings.items() if inductor_has(key)})
     return _Compiled(fn, options or None)

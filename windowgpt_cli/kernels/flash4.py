@@ -49,23 +49,16 @@ def _left(window: int) -> int | None:
 
 
 @torch.library.custom_op("windowgpt::fa4_attention", mutates_args=())
-def fa4_attention(q: Tensor, k: Tensor, v: Tensor, window: int, kv_copies: int) -> tuple[Tensor, Tensor]:
+def fa4_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> tuple[Tensor, Tensor]:
     """q [B, T, H, D], k, v [B, T, Hkv, D]: (out [B, T, H, D], lse [B, H, T] float32) of
-    causal attention in which query i sees keys i - window .. i (all of them for FULL).
-
-    kv_copies > 1: k and v hold each head that many times over, side by side (equal copies,
-    `GPT.copy_kv_heads`). The forward then reads one of each, as grouped heads (FA4's full
-    causal forward is faster grouped), the backward all of them, so that FA4 writes each
-    copy's gradient directly; the copies' gradients sum to the grouped heads'."""
-    if kv_copies > 1:  # strided views, no copy: FA4 takes any 16-byte-aligned strides
-        k, v = k[:, :, ::kv_copies], v[:, :, ::kv_copies]
+    causal attention in which query i sees keys i - window .. i (all of them for FULL)."""
     out, lse = _interface().flash_attn_func(q, k, v, causal=True, window_size=(_left(window), None),
                                              return_lse=True)
     return out, lse
 
 
 @fa4_attention.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, window: int, kv_copies: int) -> tuple[Tensor, Tensor]:
+def _(q: Tensor, k: Tensor, v: Tensor, window: int) -> tuple[Tensor, Tensor]:
     b, t, h, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, h, t), dtype=torch.float32)
 
@@ -87,7 +80,7 @@ def _(dout, dlse, q, k, v, out, lse, window):
 
 
 def _setup(ctx, inputs, output) -> None:
-    q, k, v, window, _ = inputs
+    q, k, v, window = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.window = window
@@ -98,7 +91,7 @@ def _backward(ctx, dout: Tensor | None, dlse: Tensor | None):
     dout = torch.zeros_like(out) if dout is None else dout
     dlse = torch.zeros_like(lse) if dlse is None else dlse  # an lse gradient of 0 changes nothing
     dq, dk, dv = fa4_attention_backward(dout, dlse, q, k, v, out, lse, ctx.window)
-    return dq, dk, dv, None, None
+    return dq, dk, dv, None
 
 
 fa4_attention.register_autograd(_backward, setup_context=_setup)

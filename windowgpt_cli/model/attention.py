@@ -93,18 +93,16 @@ def covers_everything(seq_len: int, window: int) -> bool:
     return window <= 0 or window + 1 >= seq_len
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, backend: str, kv_copies: int = 1) -> Tensor:
-    """kv_copies: k and v hold each head that many times over (`GPT.copy_kv_heads`), which
-    FA4's full causal forward reads as grouped heads."""
+def attention(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, backend: str) -> Tensor:
     seq_len = q.shape[1]
     if covers_everything(seq_len, window):
         if backend in FA4_FULL_LAYERS:
-            return _fa4(q, k, v, None, kv_copies)[0]
+            return _fa4(q, k, v, window=None)[0]
         return _fa3(q, k, v) if backend == "fa3" else _sdpa(q, k, v, mask=None)
     if backend == "fa3":
         return _fa3_window_with_sinks(q, k, v, window, sinks)
     if backend == "fa4":
-        if sinks <= 0:  # FA4's windowed forward is no slower over copies: it reads them all
+        if sinks <= 0:
             return _fa4(q, k, v, window)[0]
         return _fa4_window_sinks(q, k, v, window, sinks)
     if runs_window_kernels(backend, eager_on_cuda=_eager_on_cuda(q)):
@@ -246,11 +244,11 @@ def _fa3_window_with_sinks(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: 
 
 # --- FlashAttention-4 --------------------------------------------------------------------
 
-def _fa4(q: Tensor, k: Tensor, v: Tensor, window: int | None, kv_copies: int = 1) -> tuple[Tensor, Tensor]:
+def _fa4(q: Tensor, k: Tensor, v: Tensor, window: int | None) -> tuple[Tensor, Tensor]:
     """FA4's (output, log-sum-exp [B, H, T]) over the window (None: the whole causal prefix)."""
     from ..kernels.flash4 import FULL, fa4_attention  # imports flash_attn.cute at the first call
 
-    return fa4_attention(q, k, v, FULL if window is None else window, kv_copies)
+    return fa4_attention(q, k, v, FULL if window is None else window)
 
 
 def _fa4_window_sinks(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int) -> Tensor:

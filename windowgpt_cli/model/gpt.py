@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from ..config import ModelConfig, parameter_estimate
 from ..errors import ConfigError
 from ..runtime import matmul_dtype, memory_bytes
-from .attention import FA4_FULL_LAYERS, attention, attention_at, resolve_backend
+from .attention import attention, attention_at, resolve_backend
 from .ops import (TORCH_OPS, Residual, TorchOps, ValueInjection, embed_sum, gated_smear_with, pick_positions,
                   previous_positions, rms_norm, smear_with)
 from .rotary import rotary_inv_freq, rotary_magnitude, rotary_tables
@@ -113,7 +113,7 @@ class CausalSelfAttention(nn.Module):
         if self.kv_cache is not None:  # new positions against the cached ones
             y, v_q = self.kv_cache.attend(q, k, v, self.window, self.sinks), v_xsa
         elif queries is None:
-            y, v_q = attention(q, k, v, self.window, self.sinks, self.backend, copies), v_xsa
+            y, v_q = attention(q, k, v, self.window, self.sinks, self.backend), v_xsa
             if rows is not None:
                 y, v_q = pick_positions(y, rows), pick_positions(v_xsa, rows)
         elif keys is None:
@@ -520,19 +520,16 @@ class GPT(nn.Module):
             block.attn.backend, block.attn.kv_copies = backend, 1
         return backend
 
-    def copy_kv_heads(self, full_layers: bool = False) -> list[int]:
-        """Hands the layers that attend in windows through FA4 (the backend fa4), and with
-        full_layers those of full causal attention through FA4 too, keys and values of as
-        many heads as the queries, each head once per query head of its group, so that FA4's
-        backward writes their gradients directly instead of summing each group's in float32
-        and converting them after; the same function. Returns those layers (none without
-        grouped heads). Undone by `set_attention_backend`."""
+    def copy_kv_heads(self) -> list[int]:
+        """Hands the layers that attend in windows through FA4 (the backend fa4) keys and
+        values of as many heads as the queries, each head once per query head of its group,
+        so that FA4's backward writes their gradients directly instead of summing each
+        group's in float32 and converting them after; the same function. Returns those
+        layers (none without grouped heads). Undone by `set_attention_backend`."""
         group = self.cfg.num_heads // self.cfg.num_kv_heads
         for block in self.blocks:
             attn = block.attn
-            windowed = attn.window > 0 and attn.backend == "fa4"
-            full = attn.window == 0 and attn.backend in FA4_FULL_LAYERS
-            attn.kv_copies = group if windowed or (full and full_layers) else 1
+            attn.kv_copies = group if attn.window > 0 and attn.backend == "fa4" else 1
         return [block.attn.layer for block in self.blocks if block.attn.kv_copies > 1]
 
     @property

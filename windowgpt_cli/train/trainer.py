@@ -391,7 +391,7 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     model = build_model(cfg.model, ctx.device)
     model.set_attention_backend(cfg.train.attn_backend, ctx.device, training=True)
     if cfg.train.copy_kv_heads != "off":
-        model.copy_kv_heads(full_layers=cfg.train.copy_kv_heads in ("all", "auto"))
+        model.copy_kv_heads()
     model.fused_loss = fused_loss_on(cfg, ctx.device)
     model.fold_output_scales = fold_output_scales_on(cfg, ctx.device)
     model.loss_chunk_rows = cfg.train.loss_chunk_rows
@@ -408,7 +408,7 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
         model.weight_grids = grids if any(grids) else None
     compile_model = cfg.train.compile and ctx.device.type == "cuda"
     forward = compiled(model, compile_model, tuning=cfg.train.compile_tuning, mix_order=cfg.train.compile_mix_order,
-                       multi_kernel=cfg.train.compile_multi_kernel, cuda_graphs=cfg.train.compile_cuda_graphs)
+                       multi_kernel=cfg.train.compile_multi_kernel)
     return Setup(
         cfg=cfg, ctx=ctx, model=model, forward=forward, compiled=compile_model,
         optimizers=build_optimizers(model, cfg.optim),
@@ -894,25 +894,16 @@ class Trainer:
 def step_kernels(model: GPT) -> dict[str, str]:
     """What the training step runs where a setting may be auto: the attention's kernels (the
     first layer's backend), whose products the fused MLP runs (and whether quack's keep the
-    forward's activation), whether the scales fold, which layers take copied key heads,
-    whether the heads' steps and XSA are fused ops."""
+    forward's activation), whether the scales fold, whether windowed layers take copied key
+    heads, whether the heads' steps and XSA are fused ops."""
     products = getattr(model.train_ops, "products", None)
     return {"attn_backend": model.blocks[0].attn.backend,
             "fused_mlp": products or "off",
             "keep_mlp_activation": "on" if products == "quack" and model.train_ops.keep_activation else "off",
             "fold_output_scales": "on" if model.fold_output_scales else "off",
-            "copy_kv_heads": copied_kv_heads(model),
+            "copy_kv_heads": "on" if any(block.attn.kv_copies > 1 for block in model.blocks) else "off",
             "fused_head_prep": "on" if getattr(model.train_ops, "fused_heads", None) is not None else "off",
             "fused_xsa": "on" if getattr(model.train_ops, "fused_output", None) is not None else "off"}
-
-
-def copied_kv_heads(model: GPT) -> str:
-    """Which layers take copied key heads (`GPT.copy_kv_heads`): off, windowed, or all (full
-    causal layers among them)."""
-    copied = [block.attn for block in model.blocks if block.attn.kv_copies > 1]
-    if not copied:
-        return "off"
-    return "all" if any(attn.window == 0 for attn in copied) else "windowed"
 
 
 def describe(setup: Setup, log: RunLog) -> None:
