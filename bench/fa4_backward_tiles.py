@@ -63,11 +63,6 @@ def chosen_tiles(interface, chooser: str, changes: dict) -> Iterator[None]:
         setattr(interface, chooser, own)
 
 
-def backward_tiles(interface, changes: dict):
-    """`chosen_tiles` for FA4's sm90 backward."""
-    return chosen_tiles(interface, "_tile_size_bwd_sm90", changes)
-
-
 def check_candidates(config_type: type, candidates: dict[str, dict]) -> None:
     """Every candidate names fields of FA4's config (a dataclass: BwdConfig, FwdConfig)."""
     fields = {f.name for f in dataclasses.fields(config_type)}
@@ -104,19 +99,30 @@ def layer_backward(kind: str, positions: int) -> Callable[[], tuple]:
     return lambda: fa4_window_sinks_backward(dout, q, k, v, out, lse, WINDOW, SINKS)
 
 
-def kind_figures(interface, kind: str, positions: int, repeats: int) -> dict:
-    backward = layer_backward(kind, positions)
-    want = backward()
+def time_candidates(interface, chooser: str, candidates: dict[str, dict], call: Callable[[], tuple],
+                    repeats: int, time: str = "backward_ms", difference: str = "gradient_difference") -> dict:
+    """call()'s time under each candidate's tiles (`chosen_tiles` with `chooser`) and the
+    largest difference of its results from those under FA4's own; `best`, the fastest that
+    matches (`fastest_matching`)."""
+    want = call()
     figures: dict = {}
-    for name, changes in CANDIDATES.items():
+    for name, changes in candidates.items():
         try:
-            with backward_tiles(interface, changes):
-                difference = gradient_difference(want, backward())
-                figures[name] = {"backward_ms": round(milliseconds(backward, repeats), 4),
-                                 "gradient_difference": round(difference, 6)}
+            with chosen_tiles(interface, chooser, changes):
+                difference_value = gradient_difference(want, call())
+                figures[name] = {time: round(milliseconds(call, repeats), 4), difference: round(difference_value, 6)}
         except Exception as error:  # a configuration FA4 cannot build: reported, not fatal
             figures[name] = {"error": error_line(error)}
-    return {"candidates": figures, "best": fastest_matching(figures)}
+    return {"candidates": figures, "best": fastest_matching(figures, time, difference)}
+
+
+def tiles_report(interface, chooser: str, candidates: dict[str, dict], positions: int) -> dict:
+    """The head of a tile bench's JSON: the GPU, the layer's shape, FA4's own tiles (its
+    `chooser`'s for a causal layer) and the candidates."""
+    own = getattr(interface, chooser)(HEAD_DIM, HEAD_DIM, True, False)
+    return {"gpu": torch.cuda.get_device_name(), "positions": positions, "heads": HEADS, "kv_heads": KV_HEADS,
+            "head_dim": HEAD_DIM, "window_size": WINDOW, "sinks": SINKS, "fa4_tiles": dataclasses.asdict(own),
+            "candidates": candidates}
 
 
 def main() -> None:
@@ -124,12 +130,10 @@ def main() -> None:
     check_pass_args(args, "fa4_backward_tiles.py")
     interface = importlib.import_module("flash_attn.cute.interface")
     check_candidates(interface.BwdConfig, CANDIDATES)
-    own = interface._tile_size_bwd_sm90(HEAD_DIM, HEAD_DIM, True, False)
-    result = {"gpu": torch.cuda.get_device_name(), "positions": args.positions, "heads": HEADS,
-              "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "window_size": WINDOW, "sinks": SINKS,
-              "fa4_tiles": dataclasses.asdict(own), "candidates": CANDIDATES}
+    result = tiles_report(interface, "_tile_size_bwd_sm90", CANDIDATES, args.positions)
     for kind in ("full", "window"):
-        result[kind] = kind_figures(interface, kind, args.positions, args.repeats)
+        result[kind] = time_candidates(interface, "_tile_size_bwd_sm90", CANDIDATES,
+                                       layer_backward(kind, args.positions), args.repeats)
     report(result, args.json)
 
 

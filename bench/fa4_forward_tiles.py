@@ -13,7 +13,6 @@ error's first line; `best` names, for each kind of layer, the fastest whose outp
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import sys
 from pathlib import Path
@@ -24,9 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.fa4_backward_tiles import (HEAD_DIM, HEADS, KV_HEADS, SINKS, WINDOW, check_candidates,  # noqa: E402
-                                      chosen_tiles, fastest_matching, gradient_difference)
-from bench.fused_products import milliseconds  # noqa: E402
-from bench.one_pass import check_pass_args, error_line, pass_parser, pass_randn, report  # noqa: E402
+                                      tiles_report, time_candidates)
+from bench.one_pass import check_pass_args, pass_parser, pass_randn, report  # noqa: E402
 from windowgpt_cli.kernels.flash4 import FULL, fa4_attention, fa4_window_sinks  # noqa: E402
 
 # Each candidate: the fields of FA4's FwdConfig it changes from FA4's own choice.
@@ -50,33 +48,17 @@ def layer_forward(kind: str, positions: int):
     return lambda: fa4_window_sinks(q, k, v, WINDOW, SINKS)
 
 
-def kind_figures(interface, kind: str, positions: int, repeats: int) -> dict:
-    forward = layer_forward(kind, positions)
-    want = forward()
-    figures: dict = {}
-    for name, changes in CANDIDATES.items():
-        try:
-            with chosen_tiles(interface, "_tile_size_fwd_sm90", changes):
-                difference = gradient_difference(want, forward())
-                figures[name] = {"forward_ms": round(milliseconds(forward, repeats), 4),
-                                 "output_difference": round(difference, 6)}
-        except Exception as error:  # a configuration FA4 cannot build: reported, not fatal
-            figures[name] = {"error": error_line(error)}
-    return {"candidates": figures, "best": fastest_matching(figures, "forward_ms", "output_difference")}
-
-
 def main() -> None:
     args = pass_parser(__doc__.split("\n\n")[0]).parse_args()
     check_pass_args(args, "fa4_forward_tiles.py")
     interface = importlib.import_module("flash_attn.cute.interface")
     check_candidates(interface.FwdConfig, CANDIDATES)
-    own = interface._tile_size_fwd_sm90(HEAD_DIM, HEAD_DIM, True, False)
-    result = {"gpu": torch.cuda.get_device_name(), "positions": args.positions, "heads": HEADS,
-              "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "window_size": WINDOW, "sinks": SINKS,
-              "fa4_tiles": dataclasses.asdict(own), "candidates": CANDIDATES}
+    result = tiles_report(interface, "_tile_size_fwd_sm90", CANDIDATES, args.positions)
     with torch.no_grad():
         for kind in ("full", "window"):
-            result[kind] = kind_figures(interface, kind, args.positions, args.repeats)
+            result[kind] = time_candidates(interface, "_tile_size_fwd_sm90", CANDIDATES,
+                                           layer_forward(kind, args.positions), args.repeats, "forward_ms",
+                                           "output_difference")
     report(result, args.json)
 
 

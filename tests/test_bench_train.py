@@ -397,10 +397,11 @@ def test_the_backward_tiles_change_fa4s_choice_inside_the_block_only():
     import fa4_backward_tiles
 
     interface = _fake_interface()
-    with fa4_backward_tiles.backward_tiles(interface, {"m_block_size": 64, "AtomLayoutMdQ": 1}):
+    with fa4_backward_tiles.chosen_tiles(interface, "_tile_size_bwd_sm90", {"m_block_size": 64, "AtomLayoutMdQ": 1}):
         assert interface._tile_size_bwd_sm90(64, 64, True, False) == _Tiles(64, 128, 1)
     assert interface._tile_size_bwd_sm90(64, 64, True, False) == _Tiles()
-    with pytest.raises(RuntimeError), fa4_backward_tiles.backward_tiles(interface, {"n_block_size": 64}):
+    with pytest.raises(RuntimeError), fa4_backward_tiles.chosen_tiles(interface, "_tile_size_bwd_sm90",
+                                                                      {"n_block_size": 64}):
         raise RuntimeError("a candidate FA4 cannot build")
     assert interface._tile_size_bwd_sm90(64, 64, True, False) == _Tiles()
 
@@ -441,6 +442,34 @@ def test_the_forward_bench_changes_fa4s_forward_choice_and_picks_by_forward_time
                "m128": {"forward_ms": 1.0, "output_difference": 0.001},
                "n64": {"forward_ms": 0.5, "output_difference": 0.3}}
     assert fa4_backward_tiles.fastest_matching(figures, "forward_ms", "output_difference") == "m128"
+
+
+def test_each_candidate_is_timed_under_its_tiles_and_checked_against_fa4s_own(monkeypatch):
+    """time_candidates: the call runs under each candidate's tiles; one that fails is its error's
+    line, one whose results differ does not count as best."""
+    import torch
+
+    import fa4_backward_tiles
+
+    interface = _fake_interface()
+    times = {128: 2.0, 64: 1.0, 32: 0.5}
+
+    def call():
+        tiles = interface._tile_size_bwd_sm90(64, 64, True, False)
+        if tiles.n_block_size == 96:
+            raise RuntimeError("\x1b[91mno such tiles\x1b[0m\nmore")
+        return (torch.tensor([1.0, 2.0 if tiles.m_block_size != 32 else 3.0]),)
+
+    monkeypatch.setattr(fa4_backward_tiles, "milliseconds",
+                        lambda fn, repeats: times[interface._tile_size_bwd_sm90(64, 64, True, False).m_block_size])
+    result = fa4_backward_tiles.time_candidates(
+        interface, "_tile_size_bwd_sm90", {"own": {}, "m64": {"m_block_size": 64}, "m32": {"m_block_size": 32},
+                                           "n96": {"n_block_size": 96}}, call, repeats=3)
+    assert result["candidates"] == {"own": {"backward_ms": 2.0, "gradient_difference": 0.0},
+                                    "m64": {"backward_ms": 1.0, "gradient_difference": 0.0},
+                                    "m32": {"backward_ms": 0.5, "gradient_difference": 0.5},
+                                    "n96": {"error": "RuntimeError: no such tiles"}}
+    assert result["best"] == "m64" and interface._tile_size_bwd_sm90(64, 64, True, False) == _Tiles()
 
 
 def test_a_candidates_error_is_its_first_line_without_terminal_colours():
