@@ -253,23 +253,30 @@ def test_the_forward_tiles_setting_asks_the_training_model_to_tune(setting, aske
     assert RunConfig.load(tmp_path / "run" / "config.json").train.fa4_forward_tiles == setting
 
 
+RECORD_WINDOWS = {"window_attn_size": 512, "num_sink_tokens": 4, "window_attn_layers": (2, 4, 6, 8, 10)}
+
+
+def assert_compiled_record_step_unchanged_by(change) -> None:
+    """The record model through FA4, compiled, in bf16, as it is and after change(model): the
+    loss within 1e-3 and the attention banks' gradients within 2% of their size."""
+    from conftest import bank_grads, compiled_step_on_cuda
+
+    (loss, grads), (changed_loss, changed_grads) = compiled_step_on_cuda(
+        [lambda model: None, change], bank_grads, model_changes=RECORD_WINDOWS, training_backend=True)
+    assert abs(loss - changed_loss) <= 1e-3
+    for grad, changed_grad in zip(grads, changed_grads):
+        assert (grad - changed_grad).abs().max() <= 0.02 * grad.abs().max()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and attention.fa4_targets(torch.device("cuda"))),
                     reason="needs a Hopper or Blackwell GPU with flash-attn-4")
 def test_on_cuda_the_compiled_record_step_with_copied_key_heads_gives_the_same_loss_and_gradients():
-    """The record model's windows through FA4, compiled, in bf16: the loss within 1e-3 and the
-    attention banks' gradients within 2% of their size with the key heads copied."""
-    from conftest import bank_grads, compiled_step_on_cuda
-
+    """`assert_compiled_record_step_unchanged_by` the windowed layers' key heads copied."""
     def copied(model):
         assert model.copy_kv_heads() == [2, 4, 6, 8, 10]
 
-    record = {"window_attn_size": 512, "num_sink_tokens": 4, "window_attn_layers": (2, 4, 6, 8, 10)}
-    (loss, grads), (copied_loss, copied_grads) = compiled_step_on_cuda(
-        [lambda model: None, copied], bank_grads, model_changes=record, training_backend=True)
-    assert abs(loss - copied_loss) <= 1e-3
-    for grad, copied_grad in zip(grads, copied_grads):
-        assert (grad - copied_grad).abs().max() <= 0.02 * grad.abs().max()
+    assert_compiled_record_step_unchanged_by(copied)
 
 
 @pytest.mark.gpu
@@ -277,16 +284,8 @@ def test_on_cuda_the_compiled_record_step_with_copied_key_heads_gives_the_same_l
                          and torch.cuda.get_device_capability()[0] == 9),
                     reason="needs a Hopper GPU with flash-attn-4")
 def test_on_cuda_the_compiled_record_step_under_tuned_forward_tiles_gives_the_same_loss_and_gradients():
-    """The record model through FA4, compiled, in bf16: the loss within 1e-3 and the attention
-    banks' gradients within 2% of their size with FA4's forward under the tuned tiles."""
-    from conftest import bank_grads, compiled_step_on_cuda
-
+    """`assert_compiled_record_step_unchanged_by` FA4's forward under the tuned tiles."""
     def tuned(model):
         assert model.tune_fa4_forward(torch.device("cuda")) == list(range(11))
 
-    record = {"window_attn_size": 512, "num_sink_tokens": 4, "window_attn_layers": (2, 4, 6, 8, 10)}
-    (loss, grads), (tuned_loss, tuned_grads) = compiled_step_on_cuda(
-        [lambda model: None, tuned], bank_grads, model_changes=record, training_backend=True)
-    assert abs(loss - tuned_loss) <= 1e-3
-    for grad, tuned_grad in zip(grads, tuned_grads):
-        assert (grad - tuned_grad).abs().max() <= 0.02 * grad.abs().max()
+    assert_compiled_record_step_unchanged_by(tuned)
