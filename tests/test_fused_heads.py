@@ -71,6 +71,25 @@ def test_copies_store_each_head_once_per_query_head_of_its_group_and_add_up_thei
     assert close(out, want, 1e-5) and all(close(a, b, 1e-5) for a, b in zip(grads, want_grads))
 
 
+def test_a_slice_of_a_stacked_product_is_read_in_place_forward_and_back(monkeypatch):
+    _, gain, cos, sin = heads()
+    stacked = torch.randn(2, 24, 3 * 64, generator=torch.Generator().manual_seed(3))  # q, k, v: [B, T, 3 * 4 * 16]
+    copies = []
+    original = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous", lambda t, *a, **k: (
+        copies.append(tuple(t.shape)) if not t.is_contiguous() else None) or original(t, *a, **k))
+
+    def queries(fn):
+        return lambda s, g: fn(s[..., :64].unflatten(-1, (4, 16)), cos, sin, ROPE_DIMS, g) * g.sum()
+
+    out, grads = output_and_grads(queries(fused_head_prep), stacked, gain)
+    assert (2, 24, 4, 16) not in copies  # the kernels read the slice through its strides
+    want, want_grads = output_and_grads(queries(TORCH_OPS.head_prep), stacked, gain)
+    assert close(out, want, 1e-5) and all(close(a, b, 1e-5) for a, b in zip(grads, want_grads))
+    assert grads[0][..., 64:].abs().max() == 0  # the keys' and values' columns: no gradient from the queries
+    assert elementwise.by_positions(want.transpose(0, 1))[0].is_contiguous()  # positions unevenly spaced: copied
+
+
 def test_in_bfloat16_the_op_keeps_the_dtype_and_stays_within_rounding():
     x, gain, cos, sin = heads()
     out, (dx, dgain) = output_and_grads(lambda x, g: fused_head_prep(x, cos, sin, ROPE_DIMS, g), x.bfloat16(), gain)

@@ -219,6 +219,13 @@ class TrainConfig:
                                             "fastest on an H200: 192 x 64 for full causal layers, 128 x 96 for "
                                             "windowed ones; elsewhere FA4's own). The same function, rounded "
                                             "otherwise.")
+    stack_qkv: str = setting("auto", "In the training step, each block's query, key and value matrices stacked "
+                                    "into one product forward (the heads' kernels read its slices in place), "
+                                    "which reads the normed input once where three products read it three "
+                                    "times; backward each slice's gradient goes through its own matrix, as "
+                                    "with three products (joined, the three would be copied into one tensor "
+                                    "as wide as the product). The same function, rounded otherwise. on, off, "
+                                    "or auto: on for a CUDA device.")
     fold_output_scales: str = setting("auto", "In the training step, each block's attention and MLP output "
                                               "scales multiplied into the rows of their output projections (a "
                                               "product over [dim x width] weights) instead of into the "
@@ -809,6 +816,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "keep_mlp_activation": ("auto", "on", "off"),
     "copy_kv_heads": ("auto", "on", "off"),
     "fa4_forward_tiles": ("own", "tuned"),
+    "stack_qkv": ("auto", "on", "off"),
     "fold_output_scales": ("auto", "on", "off"),
     "fused_head_prep": ("auto", "on", "off"),
     "fused_xsa": ("auto", "on", "off"),

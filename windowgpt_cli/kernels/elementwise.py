@@ -182,22 +182,22 @@ def pair_partners(x, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.c
 
 
 @triton.jit(do_not_specialize=["positions", "heads", "has_gain", "rows_per_seq", "copies"])
-def _head_prep_kernel(x_ptr, cos_ptr, sin_ptr, gain_ptr, out_ptr, positions, rows_per_seq, cos_seq_stride,
+def _head_prep_kernel(x_ptr, cos_ptr, sin_ptr, gain_ptr, out_ptr, positions, rows_per_seq, x_stride, cos_seq_stride,
                       cos_row_stride, eps, heads, has_gain, copies, HEAD_DIM: tl.constexpr,
                       ROPE_HALF: tl.constexpr, POSITIONS: tl.constexpr):
     """Every head at POSITIONS positions (`head_positions`): each normed, its first
     2 * ROPE_HALF channels rotated (pairs c, c + ROPE_HALF), times its gain if has_gain, and
     stored `copies` times, as heads h * copies .. h * copies + copies - 1 of out. A rotated
     channel is the sum of two products, each rounded to out's dtype first. The rotary tables
-    are read once per position, for all its heads."""
+    are read once per position, for all its heads. x's positions lie x_stride elements apart
+    (its heads contiguous within one: a slice of a stacked product's output reads in place)."""
     position, col, live, seq, pos = head_positions(positions, rows_per_seq, HEAD_DIM, POSITIONS)
     in_first = col < ROPE_HALF
     rotated = col < 2 * ROPE_HALF
     cos, sin = rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_stride, ROPE_HALF)
     dtype = out_ptr.dtype.element_ty
     for head in range(heads):
-        offsets = (position * heads + head) * HEAD_DIM + col
-        x = tl.load(x_ptr + offsets, mask=live, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + position * x_stride + head * HEAD_DIM + col, mask=live, other=0.0).to(tl.float32)
         x_partner = pair_partners(x, POSITIONS, HEAD_DIM, ROPE_HALF)
         inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
         x, x_partner = x * inv_rms, x_partner * inv_rms
@@ -364,14 +364,26 @@ def head_table_strides(table: Tensor) -> tuple[int, int]:
     return (table.stride(0) if table.size(0) > 1 else 0), table.stride(1)
 
 
+def by_positions(x: Tensor) -> tuple[Tensor, int]:
+    """(x [B, T, H, D], the elements from one position to the next) as the head kernels read
+    it: each position's heads contiguous and the positions evenly spaced over every sequence,
+    as in a slice of a stacked product's output [B, T, width]; copied contiguous where not."""
+    b, t, heads, head_dim = x.shape
+    evenly = x.stride(3) == 1 and x.stride(2) == head_dim and (b == 1 or x.stride(0) == t * x.stride(1))
+    if not evenly:
+        x = x.contiguous()
+    return x, x.stride(1)
+
+
 def head_prep(x: Tensor, cos: Tensor, sin: Tensor, gain: Tensor | None, dtype: torch.dtype,
               launch: HeadLaunch = HEAD_LAUNCH, copies: int = 1) -> Tensor:
     """`_head_prep_kernel` over queries or keys x [B, T, H, D], the tables as `head_tables`
     gives them; the result [B, T, H * copies, D] (each head `copies` times over) in dtype."""
     b, t, heads, head_dim = x.shape
     out = torch.empty(b, t, heads * copies, head_dim, device=x.device, dtype=dtype)
+    x, x_stride = by_positions(x)
     _head_prep_kernel[(triton.cdiv(b * t, launch.positions),)](
-        x.contiguous(), cos, sin, float32_values(gain, cos), out, b * t, t, *head_table_strides(cos), FLOAT32_EPS,
+        x, cos, sin, float32_values(gain, cos), out, b * t, t, x_stride, *head_table_strides(cos), FLOAT32_EPS,
         heads, int(gain is not None), copies, HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1),
         POSITIONS=launch.positions, num_warps=launch.warps)
     return out

@@ -21,6 +21,7 @@ from .elementwise import (
     HEAD_LAUNCH,
     HeadLaunch,
     MatmulTiles,
+    by_positions,
     float32_values,
     head_positions,
     head_table_strides,
@@ -35,18 +36,18 @@ from .elementwise import (
 
 @triton.jit(do_not_specialize=["positions", "heads", "has_gain", "rows_per_seq", "copies"])
 def _head_prep_backward_kernel(grad_ptr, x_ptr, cos_ptr, sin_ptr, gain_ptr, dx_ptr, gain_rows_ptr, positions,
-                               rows_per_seq, cos_seq_stride, cos_row_stride, eps, heads, has_gain, copies,
+                               rows_per_seq, x_stride, cos_seq_stride, cos_row_stride, eps, heads, has_gain, copies,
                                HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr, POSITIONS: tl.constexpr):
     """The gradient of `_head_prep_kernel` (of its `copies` copies of each head, whose
     gradients add up) for every head at POSITIONS positions: with respect to x (stored in
     dx's dtype) and, if has_gain, each row's (head's at a position) share of its head's gain
-    gradient (float32)."""
+    gradient (float32). x's positions lie x_stride elements apart, as in the forward."""
     position, col, live, seq, pos = head_positions(positions, rows_per_seq, HEAD_DIM, POSITIONS)
     cos, sin = rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_stride, ROPE_HALF)
     for head in range(heads):
         row = position * heads + head
         offsets = row * HEAD_DIM + col
-        x = tl.load(x_ptr + offsets, mask=live, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + position * x_stride + head * HEAD_DIM + col, mask=live, other=0.0).to(tl.float32)
         grad = tl.zeros((POSITIONS, HEAD_DIM), dtype=tl.float32)
         for copy in range(copies):
             grad += tl.load(grad_ptr + (row * copies + copy) * HEAD_DIM + col, mask=live, other=0.0).to(tl.float32)
@@ -115,10 +116,12 @@ def head_prep_backward(grad: Tensor, x: Tensor, cos: Tensor, sin: Tensor, gain: 
     """(the gradient with respect to x, and to gain if given) of `kernels.head_prep`, from
     the gradient of its result (of `copies` times x's heads: grad's heads say how many)."""
     b, t, heads, head_dim = x.shape
-    dx = torch.empty_like(x)
+    dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     gain_rows = torch.empty(b * t * heads, device=x.device, dtype=torch.float32) if gain is not None else cos
+    x, x_stride = by_positions(x)
     _head_prep_backward_kernel[(triton.cdiv(b * t, launch.positions),)](
-        grad.contiguous(), x, cos, sin, float32_values(gain, cos), dx, gain_rows, b * t, t, *head_table_strides(cos),
+        grad.contiguous(), x, cos, sin, float32_values(gain, cos), dx, gain_rows, b * t, t, x_stride,
+        *head_table_strides(cos),
         FLOAT32_EPS, heads, int(gain is not None), grad.size(2) // heads, HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1),
         POSITIONS=launch.positions, num_warps=launch.warps)
     return dx, (gain_rows.view(-1, heads).sum(0) if gain is not None else None)

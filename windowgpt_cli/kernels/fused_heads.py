@@ -36,7 +36,7 @@ def _head_prep_shape(x, cos, sin, gain, copies):
 @torch.library.custom_op("windowgpt::head_prep_backward", mutates_args=())
 def _head_prep_backward_op(grad: Tensor, x: Tensor, cos: Tensor, sin: Tensor,
                            gain: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    dx, dgain = head_prep_backward(grad, x.contiguous(), cos, sin, gain)
+    dx, dgain = head_prep_backward(grad, x, cos, sin, gain)
     return dx, (dgain if dgain is not None else cos.new_empty(0))  # an op returns tensors, never None
 
 

@@ -48,6 +48,11 @@ class Fp8Ops(TorchOps):
                 return self.kernel_mlp.fp8_leaky_square_mlp(x, up_w, down_w, negative_slope)
         return super().mlp(x, up_w, down_w, negative_slope)
 
+    def split_product(self, x: Tensor, weight: Tensor, sizes: tuple[int, ...], kind: str) -> tuple[Tensor, ...]:
+        if kind not in self.kinds or not torch.is_grad_enabled():
+            return super().split_product(x, weight, sizes, kind)
+        return self.product(x, weight, kind).split(sizes, dim=-1)
+
     def product(self, x: Tensor, weight: Tensor, kind: str) -> Tensor:
         if kind not in self.kinds or not torch.is_grad_enabled():
             return super().product(x, weight, kind)

@@ -95,7 +95,7 @@ class CausalSelfAttention(nn.Module):
         self._observe(("c_q", "c_k", "c_v"), x)
         x_q = x if queries is None else pick_positions(x, queries)
         if k_w is None:  # q_w stacks the q, k and v matrices (`GPT.layer_weights`): one product for the three
-            q, k, v = self._adapted_qkv(x, x, *ops.product(x, q_w, "attention").split(self.projection_sizes, dim=-1))
+            q, k, v = self._adapted_qkv(x, x, *ops.split_product(x, q_w, self.projection_sizes, "attention"))
             q = q if queries is None else pick_positions(q, queries)
         else:
             q, k, v = (ops.product(x_q, q_w, "attention"), ops.product(x, k_w, "attention"),
@@ -428,6 +428,7 @@ class GPT(nn.Module):
         self.loss_chunk_rows = 0  # with fused_loss: the output layer and loss over chunks of rows (training sets it)
         self.train_ops: TorchOps | None = None  # the training forward's steps, if not torch's (training sets it)
         self.fold_output_scales = False  # the training forward's output scales in its weights (training sets it)
+        self.stack_qkv = False  # the training forward's q, k and v in one product (training sets it)
         # forward runs through train_ops while this is on (training turns it off to validate
         # where they change the numbers: float8 products)
         self.train_ops_on = True
@@ -648,7 +649,7 @@ class GPT(nn.Module):
         ve_shared = None
         if self.ve_shared is not None:
             ve_shared = ops.shared_values(self.ve_shared(input_ids), self.ve_shared.scale)
-        weights = weights or self.layer_weights(matmul_dtype(self.tok_emb.weight))
+        weights = weights or self.layer_weights(matmul_dtype(self.tok_emb.weight), self.stack_qkv)
         stream, skips = Residual(x0), []
         order = self.cfg.block_order(self.recurring)
         encoder, last = len(order) // 2, len(order) - 1  # steps of the order, not layers

@@ -205,6 +205,13 @@ class TorchOps:
         (queries, keys and values; the output) or "mlp"."""
         return F.linear(x, weight)
 
+    def split_product(self, x: Tensor, weight: Tensor, sizes: tuple[int, ...], kind: str) -> tuple[Tensor, ...]:
+        """x's product with matrices stacked in weight (of sizes rows each), as the product's
+        slices: one product forward, one per matrix back (`split_linear`)."""
+        if not torch.is_grad_enabled():  # a decoder's step: no autograd function to pass through
+            return F.linear(x, weight).split(sizes, dim=-1)
+        return split_linear(x, weight, sizes)
+
     def mlp_hidden(self, x: Tensor, up_w: Tensor, negative_slope: float) -> Tensor:
         """The MLP's hidden layer: `leaky_square` of x's product with up_w."""
         return self.leaky_square(self.product(x, up_w, "mlp"), negative_slope)
@@ -218,6 +225,38 @@ class TorchOps:
 
 
 TORCH_OPS = TorchOps()
+
+
+class _SplitLinear(torch.autograd.Function):
+    """F.linear(x, weight) split into slices of sizes columns. Backward each slice's gradient
+    goes through its own matrix: joined, the slices' gradients (each a tensor of its own,
+    made by another kernel) would be copied into one tensor as wide as the product."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
+        ctx.save_for_backward(x, weight)
+        ctx.sizes = sizes
+        return tuple(F.linear(x, weight).split(sizes, dim=-1))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None):
+        x, weight = ctx.saved_tensors
+        dtype = next(g.dtype for g in grads if g is not None)  # the product's (autocast's, where it was on)
+        rows = x.to(dtype).flatten(0, -2)
+        dx, dweight = None, []
+        for grad, matrix in zip(grads, weight.to(dtype).split(ctx.sizes)):
+            if grad is None:
+                dweight.append(torch.zeros_like(matrix))
+                continue
+            dx = grad @ matrix if dx is None else dx + grad @ matrix
+            dweight.append(grad.flatten(0, -2).t() @ rows)
+        return dx.to(x.dtype), torch.cat(dweight).to(weight.dtype), None
+
+
+def split_linear(x: Tensor, weight: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
+    """F.linear(x, weight).split(sizes, -1), whose gradient never joins the slices' (see
+    `_SplitLinear`)."""
+    return _SplitLinear.apply(x, weight, tuple(sizes))
 
 
 def pick_positions(x: Tensor, positions: Tensor) -> Tensor:

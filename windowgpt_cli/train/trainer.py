@@ -260,6 +260,12 @@ def fold_output_scales_on(cfg: RunConfig, device: torch.device) -> bool:
     return cfg.train.fold_output_scales == "on" or (cfg.train.fold_output_scales == "auto" and device.type == "cuda")
 
 
+def stack_qkv_on(cfg: RunConfig, device: torch.device) -> bool:
+    """Whether the training step makes each block's q, k and v in one product (`stack_qkv`;
+    auto: on a CUDA device, where it shortens the step)."""
+    return cfg.train.stack_qkv == "on" or (cfg.train.stack_qkv == "auto" and device.type == "cuda")
+
+
 def fused_op_on(asked: str, device: torch.device) -> bool:
     """Whether the training step runs one of its fused Triton ops (`fused_head_prep`,
     `fused_xsa`) set to `asked`: on, or auto on a CUDA device; either where Triton runs."""
@@ -396,6 +402,7 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
         model.tune_fa4_forward(ctx.device)
     model.fused_loss = fused_loss_on(cfg, ctx.device)
     model.fold_output_scales = fold_output_scales_on(cfg, ctx.device)
+    model.stack_qkv = stack_qkv_on(cfg, ctx.device)
     model.loss_chunk_rows = cfg.train.loss_chunk_rows
     products = fused_mlp_products(cfg, ctx.device)
     if products is not None:
@@ -897,7 +904,8 @@ def step_kernels(model: GPT) -> dict[str, str]:
     """What the training step runs where a setting may be auto: the attention's kernels (the
     first layer's backend), whose products the fused MLP runs (and whether quack's keep the
     forward's activation), whether the scales fold, whether windowed layers take copied key
-    heads, whose tiles FA4's forward takes, whether the heads' steps and XSA are fused ops."""
+    heads, whose tiles FA4's forward takes, whether q, k and v are one product, whether the
+    heads' steps and XSA are fused ops."""
     products = getattr(model.train_ops, "products", None)
     return {"attn_backend": model.blocks[0].attn.backend,
             "fused_mlp": products or "off",
@@ -905,6 +913,7 @@ def step_kernels(model: GPT) -> dict[str, str]:
             "fold_output_scales": "on" if model.fold_output_scales else "off",
             "copy_kv_heads": "on" if any(block.attn.kv_copies > 1 for block in model.blocks) else "off",
             "fa4_forward_tiles": "tuned" if any(block.attn.fa4_tiles != (0, 0) for block in model.blocks) else "own",
+            "stack_qkv": "on" if model.stack_qkv else "off",
             "fused_head_prep": "on" if getattr(model.train_ops, "fused_heads", None) is not None else "off",
             "fused_xsa": "on" if getattr(model.train_ops, "fused_output", None) is not None else "off"}
 
@@ -927,7 +936,7 @@ def describe(setup: Setup, log: RunLog) -> None:
              f"attn_backend:{kernels['attn_backend']}")
     log.line(" ".join(f"{name}:{kernels[name]}" for name in
                       ("fused_mlp", "keep_mlp_activation", "fold_output_scales", "copy_kv_heads",
-                       "fa4_forward_tiles", "fused_head_prep", "fused_xsa")))
+                       "fa4_forward_tiles", "stack_qkv", "fused_head_prep", "fused_xsa")))
     log.line(f"rank_seq_lens:{gather_from_ranks(setup.seq_len)}")
     log.line(f"train_batch_tokens:{cfg.train.train_batch_tokens} train_seq_len:{cfg.train.train_seq_len} "
              f"iterations:{cfg.train.iterations} warmup_steps:{cfg.train.warmup_steps} "
