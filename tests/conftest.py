@@ -65,7 +65,7 @@ def fake_fa4(monkeypatch):
     flash_attn.cute.interface."""
     from fake_fa4 import FakeFA4
 
-    interface = types.SimpleNamespace(flash_attn_func=FakeFA4.flash_attn_func, _flash_attn_fwd=FakeFA4._flash_attn_fwd,
+    interface = types.SimpleNamespace(flash_attn_func=FakeFA4.flash_attn_func,
                                       _flash_attn_bwd=FakeFA4._flash_attn_bwd)
     monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
     monkeypatch.setitem(sys.modules, "flash_attn.cute", types.ModuleType("flash_attn.cute"))

@@ -32,15 +32,6 @@ class FakeFA4:
         return out.to(q.dtype), lse.float()
 
     @staticmethod
-    def _flash_attn_fwd(q, k, v, causal=False, window_size_left=None, window_size_right=None, return_lse=False,
-                        tile_mn=None):
-        """FA4's internal forward, which takes tiles (tile_mn): the same numbers whatever they are;
-        (out, lse, p, row_max, o_lo) as FA4's returns them."""
-        assert tile_mn is not None and all(size > 0 for size in tile_mn)
-        out, lse = FakeFA4.flash_attn_func(q, k, v, causal, (window_size_left, window_size_right), return_lse)
-        return out, lse, None, None, None
-
-    @staticmethod
     def _flash_attn_bwd(q, k, v, out, dout, lse, causal=False, window_size_left=None, window_size_right=None,
                         dlse=None):
         assert causal and window_size_right is None

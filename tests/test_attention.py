@@ -101,7 +101,7 @@ def test_triton_fa4_runs_windowed_layers_on_the_triton_kernels_and_full_ones_on_
                         or attention._sdpa(q, k, v, mask=attention.window_mask(q.shape[1], window, sinks, q.device)))
     fa4 = attention._fa4
     monkeypatch.setattr(attention, "_fa4",
-                        lambda q, k, v, window, tiles: calls.append(("fa4", window)) or fa4(q, k, v, window, tiles))
+                        lambda q, k, v, window: calls.append(("fa4", window)) or fa4(q, k, v, window))
     q, k, v = _qkv(24)
     full = attention.attention(q, k, v, 0, 0, "triton_fa4")
     windowed = attention.attention(q, k, v, 5, 3, "triton_fa4")

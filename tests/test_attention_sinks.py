@@ -10,8 +10,6 @@ against the Triton window kernels at the record model's shape.
 """
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -182,77 +180,6 @@ def test_the_setting_asks_the_training_model_for_copies(setting, asked, tiny_dat
     assert RunConfig.load(tmp_path / "run" / "config.json").train.copy_kv_heads == setting
 
 
-def test_fa4s_forward_under_other_tiles_gives_the_same_outputs_and_gradients(fake_fa4, monkeypatch):
-    """fa4_tiles reach FA4's internal forward (full causal layers, and windows with sinks);
-    (0, 0) keeps its public function, which takes no tiles."""
-    interface = sys.modules["flash_attn.cute.interface"]
-    tiles = []
-    forward = interface._flash_attn_fwd
-    monkeypatch.setattr(interface, "_flash_attn_fwd", lambda *a, tile_mn, **kw: tiles.append(tile_mn)
-                        or forward(*a, tile_mn=tile_mn, **kw))
-    q, k, v = qkv(4, 60, 4, 2)
-    for window, sinks, chosen in ((0, 0, (192, 64)), (9, 3, (128, 96)), (9, 0, (128, 96))):
-        got = outputs_and_grads(lambda *x: attention.attention(*x, window, sinks, "fa4", chosen), q, k, v)
-        own = outputs_and_grads(lambda *x: attention.attention(*x, window, sinks, "fa4"), q, k, v)
-        for name, g, w in zip(("out", "dq", "dk", "dv"), got, own):
-            assert torch.equal(g, w), (window, sinks, name)
-    assert tiles == [(192, 64), (128, 96), (128, 96)]
-
-
-def test_tuned_forward_tiles_go_to_fa4s_layers_of_a_tabled_kind_on_hopper_until_the_backend_is_set_again(
-        monkeypatch):
-    from test_model import perturbed_tiny
-
-    from windowgpt_cli.kernels import flash4
-    from windowgpt_cli.train.trainer import step_kernels
-
-    cuda = torch.device("cuda")
-    model = perturbed_tiny(window_attn_size=12)
-    head_dim = model.blocks[0].attn.head_dim
-    monkeypatch.setitem(flash4.TUNED_FORWARD_TILES, (head_dim, False), (192, 64))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert model.tune_fa4_forward(cuda) == []  # sdpa's layers
-    for block in model.blocks:
-        block.attn.backend = "fa4"
-    assert model.tune_fa4_forward(torch.device("cpu")) == []
-    assert model.tune_fa4_forward(cuda) == [0, 2]  # the table holds no windowed layer of this head size
-    assert [b.attn.fa4_tiles for b in model.blocks] == [(192, 64), (0, 0), (192, 64), (0, 0)]
-    assert step_kernels(model)["fa4_forward_tiles"] == "tuned"
-    monkeypatch.setitem(flash4.TUNED_FORWARD_TILES, (head_dim, True), (128, 96))
-    for block in model.blocks:
-        block.attn.backend = "triton_fa4"  # the windows are Triton's
-    assert model.tune_fa4_forward(cuda) == [0, 2] and model.blocks[1].attn.fa4_tiles == (0, 0)
-    for block in model.blocks:
-        block.attn.backend = "fa4"
-    assert model.tune_fa4_forward(cuda) == [0, 1, 2, 3] and model.blocks[1].attn.fa4_tiles == (128, 96)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
-    assert model.tune_fa4_forward(cuda) == []  # Blackwell: FA4's own
-    model.tune_fa4_forward(torch.device("cpu"))
-    model.blocks[0].attn.fa4_tiles = (192, 64)
-    model.set_attention_backend("sdpa", torch.device("cpu"))
-    assert [b.attn.fa4_tiles for b in model.blocks] == [(0, 0)] * 4
-    assert step_kernels(model)["fa4_forward_tiles"] == "own"
-
-
-@pytest.mark.parametrize("setting, asked", [("own", False), ("tuned", True)])
-def test_the_forward_tiles_setting_asks_the_training_model_to_tune(setting, asked, tiny_data_dir, tmp_path,
-                                                                   monkeypatch):
-    """On a CPU no layer runs FA4: nothing is tuned and the log says FA4's own."""
-    from test_train import tiny_cfg
-
-    from windowgpt_cli.config import RunConfig
-    from windowgpt_cli.model.gpt import GPT
-    from windowgpt_cli.train.run import train
-
-    calls = []
-    original = GPT.tune_fa4_forward
-    monkeypatch.setattr(GPT, "tune_fa4_forward", lambda model, device: calls.append(device) or original(model, device))
-    train(tiny_cfg(tiny_data_dir, iterations=1, fa4_forward_tiles=setting), tmp_path / "run")
-    assert calls == ([torch.device("cpu")] if asked else [])
-    assert "fa4_forward_tiles:own" in (tmp_path / "run" / "train.log").read_text()
-    assert RunConfig.load(tmp_path / "run" / "config.json").train.fa4_forward_tiles == setting
-
-
 RECORD_WINDOWS = {"window_attn_size": 512, "num_sink_tokens": 4, "window_attn_layers": (2, 4, 6, 8, 10)}
 
 
@@ -277,15 +204,3 @@ def test_on_cuda_the_compiled_record_step_with_copied_key_heads_gives_the_same_l
         assert model.copy_kv_heads() == [2, 4, 6, 8, 10]
 
     assert_compiled_record_step_unchanged_by(copied)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available() and attention.fa4_targets(torch.device("cuda"))
-                         and torch.cuda.get_device_capability()[0] == 9),
-                    reason="needs a Hopper GPU with flash-attn-4")
-def test_on_cuda_the_compiled_record_step_under_tuned_forward_tiles_gives_the_same_loss_and_gradients():
-    """`assert_compiled_record_step_unchanged_by` FA4's forward under the tuned tiles."""
-    def tuned(model):
-        assert model.tune_fa4_forward(torch.device("cuda")) == list(range(11))
-
-    assert_compiled_record_step_unchanged_by(tuned)

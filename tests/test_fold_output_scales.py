@@ -74,7 +74,7 @@ def test_training_with_folded_scales_follows_the_same_losses(tiny_data_dir, tmp_
         kernels = json.loads((tmp_path / setting / "summary.json").read_text())["kernels"]
         assert kernels == {"attn_backend": kernels["attn_backend"], "fused_mlp": "off", "keep_mlp_activation": "off",
                            "fold_output_scales": setting, "copy_kv_heads": "off",
-                           "fa4_forward_tiles": "own", "stack_qkv": "off", "fused_head_prep": "off",
+                           "stack_qkv": "off", "fused_head_prep": "off",
                            "fused_xsa": "off"}
     assert len(runs["on"]) == 4 and runs["on"] == pytest.approx(runs["off"], rel=1e-4)
     assert RunConfig.load(tmp_path / "on" / "config.json").train.fold_output_scales == "on"

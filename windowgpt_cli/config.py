@@ -213,12 +213,6 @@ class TrainConfig:
                                          "backward writes their gradients directly instead of summing each "
                                          "group's in float32 and converting them after. The same function, "
                                          "rounded otherwise. on, off, or auto: on.")
-    fa4_forward_tiles: str = setting("own", "FA4's forward tiles in the training step, where it runs: own (FA4's "
-                                            "choice, 192 queries x 128 keys at head_dim 64 on Hopper) or tuned "
-                                            "(on Hopper at head_dim 64 the tiles bench/fa4_forward_tiles.py timed "
-                                            "fastest on an H200: 192 x 64 for full causal layers, 128 x 96 for "
-                                            "windowed ones; elsewhere FA4's own). The same function, rounded "
-                                            "otherwise.")
     stack_qkv: str = setting("auto", "In the training step, each block's query, key and value matrices stacked "
                                     "into one product forward (the heads' kernels read its slices in place), "
                                     "which reads the normed input once where three products read it three "
@@ -681,9 +675,8 @@ def grad_accum_steps_for(cfg: RunConfig, world_size: int) -> int:
 
 # Settings that a resumed run may change: where its data lies and how it runs, never what it computes.
 RESUMABLE_SETTINGS = ("data_path", "tokenizer_path", "tokenizer_meta_path", "device", "cpu_threads", "attn_backend",
-                      "compile", "compile_tuning", "compile_mix_order", "compile_multi_kernel", "fa4_forward_tiles",
-                      "fp8_mlp_kernels", "micro_batches_per_pass", "sample_every", "sample_prompt", "logger",
-                      "keep_checkpoints")
+                      "compile", "compile_tuning", "compile_mix_order", "compile_multi_kernel", "fp8_mlp_kernels",
+                      "micro_batches_per_pass", "sample_every", "sample_prompt", "logger", "keep_checkpoints")
 
 
 # --- Presets ----------------------------------------------------------------------------
@@ -815,7 +808,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "fused_mlp": ("auto", "off", "triton", "quack"),
     "keep_mlp_activation": ("auto", "on", "off"),
     "copy_kv_heads": ("auto", "on", "off"),
-    "fa4_forward_tiles": ("own", "tuned"),
     "stack_qkv": ("auto", "on", "off"),
     "fold_output_scales": ("auto", "on", "off"),
     "fused_head_prep": ("auto", "on", "off"),

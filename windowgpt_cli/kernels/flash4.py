@@ -44,47 +44,21 @@ def _interface():
     return importlib.import_module("flash_attn.cute.interface")
 
 
-# FA4's forward tiles (queries, keys) that `bench/fa4_forward_tiles.py` timed fastest on an
-# H200 for one pass of the record step, by (head_dim, windowed), for Hopper. FA4's own, 192 x
-# 128 for both kinds of layer, took 1.280 and 1.075 ms a layer there; these 1.224 and 1.010.
-TUNED_FORWARD_TILES = {(64, False): (192, 64), (64, True): (128, 96)}
-OWN_TILES = (0, 0)  # FA4's own choice
-
-
-def tuned_forward_tiles(head_dim: int, windowed: bool, device: torch.device) -> tuple[int, int]:
-    """The forward tiles TUNED_FORWARD_TILES holds for a layer of this kind on this device;
-    OWN_TILES where it holds none (another head size, a GPU other than Hopper)."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
-        return OWN_TILES
-    return TUNED_FORWARD_TILES.get((head_dim, windowed), OWN_TILES)
-
-
 def _left(window: int) -> int | None:
     return None if window == FULL else window
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, window: int, tile_m: int, tile_n: int) -> tuple[Tensor, Tensor]:
-    """FA4's (out, lse), under tiles of tile_m queries and tile_n keys where they are not
-    OWN_TILES (through FA4's internal forward: its public function takes no tiles)."""
-    interface = _interface()
-    if (tile_m, tile_n) == OWN_TILES:
-        return interface.flash_attn_func(q, k, v, causal=True, window_size=(_left(window), None), return_lse=True)
-    out, lse, *_ = interface._flash_attn_fwd(q, k, v, causal=True, window_size_left=_left(window),
-                                             window_size_right=None, return_lse=True, tile_mn=(tile_m, tile_n))
+@torch.library.custom_op("windowgpt::fa4_attention", mutates_args=())
+def fa4_attention(q: Tensor, k: Tensor, v: Tensor, window: int) -> tuple[Tensor, Tensor]:
+    """q [B, T, H, D], k, v [B, T, Hkv, D]: (out [B, T, H, D], lse [B, H, T] float32) of
+    causal attention in which query i sees keys i - window .. i (all of them for FULL)."""
+    out, lse = _interface().flash_attn_func(q, k, v, causal=True, window_size=(_left(window), None),
+                                             return_lse=True)
     return out, lse
 
 
-@torch.library.custom_op("windowgpt::fa4_attention", mutates_args=())
-def fa4_attention(q: Tensor, k: Tensor, v: Tensor, window: int, tile_m: int = 0, tile_n: int = 0
-                  ) -> tuple[Tensor, Tensor]:
-    """q [B, T, H, D], k, v [B, T, Hkv, D]: (out [B, T, H, D], lse [B, H, T] float32) of
-    causal attention in which query i sees keys i - window .. i (all of them for FULL); the
-    forward under (tile_m, tile_n) tiles where they are not OWN_TILES."""
-    return _forward(q, k, v, window, tile_m, tile_n)
-
-
 @fa4_attention.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, window: int, tile_m: int = 0, tile_n: int = 0) -> tuple[Tensor, Tensor]:
+def _(q: Tensor, k: Tensor, v: Tensor, window: int) -> tuple[Tensor, Tensor]:
     b, t, h, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, h, t), dtype=torch.float32)
 
@@ -106,7 +80,7 @@ def _(dout, dlse, q, k, v, out, lse, window):
 
 
 def _setup(ctx, inputs, output) -> None:
-    q, k, v, window, *_ = inputs
+    q, k, v, window = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.window = window
@@ -117,28 +91,25 @@ def _backward(ctx, dout: Tensor | None, dlse: Tensor | None):
     dout = torch.zeros_like(out) if dout is None else dout
     dlse = torch.zeros_like(lse) if dlse is None else dlse  # an lse gradient of 0 changes nothing
     dq, dk, dv = fa4_attention_backward(dout, dlse, q, k, v, out, lse, ctx.window)
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None
 
 
 fa4_attention.register_autograd(_backward, setup_context=_setup)
 
 
 @torch.library.custom_op("windowgpt::fa4_window_sinks", mutates_args=())
-def fa4_window_sinks(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, tile_m: int = 0, tile_n: int = 0
-                     ) -> tuple[Tensor, Tensor]:
+def fa4_window_sinks(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int) -> tuple[Tensor, Tensor]:
     """(out, lse) of attention in which query i sees keys i - window .. i and the first
-    `sinks` keys (`attention.may_attend`'s rule, window > 0); FA4's forward under (tile_m,
-    tile_n) tiles where they are not OWN_TILES."""
+    `sinks` keys (`attention.may_attend`'s rule, window > 0)."""
     from .attention_sinks import merge_sinks_  # imports Triton
 
-    out, lse = _forward(q, k, v, window, tile_m, tile_n)
+    out, lse = _interface().flash_attn_func(q, k, v, causal=True, window_size=(window, None), return_lse=True)
     merge_sinks_(q, k, v, out, lse, window, sinks)
     return out, lse
 
 
 @fa4_window_sinks.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, tile_m: int = 0, tile_n: int = 0
-      ) -> tuple[Tensor, Tensor]:
+def _(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int) -> tuple[Tensor, Tensor]:
     b, t, h, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, h, t), dtype=torch.float32)
 
@@ -163,7 +134,7 @@ def _(dout, q, k, v, out, lse, window, sinks):
 
 
 def _setup_sinks(ctx, inputs, output) -> None:
-    q, k, v, window, sinks, *_ = inputs
+    q, k, v, window, sinks = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.window, ctx.sinks = window, sinks
@@ -173,7 +144,7 @@ def _backward_sinks(ctx, dout: Tensor | None, dlse: Tensor | None):
     q, k, v, out, lse = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout  # the lse is for the backward, not a result to train
     dq, dk, dv = fa4_window_sinks_backward(dout, q, k, v, out, lse, ctx.window, ctx.sinks)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None
 
 
 fa4_window_sinks.register_autograd(_backward_sinks, setup_context=_setup_sinks)

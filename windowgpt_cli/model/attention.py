@@ -93,20 +93,18 @@ def covers_everything(seq_len: int, window: int) -> bool:
     return window <= 0 or window + 1 >= seq_len
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, backend: str,
-              fa4_tiles: tuple[int, int] = (0, 0)) -> Tensor:
-    """fa4_tiles: FA4's forward tiles (queries, keys) where it runs; (0, 0): FA4's own choice."""
+def attention(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int, backend: str) -> Tensor:
     seq_len = q.shape[1]
     if covers_everything(seq_len, window):
         if backend in FA4_FULL_LAYERS:
-            return _fa4(q, k, v, None, fa4_tiles)[0]
+            return _fa4(q, k, v, window=None)[0]
         return _fa3(q, k, v) if backend == "fa3" else _sdpa(q, k, v, mask=None)
     if backend == "fa3":
         return _fa3_window_with_sinks(q, k, v, window, sinks)
     if backend == "fa4":
         if sinks <= 0:
-            return _fa4(q, k, v, window, fa4_tiles)[0]
-        return _fa4_window_sinks(q, k, v, window, sinks, fa4_tiles)
+            return _fa4(q, k, v, window)[0]
+        return _fa4_window_sinks(q, k, v, window, sinks)
     if runs_window_kernels(backend, eager_on_cuda=_eager_on_cuda(q)):
         return _triton_window(q, k, v, window, sinks)
     if backend == "flex":
@@ -246,21 +244,18 @@ def _fa3_window_with_sinks(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: 
 
 # --- FlashAttention-4 --------------------------------------------------------------------
 
-def _fa4(q: Tensor, k: Tensor, v: Tensor, window: int | None, tiles: tuple[int, int] = (0, 0)
-         ) -> tuple[Tensor, Tensor]:
-    """FA4's (output, log-sum-exp [B, H, T]) over the window (None: the whole causal prefix),
-    its forward under `tiles` ((0, 0): FA4's own)."""
+def _fa4(q: Tensor, k: Tensor, v: Tensor, window: int | None) -> tuple[Tensor, Tensor]:
+    """FA4's (output, log-sum-exp [B, H, T]) over the window (None: the whole causal prefix)."""
     from ..kernels.flash4 import FULL, fa4_attention  # imports flash_attn.cute at the first call
 
-    return fa4_attention(q, k, v, FULL if window is None else window, *tiles)
+    return fa4_attention(q, k, v, FULL if window is None else window)
 
 
-def _fa4_window_sinks(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int,
-                      tiles: tuple[int, int] = (0, 0)) -> Tensor:
+def _fa4_window_sinks(q: Tensor, k: Tensor, v: Tensor, window: int, sinks: int) -> Tensor:
     """FA4 over the window, the sinks outside it merged by Triton kernels (`kernels.flash4`)."""
     from ..kernels.flash4 import fa4_window_sinks  # imports flash_attn.cute at the first call
 
-    return fa4_window_sinks(q, k, v, window, sinks, *tiles)[0]
+    return fa4_window_sinks(q, k, v, window, sinks)[0]
 
 
 # --- Sink tokens beside a window kernel -----------------------------------------------------

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from ..config import ModelConfig, parameter_estimate
 from ..errors import ConfigError
 from ..runtime import matmul_dtype, memory_bytes
-from .attention import FA4_FULL_LAYERS, attention, attention_at, resolve_backend
+from .attention import attention, attention_at, resolve_backend
 from .ops import (TORCH_OPS, Residual, TorchOps, ValueInjection, embed_sum, gated_smear_with, pick_positions,
                   previous_positions, rms_norm, smear_with)
 from .rotary import rotary_inv_freq, rotary_magnitude, rotary_tables
@@ -78,7 +78,6 @@ class CausalSelfAttention(nn.Module):
                           if self.gate_width > 0 else None)
         self.backend = "sdpa"
         self.kv_copies = 1  # each key and value head handed to the attention this many times (`GPT.copy_kv_heads`)
-        self.fa4_tiles = (0, 0)  # FA4's forward tiles where it runs; (0, 0): its own (`GPT.tune_fa4_forward`)
         self.observer: LinearObserver | None = None
         self.adapter: LinearAdapter | None = None
         self.kv_cache: Any = None  # set during incremental decoding (`generate.decoding.StaticCache`)
@@ -114,7 +113,7 @@ class CausalSelfAttention(nn.Module):
         if self.kv_cache is not None:  # new positions against the cached ones
             y, v_q = self.kv_cache.attend(q, k, v, self.window, self.sinks), v_xsa
         elif queries is None:
-            y, v_q = attention(q, k, v, self.window, self.sinks, self.backend, self.fa4_tiles), v_xsa
+            y, v_q = attention(q, k, v, self.window, self.sinks, self.backend), v_xsa
             if rows is not None:
                 y, v_q = pick_positions(y, rows), pick_positions(v_xsa, rows)
         elif keys is None:
@@ -519,7 +518,7 @@ class GPT(nn.Module):
     def set_attention_backend(self, name: str, device: torch.device, training: bool = False) -> str:
         backend = resolve_backend(name, device, training)
         for block in self.blocks:
-            block.attn.backend, block.attn.kv_copies, block.attn.fa4_tiles = backend, 1, (0, 0)
+            block.attn.backend, block.attn.kv_copies = backend, 1
         return backend
 
     def copy_kv_heads(self) -> list[int]:
@@ -533,21 +532,6 @@ class GPT(nn.Module):
             attn = block.attn
             attn.kv_copies = group if attn.window > 0 and attn.backend == "fa4" else 1
         return [block.attn.layer for block in self.blocks if block.attn.kv_copies > 1]
-
-    def tune_fa4_forward(self, device: torch.device) -> list[int]:
-        """Has FA4's forward take the tiles `kernels.flash4.TUNED_FORWARD_TILES` holds for each
-        layer it runs (full causal layers on the backends fa4 and triton_fa4, windowed ones on
-        fa4) on this device, instead of its own choice; the same function. Returns those
-        layers (none where the table holds nothing for this device and head size). Undone by
-        `set_attention_backend`."""
-        from ..kernels.flash4 import tuned_forward_tiles  # imports no kernel package
-
-        for block in self.blocks:
-            attn = block.attn
-            windowed = attn.window > 0
-            if attn.backend == "fa4" or (not windowed and attn.backend in FA4_FULL_LAYERS):
-                attn.fa4_tiles = tuned_forward_tiles(attn.head_dim, windowed, device)
-        return [block.attn.layer for block in self.blocks if block.attn.fa4_tiles != (0, 0)]
 
     @property
     def attention_backend(self) -> str:

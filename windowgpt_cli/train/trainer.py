@@ -398,8 +398,6 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     model.set_attention_backend(cfg.train.attn_backend, ctx.device, training=True)
     if cfg.train.copy_kv_heads != "off":
         model.copy_kv_heads()
-    if cfg.train.fa4_forward_tiles == "tuned":
-        model.tune_fa4_forward(ctx.device)
     model.fused_loss = fused_loss_on(cfg, ctx.device)
     model.fold_output_scales = fold_output_scales_on(cfg, ctx.device)
     model.stack_qkv = stack_qkv_on(cfg, ctx.device)
@@ -904,15 +902,14 @@ def step_kernels(model: GPT) -> dict[str, str]:
     """What the training step runs where a setting may be auto: the attention's kernels (the
     first layer's backend), whose products the fused MLP runs (and whether quack's keep the
     forward's activation), whether the scales fold, whether windowed layers take copied key
-    heads, whose tiles FA4's forward takes, whether q, k and v are one product, whether the
-    heads' steps and XSA are fused ops."""
+    heads, whether q, k and v are one product, whether the heads' steps and XSA are fused
+    ops."""
     products = getattr(model.train_ops, "products", None)
     return {"attn_backend": model.blocks[0].attn.backend,
             "fused_mlp": products or "off",
             "keep_mlp_activation": "on" if products == "quack" and model.train_ops.keep_activation else "off",
             "fold_output_scales": "on" if model.fold_output_scales else "off",
             "copy_kv_heads": "on" if any(block.attn.kv_copies > 1 for block in model.blocks) else "off",
-            "fa4_forward_tiles": "tuned" if any(block.attn.fa4_tiles != (0, 0) for block in model.blocks) else "own",
             "stack_qkv": "on" if model.stack_qkv else "off",
             "fused_head_prep": "on" if getattr(model.train_ops, "fused_heads", None) is not None else "off",
             "fused_xsa": "on" if getattr(model.train_ops, "fused_output", None) is not None else "off"}
@@ -936,7 +933,7 @@ def describe(setup: Setup, log: RunLog) -> None:
              f"attn_backend:{kernels['attn_backend']}")
     log.line(" ".join(f"{name}:{kernels[name]}" for name in
                       ("fused_mlp", "keep_mlp_activation", "fold_output_scales", "copy_kv_heads",
-                       "fa4_forward_tiles", "stack_qkv", "fused_head_prep", "fused_xsa")))
+                       "stack_qkv", "fused_head_prep", "fused_xsa")))
     log.line(f"rank_seq_lens:{gather_from_ranks(setup.seq_len)}")
     log.line(f"train_batch_tokens:{cfg.train.train_batch_tokens} train_seq_len:{cfg.train.train_seq_len} "
              f"iterations:{cfg.train.iterations} warmup_steps:{cfg.train.warmup_steps} "
