@@ -121,9 +121,8 @@ def head_prep_backward(grad: Tensor, x: Tensor, cos: Tensor, sin: Tensor, gain: 
     x, x_stride = by_positions(x)
     _head_prep_backward_kernel[(triton.cdiv(b * t, launch.positions),)](
         grad.contiguous(), x, cos, sin, float32_values(gain, cos), dx, gain_rows, b * t, t, x_stride,
-        *head_table_strides(cos),
-        FLOAT32_EPS, heads, int(gain is not None), grad.size(2) // heads, HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1),
-        POSITIONS=launch.positions, num_warps=launch.warps)
+        *head_table_strides(cos), FLOAT32_EPS, heads, int(gain is not None), grad.size(2) // heads,
+        HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1), POSITIONS=launch.positions, num_warps=launch.warps)
     return dx, (gain_rows.view(-1, heads).sum(0) if gain is not None else None)
 
 

@@ -236,21 +236,21 @@ class _SplitLinear(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
         ctx.save_for_backward(x, weight)
         ctx.sizes = sizes
+        ctx.set_materialize_grads(False)  # a slice without a gradient takes no product back
         return tuple(F.linear(x, weight).split(sizes, dim=-1))
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None):
         x, weight = ctx.saved_tensors
-        dtype = next(g.dtype for g in grads if g is not None)  # the product's (autocast's, where it was on)
-        rows = x.to(dtype).flatten(0, -2)
         dx, dweight = None, []
-        for grad, matrix in zip(grads, weight.to(dtype).split(ctx.sizes)):
+        for grad, matrix in zip(grads, weight.split(ctx.sizes)):
             if grad is None:
                 dweight.append(torch.zeros_like(matrix))
                 continue
+            matrix, rows = matrix.to(grad.dtype), x.to(grad.dtype)  # as the product multiplied (autocast's dtype)
             dx = grad @ matrix if dx is None else dx + grad @ matrix
-            dweight.append(grad.flatten(0, -2).t() @ rows)
-        return dx.to(x.dtype), torch.cat(dweight).to(weight.dtype), None
+            dweight.append((grad.flatten(0, -2).t() @ rows.flatten(0, -2)).to(weight.dtype))
+        return (None if dx is None else dx.to(x.dtype)), torch.cat(dweight), None
 
 
 def split_linear(x: Tensor, weight: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
