@@ -21,7 +21,7 @@ interpret_kernels_without_cuda()
 
 from windowgpt_cli.config import RunConfig  # noqa: E402
 from windowgpt_cli.kernels import elementwise, elementwise_backward  # noqa: E402
-from windowgpt_cli.kernels.fused_heads import fused_head_prep  # noqa: E402
+from windowgpt_cli.kernels.fused_heads import fused_head_prep, fused_head_prep_pair  # noqa: E402
 from windowgpt_cli.train import trainer  # noqa: E402
 from windowgpt_cli.train.run import train  # noqa: E402
 
@@ -90,6 +90,31 @@ def test_a_slice_of_a_stacked_product_is_read_in_place_forward_and_back(monkeypa
     assert elementwise.by_positions(want.transpose(0, 1))[0].is_contiguous()  # positions unevenly spaced: copied
 
 
+@pytest.mark.parametrize("copies", [1, 2])
+def test_the_pair_op_gives_both_ops_steps_and_one_gradient_for_the_stacked_slice(copies, monkeypatch):
+    """Queries (4 heads) and keys (2) of a stacked product's slice, its values beside them."""
+    _, gain, cos, sin = heads()
+    stacked = torch.randn(2, 24, 8 * 16, generator=torch.Generator().manual_seed(6))
+    launches: list[str] = []
+    count_launches(monkeypatch, elementwise_backward, "_head_prep_backward_kernel", launches)
+
+    def pair(fn):
+        return lambda s, g: torch.cat(fn(s[..., :96].unflatten(-1, (6, 16)), cos, sin, ROPE_DIMS, g, 4, copies),
+                                      2) * g.sum()
+
+    out, grads = output_and_grads(pair(fused_head_prep_pair), stacked, gain)
+    assert out.shape == (2, 24, 4 + 2 * copies, 16) and launches == ["_head_prep_backward_kernel"] * 2
+    want, want_grads = output_and_grads(pair(TORCH_OPS.head_prep_pair), stacked, gain)
+    assert close(out, want, 1e-5) and all(close(a, b, 1e-5) for a, b in zip(grads, want_grads))
+    assert grads[0][..., 96:].abs().max() == 0  # the values' columns
+    x = stacked[..., :96].unflatten(-1, (6, 16))
+    tables = elementwise.head_tables(x, cos, sin, ROPE_DIMS)
+    grad_q, grad_k = torch.randn(2, 24, 4, 16), torch.randn(2, 24, 2 * copies, 16)
+    dx, _ = torch.ops.windowgpt.head_prep_pair_backward(grad_q, grad_k, x, *tables, gain, 4)
+    assert dx.shape == x.shape and dx.is_contiguous()  # one tensor for the slice: one operand for the product back
+    assert torch.equal(dx[:, :, 4:], elementwise_backward.head_prep_backward(grad_k, x[:, :, 4:], *tables, None)[0])
+
+
 def test_in_bfloat16_the_op_keeps_the_dtype_and_stays_within_rounding():
     x, gain, cos, sin = heads()
     out, (dx, dgain) = output_and_grads(lambda x, g: fused_head_prep(x, cos, sin, ROPE_DIMS, g), x.bfloat16(), gain)
@@ -116,6 +141,24 @@ def test_inside_a_compiled_function_the_op_stays_one_graph():
                              fullgraph=True)
     out, grads = output_and_grads(compiled, x, gain)
     want, want_grads = output_and_grads(lambda x, g: TORCH_OPS.head_prep(x * 2, cos, sin, ROPE_DIMS, g), x, gain)
+    assert counter.frame_count == 1
+    assert close(out, want, 1e-5) and all(close(a, b, 1e-5) for a, b in zip(grads, want_grads))
+
+
+def test_inside_a_compiled_function_the_pair_op_stays_one_graph():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    _, gain, cos, sin = heads()
+    x = torch.randn(2, 24, 6, 16, generator=torch.Generator().manual_seed(7))
+    ops, counter = with_heads(), CompileCounterWithBackend("aot_eager")
+    ops.fused_head_pair = fused_head_prep_pair
+    torch._dynamo.reset()
+
+    def pair(ops):
+        return lambda x, g: torch.cat(ops.head_prep_pair(x * 2, cos, sin, ROPE_DIMS, g, 4, 2), 2)
+
+    out, grads = output_and_grads(torch.compile(pair(ops), backend=counter, fullgraph=True), x, gain)
+    want, want_grads = output_and_grads(pair(TORCH_OPS), x, gain)
     assert counter.frame_count == 1
     assert close(out, want, 1e-5) and all(close(a, b, 1e-5) for a, b in zip(grads, want_grads))
 

@@ -1,10 +1,12 @@
 """`train --stack-qkv` (auto: on a CUDA device): each block's query, key and value matrices
 as one product in the training forward, its slices read in place by the heads' steps, each
-slice's gradient back through its own matrix. The same loss and gradients as three products
-(here in float32, where only rounding differs), with torch's steps and with the fused heads'
-op, compiled into one graph, and a run that says which it took."""
+slice's gradient back through its own matrix; with `qk`, the queries' and keys' steps one op
+whose gradient is one slice. The same loss and gradients as three products (here in float32,
+where only rounding differs), with torch's steps, the fused heads' op and the pair op,
+compiled into one graph, and a run that says which it took."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -15,6 +17,7 @@ from windowgpt_cli.config import RunConfig
 from windowgpt_cli.model import ops as ops_module
 from windowgpt_cli.model.ops import TorchOps
 from windowgpt_cli.train.run import train
+from windowgpt_cli.train import trainer
 from windowgpt_cli.train.trainer import stack_qkv_on
 
 from conftest import interpret_kernels_without_cuda
@@ -23,7 +26,7 @@ from test_train import metrics, tiny_cfg
 
 interpret_kernels_without_cuda()
 
-from windowgpt_cli.kernels.fused_heads import fused_head_prep  # noqa: E402
+from windowgpt_cli.kernels.fused_heads import fused_head_prep, fused_head_prep_pair  # noqa: E402
 
 
 def loss_and_gradients(model, stack: bool, ops: TorchOps | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -35,28 +38,38 @@ def loss_and_gradients(model, stack: bool, ops: TorchOps | None) -> tuple[torch.
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def fused_heads_ops() -> TorchOps:
+def fused_heads_ops(pair: bool = False) -> TorchOps:
     ops = TorchOps()
     ops.fused_heads = fused_head_prep
+    ops.fused_head_pair = fused_head_prep_pair if pair else None
     return ops
 
 
 @pytest.mark.usefixtures("interpreter_fixes")
-@pytest.mark.parametrize("ops", [None, "fused heads"])
+@pytest.mark.parametrize("ops", [None, "fused heads", "fused pair"])
 def test_one_stacked_product_gives_the_same_loss_and_gradients(ops, monkeypatch):
     model = perturbed_tiny()
-    widths = []
+    widths, pairs = [], []
     original = F.linear
     monkeypatch.setattr(ops_module.F, "linear", lambda x, w, *a: widths.append(w.size(0)) or original(x, w, *a))
-    plain_loss, plain = loss_and_gradients(model, False, fused_heads_ops() if ops else None)
+    original_pair, original_split = TorchOps.head_prep_pair, TorchOps.split_product
+    monkeypatch.setattr(TorchOps, "head_prep_pair", lambda self, x, *a: pairs.append(x.shape) or original_pair(
+        self, x, *a))
+    splits = []
+    monkeypatch.setattr(TorchOps, "split_product", lambda self, x, w, sizes, kind: splits.append(len(sizes)) or
+                        original_split(self, x, w, sizes, kind))
+    plain_loss, plain = loss_and_gradients(model, False, fused_heads_ops(ops == "fused pair") if ops else None)
     plain_widths = list(widths)
     widths.clear()
-    stacked_loss, stacked = loss_and_gradients(model, True, fused_heads_ops() if ops else None)
+    assert not pairs  # three products: nothing to pair
+    stacked_loss, stacked = loss_and_gradients(model, True, fused_heads_ops(ops == "fused pair") if ops else None)
     cfg = model.cfg
     qkv = cfg.model_dim + 2 * cfg.kv_dim
     assert plain_widths.count(cfg.kv_dim) == 2 * cfg.num_layers and cfg.kv_dim not in widths  # no key, value products
     assert widths.count(qkv) == plain_widths.count(qkv) + cfg.num_layers  # but one a block for the three
     assert len(widths) == len(plain_widths) - 2 * cfg.num_layers
+    assert len(pairs) == (cfg.num_layers if ops == "fused pair" else 0)
+    assert splits == [2 if ops == "fused pair" else 3] * cfg.num_layers  # (q and k, v) or (q, k, v)
     assert torch.allclose(stacked_loss, plain_loss, rtol=1e-5)
     assert stacked.keys() == plain.keys() and {"qo_bank", "kv_bank", "blocks.0.attn.q_gain"} <= stacked.keys()
     for name, grad in plain.items():
@@ -75,6 +88,7 @@ def test_a_run_with_stacked_products_follows_the_same_losses_and_says_so(tiny_da
     assert RunConfig.load(tmp_path / "on" / "config.json").train.stack_qkv == "on"
     cfg = RunConfig()
     assert cfg.train.stack_qkv == "auto"
+    assert stack_qkv_on(RunConfig(train=dataclasses.replace(cfg.train, stack_qkv="qk")), torch.device("cpu"))
     assert stack_qkv_on(cfg, torch.device("cuda")) and not stack_qkv_on(cfg, torch.device("cpu"))
     for setting, stacks in (("on", True), ("off", False)):
         cfg.train.stack_qkv = setting
@@ -85,21 +99,23 @@ def test_a_run_with_stacked_products_follows_the_same_losses_and_says_so(tiny_da
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_compiled_record_step_with_stacked_products_gives_the_same_loss_and_gradients():
     """The record model's compiled step, the heads' steps as the fused op (whose kernels then
-    read the stacked product's slices in place), with three products and with one: the loss
-    within 1e-3 and the banks' gradients within 2% of their size."""
+    read the stacked product's slices in place), with three products, with one, and with one
+    whose queries and keys go through the pair op: the loss within 1e-3 and the banks'
+    gradients within 2% of their size."""
     from conftest import bank_grads, compiled_step_on_cuda
 
-    def stacked(stack: bool):
+    def stacked(stack: bool, pair: bool = False):
         def change(model):
-            model.train_ops, model.stack_qkv = fused_heads_ops(), stack
+            model.train_ops, model.stack_qkv = fused_heads_ops(pair), stack
         return change
 
     windows = {"window_attn_size": 512, "num_sink_tokens": 4, "window_attn_layers": (2, 4, 6, 8, 10)}
-    (loss, grads), (stacked_loss, stacked_grads) = compiled_step_on_cuda(
-        [stacked(False), stacked(True)], bank_grads, model_changes=windows, training_backend=True)
-    assert abs(loss - stacked_loss) <= 1e-3
-    for grad, stacked_grad in zip(grads, stacked_grads):
-        assert (grad - stacked_grad).abs().max() <= 0.02 * grad.abs().max()
+    (loss, grads), *others = compiled_step_on_cuda([stacked(False), stacked(True), stacked(True, pair=True)],
+                                                   bank_grads, model_changes=windows, training_backend=True)
+    for stacked_loss, stacked_grads in others:
+        assert abs(loss - stacked_loss) <= 1e-3
+        for grad, stacked_grad in zip(grads, stacked_grads):
+            assert (grad - stacked_grad).abs().max() <= 0.02 * grad.abs().max()
 
 
 def test_the_split_product_takes_each_slices_gradient_through_its_own_matrix(monkeypatch):
@@ -139,3 +155,21 @@ def test_the_split_product_compiles_into_one_graph():
     want = x.detach().clone().requires_grad_(True)
     sum(t.relu().sum() for t in F.linear(want * 2, weight).split((6, 4, 2), -1)).backward()
     assert counter.frame_count == 1 and torch.allclose(x.grad, want.grad, atol=1e-5)
+
+
+@pytest.mark.parametrize("setting, paired", [("auto", False), ("on", False), ("qk", True)])
+def test_qk_pairs_the_heads_steps_where_the_fused_heads_run(setting, paired, monkeypatch):
+    model = perturbed_tiny()
+    cfg = RunConfig(train=dataclasses.replace(RunConfig().train, stack_qkv=setting))
+    monkeypatch.setattr(trainer, "triton_available", lambda device: True)
+    cuda = torch.device("cuda")
+    model.stack_qkv = stack_qkv_on(cfg, cuda)
+    trainer.set_fused_ops(model, cfg, cuda)
+    assert (model.train_ops.fused_head_pair is fused_head_prep_pair) == paired
+    assert trainer.stacked_as(model) == ("qk" if paired else "on")
+    cfg.train.fused_head_prep = "off"  # no fused heads: nothing to pair
+    model.train_ops = None
+    trainer.set_fused_ops(model, cfg, cuda)
+    assert trainer.stacked_as(model) == "on"
+    model.stack_qkv = False
+    assert trainer.stacked_as(model) == "off"

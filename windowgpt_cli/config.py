@@ -218,8 +218,10 @@ class TrainConfig:
                                     "which reads the normed input once where three products read it three "
                                     "times; backward each slice's gradient goes through its own matrix, as "
                                     "with three products (joined, the three would be copied into one tensor "
-                                    "as wide as the product). The same function, rounded otherwise. on, off, "
-                                    "or auto: on for a CUDA device.")
+                                    "as wide as the product). qk: on, and with fused_head_prep the queries' and "
+                                    "keys' steps one op, whose gradient is one tensor for one product back "
+                                    "(two in all, the values' the other). The same function, rounded "
+                                    "otherwise. on, off, qk, or auto: on for a CUDA device.")
     fold_output_scales: str = setting("auto", "In the training step, each block's attention and MLP output "
                                               "scales multiplied into the rows of their output projections (a "
                                               "product over [dim x width] weights) instead of into the "
@@ -808,7 +810,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "fused_mlp": ("auto", "off", "triton", "quack"),
     "keep_mlp_activation": ("auto", "on", "off"),
     "copy_kv_heads": ("auto", "on", "off"),
-    "stack_qkv": ("auto", "on", "off"),
+    "stack_qkv": ("auto", "on", "off", "qk"),
     "fold_output_scales": ("auto", "on", "off"),
     "fused_head_prep": ("auto", "on", "off"),
     "fused_xsa": ("auto", "on", "off"),

@@ -36,17 +36,18 @@ from .elementwise import (
 
 @triton.jit(do_not_specialize=["positions", "heads", "has_gain", "rows_per_seq", "copies"])
 def _head_prep_backward_kernel(grad_ptr, x_ptr, cos_ptr, sin_ptr, gain_ptr, dx_ptr, gain_rows_ptr, positions,
-                               rows_per_seq, x_stride, cos_seq_stride, cos_row_stride, eps, heads, has_gain, copies,
-                               HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr, POSITIONS: tl.constexpr):
+                               rows_per_seq, x_stride, dx_stride, cos_seq_stride, cos_row_stride, eps, heads,
+                               has_gain, copies, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr,
+                               POSITIONS: tl.constexpr):
     """The gradient of `_head_prep_kernel` (of its `copies` copies of each head, whose
     gradients add up) for every head at POSITIONS positions: with respect to x (stored in
     dx's dtype) and, if has_gain, each row's (head's at a position) share of its head's gain
-    gradient (float32). x's positions lie x_stride elements apart, as in the forward."""
+    gradient (float32). x's positions lie x_stride elements apart, as in the forward, and dx's
+    dx_stride (a slice of a gradient that holds other heads too)."""
     position, col, live, seq, pos = head_positions(positions, rows_per_seq, HEAD_DIM, POSITIONS)
     cos, sin = rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_stride, ROPE_HALF)
     for head in range(heads):
         row = position * heads + head
-        offsets = row * HEAD_DIM + col
         x = tl.load(x_ptr + position * x_stride + head * HEAD_DIM + col, mask=live, other=0.0).to(tl.float32)
         grad = tl.zeros((POSITIONS, HEAD_DIM), dtype=tl.float32)
         for copy in range(copies):
@@ -63,7 +64,7 @@ def _head_prep_backward_kernel(grad_ptr, x_ptr, cos_ptr, sin_ptr, gain_ptr, dx_p
                                ROPE_HALF)
         # the norm's: (g - normed * mean(g * normed)) / rms
         dx = inv_rms * (grad_normed - normed * (tl.sum(grad_normed * normed, axis=1) / HEAD_DIM)[:, None])
-        tl.store(dx_ptr + offsets, dx, mask=live)
+        tl.store(dx_ptr + position * dx_stride + head * HEAD_DIM + col, dx, mask=live)
 
 
 @triton.jit
@@ -112,15 +113,19 @@ def _leaky_square_grad_matmul_kernel(g_desc, w_desc, h_desc, out_desc, rows, col
 # --- Launches ----------------------------------------------------------------------------
 
 def head_prep_backward(grad: Tensor, x: Tensor, cos: Tensor, sin: Tensor, gain: Tensor | None,
-                       launch: HeadLaunch = HEAD_LAUNCH) -> tuple[Tensor, Tensor | None]:
+                       launch: HeadLaunch = HEAD_LAUNCH, dx: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(the gradient with respect to x, and to gain if given) of `kernels.head_prep`, from
-    the gradient of its result (of `copies` times x's heads: grad's heads say how many)."""
+    the gradient of its result (of `copies` times x's heads: grad's heads say how many). dx:
+    where to store x's gradient (x's shape, its positions evenly spaced: `by_positions`), e.g.
+    a slice of one gradient for several ops' heads; a new tensor if None."""
     b, t, heads, head_dim = x.shape
-    dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    dx = torch.empty(x.shape, device=x.device, dtype=x.dtype) if dx is None else dx
+    if by_positions(dx)[0] is not dx or dx.shape != x.shape:
+        raise ValueError(f"dx {tuple(dx.shape)}, strides {dx.stride()}: not x's shape with evenly spaced positions")
     gain_rows = torch.empty(b * t * heads, device=x.device, dtype=torch.float32) if gain is not None else cos
     x, x_stride = by_positions(x)
     _head_prep_backward_kernel[(triton.cdiv(b * t, launch.positions),)](
-        grad.contiguous(), x, cos, sin, float32_values(gain, cos), dx, gain_rows, b * t, t, x_stride,
+        grad.contiguous(), x, cos, sin, float32_values(gain, cos), dx, gain_rows, b * t, t, x_stride, dx.stride(1),
         *head_table_strides(cos), FLOAT32_EPS, heads, int(gain is not None), grad.size(2) // heads,
         HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1), POSITIONS=launch.positions, num_warps=launch.warps)
     return dx, (gain_rows.view(-1, heads).sum(0) if gain is not None else None)

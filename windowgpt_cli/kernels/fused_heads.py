@@ -7,8 +7,12 @@ back, on a tensor as large as the residual stream. For attention handed keys of 
 heads as queries, the forward stores each key head once per query head of its group and the
 backward adds up their gradients, with no pass of their own.
 
-A custom op, opaque to torch.compile (its fake implementation gives the shapes), with its own
-backward op, so a compiled step keeps one graph; eager test-time training runs the same op.
+`fused_head_prep_pair` takes the queries and the keys of one stacked product's slice (their
+heads side by side) as one op whose backward stores both gradients in one tensor, the slice's
+gradient: so the product back takes them as one operand, and nothing copies them together.
+
+Each a custom op, opaque to torch.compile (its fake implementation gives the shapes), with its
+own backward op, so a compiled step keeps one graph; eager test-time training runs the same op.
 Importing this module imports Triton.
 """
 from __future__ import annotations
@@ -68,3 +72,58 @@ def fused_head_prep(x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: T
     if tables is None:
         return None
     return _head_prep_op(x, *tables, gain, copies)
+
+
+@torch.library.custom_op("windowgpt::head_prep_pair", mutates_args=())
+def _head_prep_pair_op(x: Tensor, cos: Tensor, sin: Tensor, gain: Optional[Tensor], q_heads: int,
+                       copies: int) -> tuple[Tensor, Tensor]:
+    return (head_prep(x[:, :, :q_heads], cos, sin, gain, x.dtype),
+            head_prep(x[:, :, q_heads:], cos, sin, None, x.dtype, copies=copies))
+
+
+@_head_prep_pair_op.register_fake
+def _head_prep_pair_shapes(x, cos, sin, gain, q_heads, copies):
+    b, t, heads, head_dim = x.shape
+    return x.new_empty(b, t, q_heads, head_dim), x.new_empty(b, t, (heads - q_heads) * copies, head_dim)
+
+
+@torch.library.custom_op("windowgpt::head_prep_pair_backward", mutates_args=())
+def _head_prep_pair_backward_op(grad_q: Tensor, grad_k: Tensor, x: Tensor, cos: Tensor, sin: Tensor,
+                                gain: Optional[Tensor], q_heads: int) -> tuple[Tensor, Tensor]:
+    dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    _, dgain = head_prep_backward(grad_q, x[:, :, :q_heads], cos, sin, gain, dx=dx[:, :, :q_heads])
+    head_prep_backward(grad_k, x[:, :, q_heads:], cos, sin, None, dx=dx[:, :, q_heads:])
+    return dx, (dgain if dgain is not None else cos.new_empty(0))
+
+
+@_head_prep_pair_backward_op.register_fake
+def _head_prep_pair_backward_shapes(grad_q, grad_k, x, cos, sin, gain, q_heads):
+    return x.new_empty(x.shape), (gain.new_empty(gain.shape) if gain is not None else cos.new_empty(0))
+
+
+def _save_pair_for_backward(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs[:4])
+    ctx.q_heads = inputs[4]
+    ctx.shapes = tuple(out.shape for out in output)
+
+
+def _head_prep_pair_grads(ctx, grad_q, grad_k):
+    x, cos, sin, gain = ctx.saved_tensors
+    grad_q, grad_k = (x.new_zeros(shape) if grad is None else grad for grad, shape in zip((grad_q, grad_k), ctx.shapes))
+    dx, dgain = _head_prep_pair_backward_op(grad_q, grad_k, x, cos, sin, gain, ctx.q_heads)
+    return dx, None, None, (dgain if gain is not None else None), None, None
+
+
+_head_prep_pair_op.register_autograd(_head_prep_pair_grads, setup_context=_save_pair_for_backward)
+
+
+def fused_head_prep_pair(x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None, q_heads: int,
+                         copies: int = 1) -> tuple[Tensor, Tensor] | None:
+    """`model.ops.TorchOps.head_prep_pair` of x [B, T, q_heads + key heads, D] as one fused op:
+    (the queries, the first q_heads heads, with gain; the keys, each `copies` times), in x's
+    dtype, differentiable in x (one gradient tensor, x's shape) and gain; None where the
+    kernels cannot take x's heads."""
+    tables = head_tables(x, cos, sin, rope_dims)
+    if tables is None:
+        return None
+    return _head_prep_pair_op(x, *tables, gain, q_heads, copies)

@@ -93,23 +93,33 @@ class CausalSelfAttention(nn.Module):
         b, t, dim = x.shape
         self._observe(("c_q", "c_k", "c_v"), x)
         x_q = x if queries is None else pick_positions(x, queries)
-        if k_w is None:  # q_w stacks the q, k and v matrices (`GPT.layer_weights`): one product for the three
+        # q_w may stack the q, k and v matrices (`GPT.layer_weights`: k_w None): one product for the three, whose
+        # queries and keys then go through one step together where the ops have one (`TorchOps.head_prep_pair`)
+        paired = k_w is None and queries is None and self.adapter is None and ops.fused_head_pair is not None
+        if paired:
+            q_size, k_size, v_size = self.projection_sizes
+            qk, v = ops.split_product(x, q_w, (q_size + k_size, v_size), "attention")
+        elif k_w is None:
             q, k, v = self._adapted_qkv(x, x, *ops.split_product(x, q_w, self.projection_sizes, "attention"))
             q = q if queries is None else pick_positions(q, queries)
         else:
             q, k, v = (ops.product(x_q, q_w, "attention"), ops.product(x, k_w, "attention"),
                        ops.product(x, v_w, "attention"))
             q, k, v = self._adapted_qkv(x_q, x, q, k, v)
-        q = q.reshape(b, x_q.size(1), self.num_heads, self.head_dim)
-        k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
         v, v_xsa = ops.values(v, v_embed)
         v, v_xsa = (values.reshape(b, t, self.num_kv_heads, self.head_dim) for values in (v, v_xsa))
         copies = self.kv_copies if queries is None and self.kv_cache is None else 1
         v = v if copies == 1 else v.repeat_interleave(copies, dim=2)  # XSA keeps v_xsa's heads
         cos, sin = rotary
-        k = ops.head_prep(k, cos, sin, self.rope_dims, None, copies)
-        q_cos, q_sin = (cos, sin) if queries is None else (table_rows(cos, queries), table_rows(sin, queries))
-        q = ops.head_prep(q, q_cos, q_sin, self.rope_dims, self.q_gain)
+        if paired:
+            q, k = ops.head_prep_pair(qk.unflatten(-1, (self.num_heads + self.num_kv_heads, self.head_dim)), cos, sin,
+                                      self.rope_dims, self.q_gain, self.num_heads, copies)
+        else:
+            k = ops.head_prep(k.reshape(b, t, self.num_kv_heads, self.head_dim), cos, sin, self.rope_dims, None,
+                              copies)
+            q_cos, q_sin = (cos, sin) if queries is None else (table_rows(cos, queries), table_rows(sin, queries))
+            q = ops.head_prep(q.reshape(b, x_q.size(1), self.num_heads, self.head_dim), q_cos, q_sin, self.rope_dims,
+                              self.q_gain)
         if self.kv_cache is not None:  # new positions against the cached ones
             y, v_q = self.kv_cache.attend(q, k, v, self.window, self.sinks), v_xsa
         elif queries is None:

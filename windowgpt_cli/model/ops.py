@@ -103,12 +103,14 @@ class TorchOps:
 
     x0 (the embedding every block mixes in) is whatever `embed` returns: here a tensor.
 
-    fused_heads and fused_output: where set (training sets them,
-    `kernels.fused_heads.fused_head_prep`, `kernels.attention_output.fused_attention_output`),
-    the ops that `head_prep` and `attention_output` run instead of torch's steps, for the
-    tensors they take (they return None for the others)."""
+    fused_heads, fused_head_pair and fused_output: where set (training sets them,
+    `kernels.fused_heads.fused_head_prep` and `fused_head_prep_pair`,
+    `kernels.attention_output.fused_attention_output`), the ops that `head_prep`,
+    `head_prep_pair` and `attention_output` run instead of torch's steps, for the tensors they
+    take (they return None for the others)."""
 
     fused_heads: Callable[[Tensor, Tensor, Tensor, int, Tensor | None, int], Tensor | None] | None = None
+    fused_head_pair: Callable[..., tuple[Tensor, Tensor] | None] | None = None
     fused_output: Callable[[Tensor, Tensor, Tensor | None], Tensor | None] | None = None
 
     def embed(self, ids: Tensor, table: Tensor, bigram: Tensor | None, bigram_scale: Tensor | None,
@@ -181,6 +183,19 @@ class TorchOps:
         x = apply_rotary(x, cos.to(dtype=x.dtype), sin.to(dtype=x.dtype), rope_dims)
         x = x if gain is None else x * gain.to(dtype=x.dtype)[None, None, :, None]
         return x if copies == 1 else x.repeat_interleave(copies, dim=2)
+
+    def head_prep_pair(self, x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None,
+                       q_heads: int, copies: int = 1) -> tuple[Tensor, Tensor]:
+        """`head_prep` of the queries and the keys of x [B, T, q_heads + key heads, D] (a
+        stacked product's slice, the queries' heads first): (the queries with gain, the keys
+        `copies` times over). Through `fused_head_pair` where set: one op, whose gradient is
+        one tensor of x's shape."""
+        if self.fused_head_pair is not None:
+            fused = self.fused_head_pair(x, cos, sin, rope_dims, gain, q_heads, copies)
+            if fused is not None:
+                return fused
+        return (self.head_prep(x[:, :, :q_heads], cos, sin, rope_dims, gain),
+                self.head_prep(x[:, :, q_heads:], cos, sin, rope_dims, None, copies))
 
     def exclude_self_value(self, y: Tensor, v: Tensor) -> Tensor:
         return exclude_self_value(y, v)

@@ -261,9 +261,9 @@ def fold_output_scales_on(cfg: RunConfig, device: torch.device) -> bool:
 
 
 def stack_qkv_on(cfg: RunConfig, device: torch.device) -> bool:
-    """Whether the training step makes each block's q, k and v in one product (`stack_qkv`;
-    auto: on a CUDA device, where it shortens the step)."""
-    return cfg.train.stack_qkv == "on" or (cfg.train.stack_qkv == "auto" and device.type == "cuda")
+    """Whether the training step makes each block's q, k and v in one product (`stack_qkv`
+    on or qk; auto: on a CUDA device, where it shortens the step)."""
+    return cfg.train.stack_qkv in ("on", "qk") or (cfg.train.stack_qkv == "auto" and device.type == "cuda")
 
 
 def fused_op_on(asked: str, device: torch.device) -> bool:
@@ -278,10 +278,11 @@ def set_fused_ops(model: GPT, cfg: RunConfig, device: torch.device) -> None:
     if not (heads or output):
         return
     from ..kernels.attention_output import fused_attention_output  # imports Triton: only when used
-    from ..kernels.fused_heads import fused_head_prep
+    from ..kernels.fused_heads import fused_head_prep, fused_head_prep_pair
 
     model.train_ops = model.train_ops or TorchOps()
     model.train_ops.fused_heads = fused_head_prep if heads else None
+    model.train_ops.fused_head_pair = fused_head_prep_pair if heads and cfg.train.stack_qkv == "qk" else None
     model.train_ops.fused_output = fused_attention_output if output else None
 
 
@@ -910,9 +911,17 @@ def step_kernels(model: GPT) -> dict[str, str]:
             "keep_mlp_activation": "on" if products == "quack" and model.train_ops.keep_activation else "off",
             "fold_output_scales": "on" if model.fold_output_scales else "off",
             "copy_kv_heads": "on" if any(block.attn.kv_copies > 1 for block in model.blocks) else "off",
-            "stack_qkv": "on" if model.stack_qkv else "off",
+            "stack_qkv": stacked_as(model),
             "fused_head_prep": "on" if getattr(model.train_ops, "fused_heads", None) is not None else "off",
             "fused_xsa": "on" if getattr(model.train_ops, "fused_output", None) is not None else "off"}
+
+
+def stacked_as(model: GPT) -> str:
+    """How the training step makes q, k and v (`stack_qkv`): off (three products), on (one),
+    qk (one, the queries' and keys' steps one op)."""
+    if not model.stack_qkv:
+        return "off"
+    return "qk" if getattr(model.train_ops, "fused_head_pair", None) is not None else "on"
 
 
 def describe(setup: Setup, log: RunLog) -> None:
