@@ -727,6 +727,9 @@ class Trainer:
             needs = ("Triton and a GPU with TMA, Hopper or later" if t.fused_mlp == "triton"
                      else "a Hopper or Blackwell GPU")
             self.log.line(f"fused_mlp: off on this device (its {t.fused_mlp} products need {needs})")
+        if t.stack_qkv == "qk" and stacked_as(s.model) != "qk":
+            self.log.line("stack_qkv: on, not qk (the queries' and keys' steps run as one op only where the fused "
+                          "heads' op runs: fused_head_prep, CUDA and Triton)")
         if fp8_kinds(s.cfg) and s.model.train_ops is None:
             asked = " and ".join(f"fp8_{kind}" for kind in fp8_kinds(s.cfg))
             self.log.line(f"{asked}: off on this device (float8 products need a GPU of compute capability 8.9 or "
