@@ -478,3 +478,39 @@ def test_a_candidates_error_is_its_first_line_without_terminal_colours():
     error = RuntimeError("\x1b[91m\x1b[1merror[CUDA_LAUNCH_INVALID_CONFIG]:\x1b[0m launch failed\nmore detail")
     assert one_pass.error_line(error) == "RuntimeError: error[CUDA_LAUNCH_INVALID_CONFIG]: launch failed"
     assert one_pass.error_line(AssertionError()) == "AssertionError: "
+
+
+def test_the_epilogues_permuted_product_gives_the_models_queries_and_keys_back():
+    """bench/qkv_epilogue_speed.py's layout, in torch: the q and k rows permuted within each
+    head, the columns scaled and adjacent pairs turned as the epilogue does, then put back in
+    the model's order, give the model's heads' steps (norm, rotation, gain) and the values as
+    they were."""
+    import torch
+
+    import qkv_epilogue_speed as bench
+    from windowgpt_cli.model.ops import TORCH_OPS
+    from windowgpt_cli.model.rotary import rotary_inv_freq, rotary_tables
+
+    heads, kv_heads, head_dim, rope_dims, t = 4, 2, 16, 8, 12
+    g = torch.Generator().manual_seed(3)
+    pre = torch.randn(2 * t, (heads + 2 * kv_heads) * head_dim, generator=g)
+    gain = torch.rand(heads, generator=g) + 0.5
+    inv_freq = rotary_inv_freq(rope_dims, 10000.0, t, t)
+    cos, sin = rotary_tables(t, inv_freq)
+    q_width, k_width = heads * head_dim, kv_heads * head_dim
+    want_q = TORCH_OPS.head_prep(pre[:, :q_width].view(2, t, heads, head_dim), cos, sin, rope_dims, gain)
+    want_k = TORCH_OPS.head_prep(pre[:, q_width:q_width + k_width].view(2, t, kv_heads, head_dim), cos, sin,
+                                 rope_dims, None)
+    rows = bench.interleaved_rows(heads + kv_heads, head_dim, rope_dims // 2)
+    assert sorted(rows.tolist()) == list(range(q_width + k_width)) and rows[:2].tolist() == [rope_dims // 2, 0]
+    a, b = bench.column_scales(gain, kv_heads, head_dim)
+    frequencies = bench.pair_frequencies(inv_freq, heads, kv_heads, head_dim)
+    permuted = torch.cat((pre[:, rows], pre[:, q_width + k_width:]), 1)
+    got = bench.model_order(bench.epilogue_reference(permuted, torch.arange(2 * t) % t, frequencies, a, b, head_dim),
+                            rows)
+    assert torch.allclose(got[:, :q_width], want_q.reshape(2 * t, -1), atol=1e-5)
+    assert torch.allclose(got[:, q_width:q_width + k_width], want_k.reshape(2 * t, -1), atol=1e-5)
+    assert torch.allclose(got[:, q_width + k_width:], pre[:, q_width + k_width:], atol=1e-6)
+    wrong = bench.model_order(bench.epilogue_reference(permuted, torch.arange(2 * t) % t, -frequencies, a, b,
+                                                       head_dim), rows)
+    assert not torch.allclose(wrong[:, :q_width], want_q.reshape(2 * t, -1), atol=1e-3)  # the turn's sense matters
