@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DOCUMENTS = sorted([REPO / "README.md", *REPO.glob("docs/*.md"), *REPO.glob("*/README.md")])
+DOCUMENTS = sorted([REPO / "README.md", *REPO.glob("docs/*.md"),  # not a hidden folder's (pytest's cache has one)
+                    *(p for p in REPO.glob("*/README.md") if not p.parent.name.startswith("."))])
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 CODE = re.compile(r"`[^`]*`")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.DOTALL | re.MULTILINE)
