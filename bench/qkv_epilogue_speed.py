@@ -29,6 +29,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.attention_speed import cuda_ms  # noqa: E402
 from bench.one_pass import SEQ_LEN, check_pass_args, error_line, pass_parser, relative_difference, report  # noqa: E402
 from windowgpt_cli.config import ModelConfig  # noqa: E402
 from windowgpt_cli.model.rotary import rotary_inv_freq, rotary_tables  # noqa: E402
@@ -108,18 +109,6 @@ def model_order(d: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     out = d.clone()
     out[:, rows] = d[:, :rows.numel()]
     return out
-
-
-def cuda_ms(fn, repeats: int) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def main() -> None:
