@@ -179,6 +179,20 @@ def bank_grads(model) -> list:
     return [p.grad for name, p in model.named_parameters() if name.endswith("_bank")]
 
 
+def assert_compiled_record_steps_agree(base, *changes) -> None:
+    """The record model (its windows, the attention training picks), compiled, in bf16, after
+    base(model) and after each change(model): each change's loss within 1e-3 of base's, its
+    parameter banks' gradients within 2% of their size (`compiled_step_on_cuda`)."""
+    from windowgpt_cli.challenge import RECORD_WINDOWS
+
+    (loss, grads), *changed = compiled_step_on_cuda([base, *changes], bank_grads, model_changes=RECORD_WINDOWS,
+                                                    training_backend=True)
+    for changed_loss, changed_grads in changed:
+        assert abs(loss - changed_loss) <= 1e-3
+        for grad, changed_grad in zip(grads, changed_grads):
+            assert (grad - changed_grad).abs().max() <= 0.02 * grad.abs().max()
+
+
 @pytest.fixture
 def interpreter_fixes(monkeypatch):
     """Two gaps of Triton's interpreter that the compiled kernels do not have. It holds a

@@ -180,27 +180,15 @@ def test_the_setting_asks_the_training_model_for_copies(setting, asked, tiny_dat
     assert RunConfig.load(tmp_path / "run" / "config.json").train.copy_kv_heads == setting
 
 
-RECORD_WINDOWS = {"window_attn_size": 512, "num_sink_tokens": 4, "window_attn_layers": (2, 4, 6, 8, 10)}
-
-
-def assert_compiled_record_step_unchanged_by(change) -> None:
-    """The record model through FA4, compiled, in bf16, as it is and after change(model): the
-    loss within 1e-3 and the attention banks' gradients within 2% of their size."""
-    from conftest import bank_grads, compiled_step_on_cuda
-
-    (loss, grads), (changed_loss, changed_grads) = compiled_step_on_cuda(
-        [lambda model: None, change], bank_grads, model_changes=RECORD_WINDOWS, training_backend=True)
-    assert abs(loss - changed_loss) <= 1e-3
-    for grad, changed_grad in zip(grads, changed_grads):
-        assert (grad - changed_grad).abs().max() <= 0.02 * grad.abs().max()
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and attention.fa4_targets(torch.device("cuda"))),
                     reason="needs a Hopper or Blackwell GPU with flash-attn-4")
 def test_on_cuda_the_compiled_record_step_with_copied_key_heads_gives_the_same_loss_and_gradients():
-    """`assert_compiled_record_step_unchanged_by` the windowed layers' key heads copied."""
+    """`assert_compiled_record_steps_agree`: as it is, and with the windowed layers' key heads
+    copied."""
+    from conftest import assert_compiled_record_steps_agree
+
     def copied(model):
         assert model.copy_kv_heads() == [2, 4, 6, 8, 10]
 
-    assert_compiled_record_step_unchanged_by(copied)
+    assert_compiled_record_steps_agree(lambda model: None, copied)

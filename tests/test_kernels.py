@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 
+from windowgpt_cli.challenge import RECORD_WINDOWS
 from windowgpt_cli.config import RunConfig
 from windowgpt_cli.model.ops import TORCH_OPS, Residual, ValueInjection, smear
 from windowgpt_cli.model.gpt import build_model
@@ -219,9 +220,6 @@ def test_the_model_scores_the_same_with_fused_steps(products, query_runs, option
     loss = [torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
             for logits in (fused, reference)]
     assert abs(loss[0] - loss[1]) < 2e-3
-
-
-RECORD_WINDOWS = dict(window_attn_size=512, num_sink_tokens=4, window_attn_layers=(2, 4, 6, 8, 10))
 
 
 @pytest.fixture(scope="module", params=["full", "record"])

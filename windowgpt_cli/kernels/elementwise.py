@@ -364,14 +364,18 @@ def head_table_strides(table: Tensor) -> tuple[int, int]:
     return (table.stride(0) if table.size(0) > 1 else 0), table.stride(1)
 
 
-def by_positions(x: Tensor) -> tuple[Tensor, int]:
-    """(x [B, T, H, D], the elements from one position to the next) as the head kernels read
-    it: each position's heads contiguous and the positions evenly spaced over every sequence,
-    as in a slice of a stacked product's output [B, T, width]; copied contiguous where not."""
+def evenly_spaced(x: Tensor) -> bool:
+    """Whether x [B, T, H, D] lies as the head kernels read and write it: each position's heads
+    contiguous and the positions evenly spaced over every sequence, as in a slice of a stacked
+    product's output [B, T, width]."""
     b, t, heads, head_dim = x.shape
-    evenly = x.stride(3) == 1 and x.stride(2) == head_dim and (b == 1 or x.stride(0) == t * x.stride(1))
-    if not evenly:
-        x = x.contiguous()
+    return x.stride(3) == 1 and x.stride(2) == head_dim and (b == 1 or x.stride(0) == t * x.stride(1))
+
+
+def by_positions(x: Tensor) -> tuple[Tensor, int]:
+    """(x, the elements from one position to the next) as the head kernels read it
+    (`evenly_spaced`; copied contiguous where not)."""
+    x = x if evenly_spaced(x) else x.contiguous()
     return x, x.stride(1)
 
 

@@ -22,6 +22,7 @@ from .elementwise import (
     HeadLaunch,
     MatmulTiles,
     by_positions,
+    evenly_spaced,
     float32_values,
     head_positions,
     head_table_strides,
@@ -116,11 +117,11 @@ def head_prep_backward(grad: Tensor, x: Tensor, cos: Tensor, sin: Tensor, gain: 
                        launch: HeadLaunch = HEAD_LAUNCH, dx: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(the gradient with respect to x, and to gain if given) of `kernels.head_prep`, from
     the gradient of its result (of `copies` times x's heads: grad's heads say how many). dx:
-    where to store x's gradient (x's shape, its positions evenly spaced: `by_positions`), e.g.
-    a slice of one gradient for several ops' heads; a new tensor if None."""
+    where to store x's gradient (x's shape, `evenly_spaced`), e.g. a slice of one gradient for
+    several ops' heads; a new tensor if None."""
     b, t, heads, head_dim = x.shape
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype) if dx is None else dx
-    if by_positions(dx)[0] is not dx or dx.shape != x.shape:
+    if dx.shape != x.shape or not evenly_spaced(dx):
         raise ValueError(f"dx {tuple(dx.shape)}, strides {dx.stride()}: not x's shape with evenly spaced positions")
     gain_rows = torch.empty(b * t * heads, device=x.device, dtype=torch.float32) if gain is not None else cos
     x, x_stride = by_positions(x)
