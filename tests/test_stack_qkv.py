@@ -1,4 +1,4 @@
-"""`train --stack-qkv` (auto: on a CUDA device): each block's query, key and value matrices
+"""`train --stack-qkv` (auto: qk on a CUDA device): each block's query, key and value matrices
 as one product in the training forward, its slices read in place by the heads' steps, each
 slice's gradient back through its own matrix; with `qk`, the queries' and keys' steps one op
 whose gradient is one slice. The same loss and gradients as three products (here in float32,
@@ -154,7 +154,7 @@ def test_the_split_product_compiles_into_one_graph():
     assert counter.frame_count == 1 and torch.allclose(x.grad, want.grad, atol=1e-5)
 
 
-@pytest.mark.parametrize("setting, paired", [("auto", False), ("on", False), ("qk", True)])
+@pytest.mark.parametrize("setting, paired", [("auto", True), ("on", False), ("qk", True)])
 def test_qk_pairs_the_heads_steps_where_the_fused_heads_run(setting, paired, monkeypatch):
     model = perturbed_tiny()
     cfg = RunConfig(train=dataclasses.replace(RunConfig().train, stack_qkv=setting))
@@ -164,6 +164,7 @@ def test_qk_pairs_the_heads_steps_where_the_fused_heads_run(setting, paired, mon
     trainer.set_fused_ops(model, cfg, cuda)
     assert (model.train_ops.fused_head_pair is fused_head_prep_pair) == paired
     assert trainer.stacked_as(model) == ("qk" if paired else "on")
+    assert not trainer.pairs_heads(cfg, torch.device("cpu")) or setting == "qk"
     cfg.train.fused_head_prep = "off"  # no fused heads: nothing to pair
     model.train_ops = None
     trainer.set_fused_ops(model, cfg, cuda)

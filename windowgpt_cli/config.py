@@ -221,7 +221,7 @@ class TrainConfig:
                                     "as wide as the product). qk: on, and with fused_head_prep the queries' and "
                                     "keys' steps one op, whose gradient is one tensor for one product back "
                                     "(two in all, the values' the other). The same function, rounded "
-                                    "otherwise. on, off, qk, or auto: on for a CUDA device.")
+                                    "otherwise. on, off, qk, or auto: qk for a CUDA device.")
     fold_output_scales: str = setting("auto", "In the training step, each block's attention and MLP output "
                                               "scales multiplied into the rows of their output projections (a "
                                               "product over [dim x width] weights) instead of into the "

@@ -266,6 +266,12 @@ def stack_qkv_on(cfg: RunConfig, device: torch.device) -> bool:
     return cfg.train.stack_qkv in ("on", "qk") or (cfg.train.stack_qkv == "auto" and device.type == "cuda")
 
 
+def pairs_heads(cfg: RunConfig, device: torch.device) -> bool:
+    """Whether a stacked product's queries and keys go through one heads' op where the fused
+    heads run (`stack_qkv` qk; auto: on a CUDA device, where it shortens the step)."""
+    return cfg.train.stack_qkv == "qk" or (cfg.train.stack_qkv == "auto" and device.type == "cuda")
+
+
 def fused_op_on(asked: str, device: torch.device) -> bool:
     """Whether the training step runs one of its fused Triton ops (`fused_head_prep`,
     `fused_xsa`) set to `asked`: on, or auto on a CUDA device; either where Triton runs."""
@@ -282,7 +288,7 @@ def set_fused_ops(model: GPT, cfg: RunConfig, device: torch.device) -> None:
 
     model.train_ops = model.train_ops or TorchOps()
     model.train_ops.fused_heads = fused_head_prep if heads else None
-    model.train_ops.fused_head_pair = fused_head_prep_pair if heads and cfg.train.stack_qkv == "qk" else None
+    model.train_ops.fused_head_pair = fused_head_prep_pair if heads and pairs_heads(cfg, device) else None
     model.train_ops.fused_output = fused_attention_output if output else None
 
 
