@@ -138,7 +138,7 @@ def main() -> None:
 
     rows = interleaved_rows(HEADS + KV_HEADS, HEAD_DIM, ROPE_HALF).to(device)
     permuted = torch.cat((weight[rows], weight[rows.numel():]))
-    a, b = (t.to(device) for t in column_scales(gain, KV_HEADS, HEAD_DIM))
+    a, b = (t.to(device) for t in column_scales(gain.cpu(), KV_HEADS, HEAD_DIM))
     positions = torch.arange(args.positions, device=device) % SEQ_LEN
     result = {"positions": args.positions, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
               "rope_dims": CFG.rope_dims, "tuned": args.tuned,
