@@ -3,7 +3,8 @@
 # halves small enough to carry: its cutlass DSL library wheel alone is 92 MB.
 #   bash bench/fa4_wheels.sh download [DIR]   (a machine with the network) the wheels for
 #       CPython 3.12 on x86-64 Linux into DIR (default .whl), the 92 MB one cut in two:
-#       DIR/a holds its first 48 MB, DIR/b the rest and every other wheel (under 64 MB each)
+#       DIR/a holds its first 48 MB and cuda-bindings' wheel, DIR/b the rest and every other wheel
+#       (56 and 51 MB: each half leaves room in one call's 64 MiB for the checkout and some data)
 #   bash bench/fa4_wheels.sh receive DIR STAGE    (the GPU machine) copy DIR's files into
 #       STAGE; once both halves are there, join them and install every wheel into
 #       STAGE/site-packages (named as pip's own: quack's compile cache takes the code under a
@@ -31,7 +32,7 @@ case ${1:-} in
       einops protobuf
     split -b 50000000 "$dir/$BIG" "$dir/a/cu13.part."
     mv "$dir/a/cu13.part.ab" "$dir/b/"
-    cp "$dir"/*.whl "$dir/b/" && rm "$dir/b/$BIG"
+    cp "$dir"/*.whl "$dir/b/" && rm "$dir/b/$BIG" && mv "$dir"/b/cuda_bindings-*.whl "$dir/a/"
     du -sh "$dir/a" "$dir/b" ;;
   receive)
     src=$2 stage=$3; mkdir -p "$stage"
