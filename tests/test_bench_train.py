@@ -358,6 +358,19 @@ def test_the_one_pass_benches_check_their_arguments(argv, message, monkeypatch):
     assert (args.positions, args.repeats, args.json) == (196_608, 20, None)
 
 
+def test_the_head_kernels_bench_reads_its_launch_shapes_and_names_them_back():
+    """bench/head_kernels_speed.py's --launches: POSITIONSxWARPS, p for a prefetch; each shape
+    named back as it was given; a wrong one is one line."""
+    import head_kernels_speed as bench
+    from windowgpt_cli.kernels.elementwise import HeadLaunch
+
+    assert bench.parse_launches("16x4,32x8p") == [HeadLaunch(16, 4), HeadLaunch(32, 8, prefetch=True)]
+    assert ",".join(map(bench.launch_name, bench.parse_launches(bench.DEFAULT_LAUNCHES))) == bench.DEFAULT_LAUNCHES
+    for wrong in ("16x3", "12x4", "16x4q", "x4"):
+        with pytest.raises(SystemExit, match="is not POSITIONSxWARPS"):
+            bench.parse_launches(wrong)
+
+
 def test_a_pass_draws_the_same_bf16_inputs_for_the_same_positions():
     """bench/one_pass.pass_randn, the FA4 benches' inputs: [batch, 2,048, *shape] bfloat16,
     the same numbers for the same positions, others for others."""

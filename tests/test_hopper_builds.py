@@ -102,8 +102,9 @@ def heads(kernel):
         if name.endswith("_ptr"):
             return "*fp32" if name in ("cos_ptr", "sin_ptr", "gain_ptr", "gain_rows_ptr") else "*bf16"
         return "fp32" if name == "eps" else "i32"
-    constants = {"HEAD_DIM": 64, "ROPE_HALF": 8, "POSITIONS": elementwise.HEAD_LAUNCH.positions}
-    return build(kernel, types, constants, elementwise.HEAD_LAUNCH.warps, 3)
+    launch = elementwise.HEAD_LAUNCH
+    constants = {"HEAD_DIM": 64, "ROPE_HALF": 8, "POSITIONS": launch.positions, "PREFETCH": launch.prefetch}
+    return build(kernel, types, constants, launch.warps, 3)
 
 
 def sinks(kernel):
