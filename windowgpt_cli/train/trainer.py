@@ -268,8 +268,9 @@ def stack_qkv_on(cfg: RunConfig, device: torch.device) -> bool:
 
 def pairs_heads(cfg: RunConfig, device: torch.device) -> bool:
     """Whether a stacked product's queries and keys go through one heads' op where the fused
-    heads run (`stack_qkv` qk; auto: on a CUDA device, where it shortens the step)."""
-    return cfg.train.stack_qkv == "qk" or (cfg.train.stack_qkv == "auto" and device.type == "cuda")
+    heads run (`stack_qkv` qk; auto: on a CUDA device, where it shortens the step): stacked, and
+    not asked for `on` alone."""
+    return stack_qkv_on(cfg, device) and cfg.train.stack_qkv != "on"
 
 
 def fused_op_on(asked: str, device: torch.device) -> bool:
