@@ -1,7 +1,8 @@
 """Where one training step's GPU time goes, on one GPU, by category.
 
     python3 bench/train_profile.py --data DATA_DIR [--record] [--steps 3] [--timed-steps 10]
-        [--json PATH] [--trace PATH] [--top 3] [any `windowgpt train` setting: --train-batch-tokens 131072,
+        [--json PATH] [--trace PATH] [--top 3] [--gaps 0] [--blas-library cublaslt]
+        [--inductor-setting NAME=VALUE ...] [any `windowgpt train` setting: --train-batch-tokens 131072,
         --window-attn-size 512, --attn-backend flex, --warmup-steps 20, ...]
 
 Builds the run as `windowgpt train` does (training.build_setup and Trainer, the same flags;
@@ -16,7 +17,13 @@ Newton-Schulz's matrix products count as Muon), the kernel's name for forward an
 Prints, per step: each category's GPU time (ms and % of the step's wall time), the
 kernels' summed time, the GPU's busy time (the union of its kernels' intervals: streams may
 overlap) and the host gaps (wall time minus busy time), then the --top longest kernels of
-each category with their calls per step. --json PATH writes the same as JSON; --trace PATH
+each category with their calls per step. --gaps N lists the N longest stretches the GPU sat
+idle, each with the activities around it, the phase the next one was launched in, how long
+after its launch it began (near zero: the GPU waited for the host) and the longest host
+runtime call meanwhile (a synchronization shows there), and sums the idle time by that
+phase. --blas-library and --inductor-setting (repeatable: `combo_kernels=True`) change a
+process-wide setting of torch's for the run, for settings windowgpt does not expose.
+--json PATH writes the same as JSON; --trace PATH
 keeps the profiler's Chrome trace (open it in Perfetto). Run it on one GPU
 (CUDA_VISIBLE_DEVICES=0); the communication category is then empty.
 """
@@ -29,7 +36,7 @@ import re
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Iterable, Optional
@@ -188,6 +195,53 @@ def breakdown(events: list[dict[str, Any]], step_wall_ms: float, top: int = 3) -
             "categories_ms": categories, "top_kernels": dict(longest)}
 
 
+def idle_stretches(events: list[dict[str, Any]], count: int) -> dict[str, Any]:
+    """Where the profiled steps' GPU sat idle: per step, its activities by kind and the idle
+    time between them; the idle time per step by the phase the activity ending each stretch
+    was launched in; and the `count` longest stretches (µs)."""
+    steps = ranges(events, [STEP_RANGE])
+    phases = ranges(events, dataclasses.astuple(PHASES))
+    phase_starts, step_starts = [p[0] for p in phases], [s[0] for s in steps]
+    per_step: list[list[Activity]] = [[] for _ in steps]
+    for a in device_activities(events):
+        if range_at(steps, step_starts, a.launched) is not None:
+            per_step[bisect.bisect_right(step_starts, a.launched) - 1].append(a)
+    stretches, by_phase, each_step = [], defaultdict(float), []
+    last, end = None, float("-inf")  # a step's idle starts where the step before left the GPU
+    for activities in per_step:
+        activities.sort(key=lambda a: a.start)
+        idle = 0.0
+        for a in activities:
+            if last is not None and a.start > end:
+                phase = range_at(phases, phase_starts, a.launched) or "outside"
+                by_phase[phase] += a.start - end
+                idle += a.start - end
+                stretches.append((end, a.start, last, a, phase))
+            if a.start + a.duration > end:
+                last, end = a, a.start + a.duration
+        kinds = Counter(a.kind for a in activities)
+        each_step.append({"idle_ms": round(idle / 1000.0, 3), "activities": len(activities), **dict(sorted(kinds.items()))})
+    stretches.sort(key=lambda g: g[0] - g[1])
+    host_calls = sorted((float(e["ts"]), float(e.get("dur", 0.0)), e["name"]) for e in events
+                        if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATEGORIES)
+    n = max(len(steps), 1)
+    return {"steps": each_step,
+            "idle_by_phase_ms": {k: round(v / 1000.0 / n, 3) for k, v in sorted(by_phase.items(), key=lambda i: -i[1])},
+            "longest_idle": [{"idle_us": round(hi - lo, 1), "before": before.name[:80], "after": after.name[:80],
+                              "after_phase": phase, "after_launch_lag_us": round(after.start - after.launched, 1),
+                              "longest_host_call": _longest_call(host_calls, lo, hi)}
+                             for lo, hi, before, after, phase in stretches[:count]]}
+
+
+def _longest_call(calls: list[tuple[float, float, str]], lo: float, hi: float) -> list[Any]:
+    """[name, µs] of the longest host runtime call (start, duration, name) overlapping [lo, hi]."""
+    best: list[Any] = ["", 0.0]
+    for ts, dur, name in calls:
+        if ts <= hi and ts + dur >= lo and dur > best[1]:
+            best = [name, round(dur, 1)]
+    return best
+
+
 def table(result: dict[str, Any]) -> str:
     wall = result["step_wall_ms"]
     share = (lambda ms: f"{100.0 * ms / wall:5.1f}%") if wall > 0 else (lambda ms: "    -")
@@ -201,7 +255,21 @@ def table(result: dict[str, Any]) -> str:
     for category, kernels in result["top_kernels"].items():
         lines.append(f"{category}:")
         lines += [f"  {kernel[1]:8.3f} ms{_calls(kernel)}  {kernel[0][:100]}" for kernel in kernels]
+    if "idle" in result:
+        lines += idle_lines(result["idle"])
     return "\n".join(lines)
+
+
+def idle_lines(idle: dict[str, Any]) -> list[str]:
+    """`idle_stretches`' result as lines of text."""
+    lines = ["GPU idle by step: " + ", ".join(f"{step['idle_ms']:.3f} ms among {step['activities']} activities"
+                                              for step in idle["steps"]),
+             "GPU idle per step by the phase that ended it: "
+             + ", ".join(f"{phase} {ms:.3f} ms" for phase, ms in idle["idle_by_phase_ms"].items())]
+    lines += [f"  {g['idle_us']:8.1f} us idle before {g['after'][:40]} ({g['after_phase']}, began "
+              f"{g['after_launch_lag_us']:.1f} us after its launch; after {g['before'][:40]}; longest host "
+              f"call {g['longest_host_call'][0]} {g['longest_host_call'][1]:.1f} us)" for g in idle["longest_idle"]]
+    return lines
 
 
 def _calls(kernel: list[Any]) -> str:
@@ -211,6 +279,43 @@ def _calls(kernel: list[Any]) -> str:
 
 
 # --- the run -----------------------------------------------------------------------------
+
+BLAS_LIBRARIES = ("default", "cublas", "cublaslt")
+
+
+def inductor_settings(texts: list[str]) -> dict[str, Any]:
+    """NAME=VALUE pairs as Inductor's settings (VALUE a Python literal: True, 4, "name"); each
+    NAME must be one of this torch's (a section's as "section.name")."""
+    import ast
+
+    from windowgpt_cli.runtime import inductor_has
+
+    settings = {}
+    for text in texts:
+        name, sep, value = text.partition("=")
+        if not sep or not inductor_has(name.strip()):
+            raise typer.BadParameter(f"{text!r}: not NAME=VALUE with NAME one of this torch's Inductor settings")
+        try:
+            settings[name.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            raise typer.BadParameter(f"{text!r}: the value is not a Python literal (True, 4, 'name')") from None
+    return settings
+
+
+def apply_torch_settings(blas_library: str, inductor: dict[str, Any]) -> None:
+    """Process-wide: the BLAS library of torch's products and Inductor's settings."""
+    import torch
+    import torch._inductor.config as inductor_config
+
+    if blas_library != "default":
+        torch.backends.cuda.preferred_blas_library(blas_library)
+    for name, value in inductor.items():
+        *sections, last = name.split(".")
+        owner = inductor_config
+        for section in sections:
+            owner = getattr(owner, section)
+        setattr(owner, last, value)
+
 
 def peak_memory_gib(device) -> float:
     """The most memory the run's tensors held at once (0 off CUDA)."""
@@ -286,6 +391,11 @@ def command(
     steps: Annotated[int, typer.Option("--steps", min=1, help="Steps to profile.")] = 3,
     timed_steps: Annotated[int, typer.Option("--timed-steps", min=1, help="Steps timed without the profiler.")] = 10,
     top: Annotated[int, typer.Option("--top", min=0, help="Longest kernels listed per category.")] = 3,
+    gaps: Annotated[int, typer.Option("--gaps", min=0, help="Longest stretches of GPU idle time listed.")] = 0,
+    blas_library: Annotated[str, typer.Option("--blas-library", help=f"torch's BLAS library for the products: "
+                                              f"{', '.join(BLAS_LIBRARIES)}.")] = "default",
+    inductor_setting: Annotated[Optional[list[str]], typer.Option(
+        "--inductor-setting", help="NAME=VALUE: one of Inductor's settings for the run (repeatable).")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the result as JSON here.")] = None,
     trace: Annotated[Optional[Path], typer.Option("--trace", help="Keep the profiler's Chrome trace here.")] = None,
     overrides: dict[str, dict[str, Any]] | None = None,
@@ -294,6 +404,9 @@ def command(
     base = build_config(None, preset_name, {"model": dict(RECORD_WINDOWS)} if record else {})
     paths = {"data_path": str(data), **({"tokenizer_path": str(tokenizer)} if tokenizer else {})}
     cfg = apply_overrides(base, {**(overrides or {}), "data": paths}).resolved()
+    if blas_library not in BLAS_LIBRARIES:
+        raise typer.BadParameter(f"{blas_library!r}: one of {', '.join(BLAS_LIBRARIES)}", param_hint="--blas-library")
+    apply_torch_settings(blas_library, inductor_settings(inductor_setting or []))
     with tempfile.TemporaryDirectory() as scratch:
         trace_path = trace or Path(scratch) / "trace.json"
         wall_ms, about = profile_training(cfg, steps, timed_steps, trace_path)
@@ -301,6 +414,8 @@ def command(
             return
         events = json.loads(trace_path.read_text())["traceEvents"]
     result = {**about, **breakdown(events, wall_ms, top)}
+    if gaps:
+        result["idle"] = idle_stretches(events, gaps)
     print(f"{about['gpu']}: {about['train_batch_tokens']:,} tokens/step, window {about['window_attn_size']} "
           f"on layers {about['window_attn_layers']}, attention {about['attn_backend']}, "
           f"warm-up {about['warm_up_s']} s, peak memory {about['peak_memory_gib']} GiB")

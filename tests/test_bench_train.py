@@ -10,6 +10,7 @@ import types
 from pathlib import Path
 
 import pytest
+import typer
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
@@ -19,6 +20,7 @@ import kernel_sources  # noqa: E402
 import mix_order_kernels  # noqa: E402
 import reference_seed  # noqa: E402
 import train_profile  # noqa: E402
+import trace_idle  # noqa: E402
 import train_variants  # noqa: E402
 from windowgpt_cli.train.trainer import PHASES  # noqa: E402
 
@@ -198,6 +200,72 @@ def test_the_breakdown_attributes_kernels_by_their_launch_phase():
     assert "host gaps" in text and "0.100 ms in 0.5 calls  nvjet_tst_128x256" in text
     result["top_kernels"]["matmul"] = [["nvjet_tst_128x256", 0.1]]  # as profiles written before the count
     assert "0.100 ms  nvjet_tst_128x256" in train_profile.table(result)
+
+
+def test_the_idle_stretches_name_the_kernels_around_them_the_phase_and_the_host_call_meanwhile():
+    events = [_range(train_profile.STEP_RANGE, 0, 1000), _range(PHASES.forward, 0, 100), _range(PHASES.muon, 100, 300),
+              _range(PHASES.ema, 300, 900), _range(train_profile.STEP_RANGE, 1000, 2000),
+              _range(PHASES.forward, 1000, 1100)]
+    events += _kernel("fwd_a", 10, 40, 5, 1)
+    events += _kernel("fwd_b", 60, 20, 8, 2)  # 10 µs idle, launched long before: not the host's doing
+    events += _kernel("ns_gram", 70, 100, 120, 3)  # overlaps fwd_b: no idle between them
+    events += _kernel("ema_mul", 470, 30, 465, 4)  # 300 µs idle: the GPU waited for its launch
+    events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 180, "dur": 250,
+                   "args": {}})
+    events += _kernel("fwd_a", 1600, 40, 1050, 5)  # the next step: 1100 µs idle, forward's
+    events += _kernel("outside_any_step", 2500, 10, 2400, 6)
+
+    idle = train_profile.idle_stretches(events, count=2)
+
+    assert idle["idle_by_phase_ms"] == {PHASES.forward: 0.555, PHASES.ema: 0.15}  # per step, over two steps
+    assert idle["steps"] == [{"idle_ms": 0.31, "activities": 4, "kernel": 4},
+                             {"idle_ms": 1.1, "activities": 1, "kernel": 1}]  # the steps' boundary: the second's
+    first, second = idle["longest_idle"]
+    assert (first["idle_us"], first["before"], first["after"], first["after_phase"]) == (1100.0, "ema_mul", "fwd_a",
+                                                                                       PHASES.forward)
+    assert (second["idle_us"], second["before"], second["after"], second["after_phase"]) == (300.0, "ns_gram",
+                                                                                            "ema_mul", PHASES.ema)
+    assert second["after_launch_lag_us"] == 5.0 and second["longest_host_call"] == ["cudaStreamSynchronize", 250.0]
+    result = {**train_profile.breakdown(events, step_wall_ms=1.0), "idle": idle}
+    assert "GPU idle by step: 0.310 ms among 4 activities, 1.100 ms among 1 activities" in train_profile.table(result)
+    assert f"300.0 us idle before ema_mul ({PHASES.ema}, began 5.0 us after its launch" in train_profile.table(result)
+
+
+def test_inductor_settings_are_parsed_checked_and_set_for_the_process(monkeypatch):
+    import torch._inductor.config as inductor
+
+    assert train_profile.inductor_settings(["combo_kernels=True", " triton.multi_kernel = 2"]) == {
+        "combo_kernels": True, "triton.multi_kernel": 2}
+    for bad, why in (("no_such_setting=1", "Inductor settings"), ("combo_kernels", "NAME=VALUE"),
+                     ("combo_kernels=yes", "not a Python literal")):
+        with pytest.raises(typer.BadParameter, match=why):
+            train_profile.inductor_settings([bad])
+    monkeypatch.setattr(inductor, "combo_kernels", False)
+    monkeypatch.setattr(inductor.triton, "multi_kernel", 0)
+    train_profile.apply_torch_settings("default", {"combo_kernels": True, "triton.multi_kernel": 2})
+    assert inductor.combo_kernels is True and inductor.triton.multi_kernel == 2
+
+
+def test_a_saved_trace_is_read_back_gzipped_and_refused_as_its_own_output(tmp_path, capsys):
+    import gzip
+
+    events = [_range(train_profile.STEP_RANGE, 0, 1000), _range(PHASES.forward, 0, 900)]
+    events += _kernel("fwd_a", 10, 40, 5, 1) + _kernel("fwd_b", 100, 20, 8, 2)
+    events += _kernel("Memset (Device)", 130, 1, 9, 3, cat="gpu_memset")
+    trace, out = tmp_path / "trace.json.gz", tmp_path / "idle.json"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert trace_idle.main([str(trace), "--gaps", "1", "--json", str(out)]) == 0
+    assert "GPU idle by step: 0.060 ms among 3 activities" in capsys.readouterr().out
+    written = json.loads(out.read_text())
+    assert written["steps"] == [{"idle_ms": 0.06, "activities": 3, "kernel": 2, "memset": 1}]
+    assert [g["after"] for g in written["longest_idle"]] == ["fwd_b"]
+    assert trace_idle.main([str(trace), "--json", str(trace)]) == 1
+    assert "--json" in capsys.readouterr().err and trace.stat().st_size > 0
+    assert trace_idle.main([str(out)]) == 1  # JSON, but no trace
+    assert "not a Chrome trace" in capsys.readouterr().err
+    assert trace_idle.main([str(tmp_path / "missing.json")]) == 1
+    assert "no such file" in capsys.readouterr().err
 
 
 @pytest.mark.slow
