@@ -299,6 +299,10 @@ def test_micro_batches_per_pass_fit_the_gpu_memory_and_divide_the_step(monkeypat
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=memory))
         assert micro_batches_per_pass_for(cfg, 1, 8, cuda) == expected, fitting
     assert micro_batches_per_pass_for(cfg, 1, 8, torch.device("cpu")) == 1
+    for gib, expected in ((139.8, 4), (79.2, 2), (39.4, 1)):  # an H200, an H100, a GPU of 40 GB
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device: SimpleNamespace(total_memory=int(gib * 2 ** 30)))
+        assert micro_batches_per_pass_for(cfg, 1, 8, cuda) == expected, gib
     # the fused loss keeps bf16 logits and their gradient only: more micro-batches fit
     big_vocab = RunConfig()
     big_vocab.model.vocab_size = 8192

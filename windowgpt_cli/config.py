@@ -170,7 +170,7 @@ class TrainConfig:
                                        "reference.")
     micro_batches_per_pass: int = setting(0, "Micro-batches that run together in one forward and backward (the "
                                              "same gradient, fewer and larger kernels); 0 = on CUDA as many as "
-                                             "fit in half the GPU's memory, elsewhere 1.")
+                                             "fit in 70% of the GPU's memory, elsewhere 1.")
     max_wallclock_seconds: float = setting(600.0, "Stop training after this many seconds, with the warm-down "
                                                   "fitted to the cap; 0 = no cap.")
     val_loss_every: int = setting(4000, "Validate every N steps (and always at the end); 0 = only at the end.")
