@@ -220,7 +220,8 @@ def idle_stretches(events: list[dict[str, Any]], count: int) -> dict[str, Any]:
             if a.start + a.duration > end:
                 last, end = a, a.start + a.duration
         kinds = Counter(a.kind for a in activities)
-        each_step.append({"idle_ms": round(idle / 1000.0, 3), "activities": len(activities), **dict(sorted(kinds.items()))})
+        each_step.append({"idle_ms": round(idle / 1000.0, 3), "activities": len(activities),
+                          **dict(sorted(kinds.items()))})
     stretches.sort(key=lambda g: g[0] - g[1])
     host_calls = sorted((float(e["ts"]), float(e.get("dur", 0.0)), e["name"]) for e in events
                         if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATEGORIES)
