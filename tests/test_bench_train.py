@@ -10,6 +10,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 import typer
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -406,6 +407,18 @@ def test_the_kernel_sources_refuse_a_missing_input_and_their_input_as_output(tmp
     with pytest.raises(SystemExit) as info:
         kernel_sources.main([str(code), "k", "--fragment-lines", "-1"])
     assert info.value.code == 2
+
+
+def test_the_fills_bench_calls_each_product_of_a_layer_at_its_shape_the_ways_agreeing():
+    import product_fills
+
+    shapes = product_fills.products(4096, "cpu")
+    got = {name: tuple(product_fills.way_call("mm", a, b)().shape) for name, (a, b) in shapes.items()}
+    assert got == {"qkv": (4096, 1024), "out": (4096, 512), "down": (4096, 512), "down_dx": (4096, 1536),
+                   "up_dw": (1536, 512)}  # the record model: 512 wide, 4 key heads of 64, an MLP of 1,536
+    a, b = shapes["qkv"]
+    assert not b.is_contiguous()  # the weight's transpose, a view, as the step passes it
+    assert torch.equal(product_fills.way_call("mm_out", a, b)(), a @ b)
 
 
 @pytest.mark.parametrize("argv, message", [
