@@ -24,10 +24,7 @@ from typing import Any, Iterable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mix_order_kernels import open_text  # noqa: E402
-from windowgpt_cli.errors import OutputRefused  # noqa: E402
-from windowgpt_cli.storage.files import atomic_write_json  # noqa: E402
-from windowgpt_cli.storage.outputs import check_apart  # noqa: E402
+from mix_order_kernels import inputs_and_output_usable, open_text, print_and_write  # noqa: E402
 
 SOURCES = re.compile(r"#\s*(?:Topologically Sorted|Unsorted) Source Nodes: \[(.*?)\], Original ATen: \[(.*?)\]")
 DEFINITION = re.compile(r"^\s*(\w+) = async_compile\.\w+\('(\w+)'")
@@ -93,14 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.fragment_lines < 0:
         parser.error("--fragment-lines must be at least 0")
-    if not args.code_log.is_file():
-        print(f"error: {args.code_log}: no such file", file=sys.stderr)
-        return 1
-    try:
-        if args.json:
-            check_apart(args.json, [args.code_log], flag="--json")
-    except OutputRefused as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    if not inputs_and_output_usable([args.code_log], args.json):
         return 1
     try:
         with open_text(args.code_log) as f:
@@ -108,10 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, EOFError):
         print(f"error: {args.code_log}: not readable as text or its gzip", file=sys.stderr)
         return 1
-    print(report(found, args.names))
-    if args.json:
-        atomic_write_json(args.json, {name: found.get(name, []) for name in args.names})
-        print(f"wrote {args.json}")
+    print_and_write(report(found, args.names), {name: found.get(name, []) for name in args.names}, args.json)
     return 0
 
 

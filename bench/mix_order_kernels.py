@@ -91,6 +91,38 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
         return json.load(f)["traceEvents"]
 
 
+def inputs_and_output_usable(inputs: list[Path], json_path: Path | None) -> bool:
+    """Whether each input exists and --json names none of them; else says why on stderr."""
+    for path in inputs:
+        if not path.is_file():
+            print(f"error: {path}: no such file", file=sys.stderr)
+            return False
+    try:
+        if json_path:
+            check_apart(json_path, inputs, flag="--json")
+    except OutputRefused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
+def trace_events(path: Path) -> list[dict[str, Any]] | None:
+    """The trace's events, or None after saying on stderr that it is not a trace."""
+    try:
+        return read_trace(path)
+    except (OSError, EOFError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        print(f"error: {path}: not a profiler's Chrome trace (JSON with traceEvents, or its gzip)", file=sys.stderr)
+        return None
+
+
+def print_and_write(text: str, result: Any, json_path: Path | None) -> None:
+    """The result's table printed, and with --json the result written there."""
+    print(text)
+    if json_path:
+        atomic_write_json(json_path, result)
+        print(f"wrote {json_path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("code_log", type=Path, help="Inductor's output code (TORCH_LOGS=output_code).")
@@ -98,17 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=1, help="Steps the trace holds.")
     parser.add_argument("--json", type=Path, help="Write the result as JSON here.")
     args = parser.parse_args(argv)
-    for path in (args.code_log, args.trace):
-        if not path.is_file():
-            print(f"error: {path}: no such file", file=sys.stderr)
-            return 1
     if args.steps < 1:
         parser.error("--steps must be at least 1")
-    try:
-        if args.json:
-            check_apart(args.json, [args.code_log, args.trace], flag="--json")
-    except OutputRefused as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    if not inputs_and_output_usable([args.code_log, args.trace], args.json):
         return 1
     try:
         with open_text(args.code_log) as f:
@@ -116,16 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, EOFError):
         print(f"error: {args.code_log}: not readable as text or its gzip", file=sys.stderr)
         return 1
-    try:
-        events = read_trace(args.trace)
-    except (OSError, EOFError, UnicodeDecodeError, ValueError, KeyError, TypeError):
-        print(f"error: {args.trace}: not a profiler's Chrome trace (JSON with traceEvents)", file=sys.stderr)
+    events = trace_events(args.trace)
+    if events is None:
         return 1
     result = summary(kernels, kernel_times(events), args.steps)
-    print(table(result))
-    if args.json:
-        atomic_write_json(args.json, result)
-        print(f"wrote {args.json}")
+    print_and_write(table(result), result, args.json)
     return 0
 
 

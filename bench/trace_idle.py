@@ -18,11 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mix_order_kernels import read_trace  # noqa: E402
+from mix_order_kernels import inputs_and_output_usable, print_and_write, trace_events  # noqa: E402
 from train_profile import idle_lines, idle_stretches  # noqa: E402
-from windowgpt_cli.errors import OutputRefused  # noqa: E402
-from windowgpt_cli.storage.files import atomic_write_json  # noqa: E402
-from windowgpt_cli.storage.outputs import check_apart  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,25 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.gaps < 0:
         parser.error("--gaps must be at least 0")
-    if not args.trace.is_file():
-        print(f"error: {args.trace}: no such file", file=sys.stderr)
+    if not inputs_and_output_usable([args.trace], args.json):
         return 1
-    try:
-        if args.json:
-            check_apart(args.json, [args.trace], flag="--json")
-    except OutputRefused as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    try:
-        events = read_trace(args.trace)
-    except (OSError, EOFError, ValueError, KeyError, TypeError):
-        print(f"error: {args.trace}: not a Chrome trace (JSON with traceEvents, or its gzip)", file=sys.stderr)
+    events = trace_events(args.trace)
+    if events is None:
         return 1
     idle = idle_stretches(events, args.gaps)
-    print("\n".join(idle_lines(idle)))
-    if args.json:
-        atomic_write_json(args.json, idle)
-        print(f"wrote {args.json}")
+    print_and_write("\n".join(idle_lines(idle)), idle, args.json)
     return 0
 
 

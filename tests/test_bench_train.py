@@ -264,7 +264,7 @@ def test_a_saved_trace_is_read_back_gzipped_and_refused_as_its_own_output(tmp_pa
     assert trace_idle.main([str(trace), "--json", str(trace)]) == 1
     assert "--json" in capsys.readouterr().err and trace.stat().st_size > 0
     assert trace_idle.main([str(out)]) == 1  # JSON, but no trace
-    assert "not a Chrome trace" in capsys.readouterr().err
+    assert "not a profiler's Chrome trace" in capsys.readouterr().err
     assert trace_idle.main([str(tmp_path / "missing.json")]) == 1
     assert "no such file" in capsys.readouterr().err
 
