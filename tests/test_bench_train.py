@@ -232,7 +232,7 @@ def test_the_idle_stretches_name_the_kernels_around_them_the_phase_and_the_host_
     assert f"300.0 us idle before ema_mul ({PHASES.ema}, began 5.0 us after its launch" in train_profile.table(result)
 
 
-def test_inductor_settings_are_parsed_checked_and_set_for_the_process(monkeypatch):
+def test_inductor_settings_are_parsed_checked_and_set_for_the_process():
     import torch._inductor.config as inductor
 
     assert train_profile.inductor_settings(["combo_kernels=True", " triton.multi_kernel = 2"]) == {
@@ -241,10 +241,12 @@ def test_inductor_settings_are_parsed_checked_and_set_for_the_process(monkeypatc
                      ("combo_kernels=yes", "not a Python literal")):
         with pytest.raises(typer.BadParameter, match=why):
             train_profile.inductor_settings([bad])
-    monkeypatch.setattr(inductor, "combo_kernels", False)
-    monkeypatch.setattr(inductor.triton, "multi_kernel", 0)
-    train_profile.apply_torch_settings("default", {"combo_kernels": True, "triton.multi_kernel": 2})
-    assert inductor.combo_kernels is True and inductor.triton.multi_kernel == 2
+    before = (inductor.combo_kernels, inductor.triton.multi_kernel)
+    # Inductor's own patch puts these back on leaving (monkeypatch's undo would delete them)
+    with inductor.patch({"combo_kernels": before[0], "triton.multi_kernel": before[1]}):
+        train_profile.apply_torch_settings("default", {"combo_kernels": True, "triton.multi_kernel": 2})
+        assert inductor.combo_kernels is True and inductor.triton.multi_kernel == 2
+    assert (inductor.combo_kernels, inductor.triton.multi_kernel) == before
 
 
 def test_a_saved_trace_is_read_back_gzipped_and_refused_as_its_own_output(tmp_path, capsys):
