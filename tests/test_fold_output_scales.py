@@ -75,7 +75,7 @@ def test_training_with_folded_scales_follows_the_same_losses(tiny_data_dir, tmp_
         assert kernels == {"attn_backend": kernels["attn_backend"], "fused_mlp": "off", "keep_mlp_activation": "off",
                            "fold_output_scales": setting, "copy_kv_heads": "off",
                            "stack_qkv": "off", "fused_head_prep": "off",
-                           "fused_xsa": "off"}
+                           "fused_xsa": "off", "residual_in_product": "off"}
     assert len(runs["on"]) == 4 and runs["on"] == pytest.approx(runs["off"], rel=1e-4)
     assert RunConfig.load(tmp_path / "on" / "config.json").train.fold_output_scales == "on"
 

@@ -228,6 +228,12 @@ class TrainConfig:
                                               "[tokens x dim] outputs, each way: the same function, rounded "
                                               "elsewhere in bfloat16. on, off (the reference's order), or auto: "
                                               "on for a CUDA device, off elsewhere.")
+    residual_in_product: bool = setting(False, "In the training step, each block's input added to its attention "
+                                               "output inside the output projection's product (torch.addmm; cuBLAS "
+                                               "adds it in the product's epilogue) instead of in the norm kernel "
+                                               "after it: the norm reads and writes one [tokens x dim] tensor fewer, "
+                                               "the product reads one more, the sum is rounded to bfloat16 once. "
+                                               "Where the output scales fold (fold_output_scales) only.")
     fused_head_prep: str = setting("auto", "Each query and key head's RMSNorm, partial rotation and gain in the "
                                           "training step as one Triton kernel forward and one backward (an op "
                                           "the compiler keeps whole), each reading the heads once, where the "

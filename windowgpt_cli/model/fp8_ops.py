@@ -53,6 +53,11 @@ class Fp8Ops(TorchOps):
             return super().split_product(x, weight, sizes, kind)
         return self.product(x, weight, kind).split(sizes, dim=-1)
 
+    def product_onto(self, base: Tensor, x: Tensor, weight: Tensor, kind: str) -> Tensor:
+        if kind not in self.kinds or not torch.is_grad_enabled():
+            return super().product_onto(base, x, weight, kind)
+        return base + self.product(x, weight, kind)
+
     def product(self, x: Tensor, weight: Tensor, kind: str) -> Tensor:
         if kind not in self.kinds or not torch.is_grad_enabled():
             return super().product(x, weight, kind)

@@ -84,12 +84,15 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor, q_w: Tensor, k_w: Tensor | None, v_w: Tensor | None, out_w: Tensor,
                 rotary: tuple[Tensor, Tensor], v_embed: ValueInjection | None, queries: Tensor | None = None,
-                ops: TorchOps = TORCH_OPS, rows: Tensor | None = None, keys: KeyRows | None = None) -> Tensor:
+                ops: TorchOps = TORCH_OPS, rows: Tensor | None = None, keys: KeyRows | None = None,
+                onto: Tensor | None = None) -> Tensor:
         """Attention output at every position, or only at `queries` [B, K] (keys and values
         still come from every position). With `rows` [B, R]: attention at every position,
         the output kept only at those rows. With `keys`: x holds only the rows keys.positions
         of the sequences (rotary given there too) and queries index them; the attention sees
-        their keys and values where the whole sequence's would be, so it adds as before."""
+        their keys and values where the whole sequence's would be, so it adds as before.
+        With `onto` (the block's input, at every position, no adapter): onto plus the output,
+        summed in the output projection's product (`TorchOps.product_onto`)."""
         b, t, dim = x.shape
         self._observe(("c_q", "c_k", "c_v"), x)
         x_q = x if queries is None else pick_positions(x, queries)
@@ -136,6 +139,8 @@ class CausalSelfAttention(nn.Module):
                 else self._gate(x_q if rows is None else pick_positions(x, rows), y.dtype))
         y = ops.attention_output(y, v_q if self.use_xsa else None, gate).reshape(b, y.size(1), dim)
         self._observe(("proj",), y)
+        if onto is not None:
+            return ops.product_onto(onto, y, out_w, "attention")
         return adapted(self.adapter, self._name("proj"), y, ops.product(y, out_w, "attention"))
 
     def _name(self, weight: str) -> str:
@@ -261,10 +266,14 @@ class Block(nn.Module):
         q_w, k_w, v_w, out_w, up_w, down_w = weights
         out_w, down_w, attn_scale, mlp_scale = self.output_weights(out_w, down_w, fold_scales)
         kept, x_in, normed = ops.block_input(stream, x0, self.resid_mix, self.ln_scale_factor, keep_input)
-        attn_out = self.attn(normed, q_w, k_w, v_w, out_w, rotary, v_embed, queries, ops, rows, keys)
+        # the input added in the output product: with the scale folded (so no adapter), at every position
+        everywhere = queries is None and rows is None and keys is None
+        onto = x_in if ops.sum_in_product and attn_scale is None and everywhere else None
+        attn_out = self.attn(normed, q_w, k_w, v_w, out_w, rotary, v_embed, queries, ops, rows, keys, onto)
         if queries is not None or rows is not None:
             x_in = pick_positions(x_in, queries if queries is not None else rows)
-        stream, normed = ops.residual_norm(Residual(x_in).plus(attn_out, attn_scale), self.ln_scale_factor)
+        summed = Residual(attn_out) if onto is not None else Residual(x_in).plus(attn_out, attn_scale)
+        stream, normed = ops.residual_norm(summed, self.ln_scale_factor)
         mlp_out = self.mlp(normed, up_w, down_w, ops)
         return kept, stream.plus(mlp_out, mlp_scale)
 

@@ -107,8 +107,12 @@ class TorchOps:
     `kernels.fused_heads.fused_head_prep` and `fused_head_prep_pair`,
     `kernels.attention_output.fused_attention_output`), the ops that `head_prep`,
     `head_prep_pair` and `attention_output` run instead of torch's steps, for the tensors they
-    take (they return None for the others)."""
+    take (they return None for the others).
 
+    sum_in_product: where set (training sets it, `residual_in_product`), a block adds its input to
+    the attention's output inside the output projection's product (`product_onto`)."""
+
+    sum_in_product: bool = False
     fused_heads: Callable[[Tensor, Tensor, Tensor, int, Tensor | None, int], Tensor | None] | None = None
     fused_head_pair: Callable[..., tuple[Tensor, Tensor] | None] | None = None
     fused_output: Callable[[Tensor, Tensor, Tensor | None], Tensor | None] | None = None
@@ -219,6 +223,12 @@ class TorchOps:
         """x's product with a block's matrix (F.linear, no bias); kind says whose: "attention"
         (queries, keys and values; the output) or "mlp"."""
         return F.linear(x, weight)
+
+    def product_onto(self, base: Tensor, x: Tensor, weight: Tensor, kind: str) -> Tensor:
+        """base + x's product with a block's matrix as one torch.addmm, whose product adds base
+        in its epilogue (cuBLAS), rounding the sum once; base [..., out] as the result."""
+        base2d, x2d = base.reshape(-1, base.size(-1)), x.reshape(-1, x.size(-1))
+        return torch.addmm(base2d, x2d, weight.t()).view(base.shape)
 
     def split_product(self, x: Tensor, weight: Tensor, sizes: tuple[int, ...], kind: str) -> tuple[Tensor, ...]:
         """x's product with matrices stacked in weight (of sizes rows each), as the product's

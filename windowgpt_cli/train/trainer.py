@@ -295,6 +295,14 @@ def set_fused_ops(model: GPT, cfg: RunConfig, device: torch.device) -> None:
     model.train_ops.fused_output = fused_attention_output if output else None
 
 
+def set_sum_in_product(model: GPT, cfg: RunConfig) -> None:
+    """Each block's input added in its attention's output product (`residual_in_product`),
+    where the scales fold (else the sum needs the scale first)."""
+    if cfg.train.residual_in_product and model.fold_output_scales:
+        model.train_ops = model.train_ops or TorchOps()
+        model.train_ops.sum_in_product = True
+
+
 def fp8_kinds(cfg: RunConfig) -> tuple[str, ...]:
     """The kinds of products (`model.ops.TorchOps.product`) asked for in float8."""
     return tuple(kind for kind, on in (("attention", cfg.train.fp8_attention), ("mlp", cfg.train.fp8_mlp)) if on)
@@ -420,6 +428,7 @@ def build_setup(cfg: RunConfig, ctx: DistContext) -> Setup:
     elif fp8_products_on(cfg, ctx.device):
         model.train_ops = Fp8Ops(fp8_kinds(cfg), mlp_kernels=cfg.train.fp8_mlp_kernels and triton_available(ctx.device))
     set_fused_ops(model, cfg, ctx.device)
+    set_sum_in_product(model, cfg)
     if cfg.train.qat_start_fraction > 0:  # the grids quantize will round the matrices to
         grids = bank_grids(QuantPlan.from_config(cfg.quant), dict(model.named_parameters()), cfg.model.num_layers)
         model.weight_grids = grids if any(grids) else None
@@ -916,7 +925,7 @@ def step_kernels(model: GPT) -> dict[str, str]:
     first layer's backend), whose products the fused MLP runs (and whether quack's keep the
     forward's activation), whether the scales fold, whether windowed layers take copied key
     heads, whether q, k and v are one product, whether the heads' steps and XSA are fused
-    ops."""
+    ops, whether the block's input joins the attention's output product."""
     products = getattr(model.train_ops, "products", None)
     return {"attn_backend": model.blocks[0].attn.backend,
             "fused_mlp": products or "off",
@@ -925,7 +934,8 @@ def step_kernels(model: GPT) -> dict[str, str]:
             "copy_kv_heads": "on" if any(block.attn.kv_copies > 1 for block in model.blocks) else "off",
             "stack_qkv": stacked_as(model),
             "fused_head_prep": "on" if getattr(model.train_ops, "fused_heads", None) is not None else "off",
-            "fused_xsa": "on" if getattr(model.train_ops, "fused_output", None) is not None else "off"}
+            "fused_xsa": "on" if getattr(model.train_ops, "fused_output", None) is not None else "off",
+            "residual_in_product": "on" if getattr(model.train_ops, "sum_in_product", False) else "off"}
 
 
 def stacked_as(model: GPT) -> str:
@@ -954,7 +964,7 @@ def describe(setup: Setup, log: RunLog) -> None:
              f"attn_backend:{kernels['attn_backend']}")
     log.line(" ".join(f"{name}:{kernels[name]}" for name in
                       ("fused_mlp", "keep_mlp_activation", "fold_output_scales", "copy_kv_heads",
-                       "stack_qkv", "fused_head_prep", "fused_xsa")))
+                       "stack_qkv", "fused_head_prep", "fused_xsa", "residual_in_product")))
     log.line(f"rank_seq_lens:{gather_from_ranks(setup.seq_len)}")
     log.line(f"train_batch_tokens:{cfg.train.train_batch_tokens} train_seq_len:{cfg.train.train_seq_len} "
              f"iterations:{cfg.train.iterations} warmup_steps:{cfg.train.warmup_steps} "
