@@ -9,8 +9,7 @@ for the same head steps.
 
 positions: one forward pass of the record step (two micro-batches of 48 x 2,048 on one
 H200), 8 query heads over 4 key heads of 64, 16 rotated channels. A launch PxW is
-`elementwise.HeadLaunch(positions=P, warps=W)`, PxWp the same with `prefetch` (each head's
-load issued before the head in hand is computed). For each: milliseconds (the median of
+`elementwise.HeadLaunch(positions=P, warps=W)`. For each: milliseconds (the median of
 `repeats`) and GB/s forward and backward, queries and keys together, and whether its outputs
 equal the default launch's. Prints the JSON object; --json writes it to a file.
 """
@@ -32,23 +31,23 @@ from windowgpt_cli.kernels.elementwise_backward import head_prep_backward  # noq
 from windowgpt_cli.model.ops import TORCH_OPS  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, ROPE_DIMS = 8, 4, 64, 16
-DEFAULT_LAUNCHES = "16x4,16x4p,32x4,32x4p,32x8,32x8p,64x4,8x4"
+DEFAULT_LAUNCHES = "16x4,32x4,32x8,64x4,8x4"
 
 
 def parse_launches(text: str) -> list[HeadLaunch]:
     launches = []
     for item in text.split(","):
-        positions, _, warps = item.removesuffix("p").partition("x")
+        positions, _, warps = item.partition("x")
         if not (positions.isdigit() and warps.isdigit() and int(positions) > 0 and int(positions) & (int(positions) - 1)
                 == 0 and int(warps) in (1, 2, 4, 8, 16)):
-            raise SystemExit(f"--launches: {item!r} is not POSITIONSxWARPS[p] (e.g. 32x4 or 16x4p; each a power of "
-                             f"two, warps up to 16, p for a prefetch)")
-        launches.append(HeadLaunch(int(positions), int(warps), prefetch=item.endswith("p")))
+            raise SystemExit(f"--launches: {item!r} is not POSITIONSxWARPS (e.g. 32x4; each a power of two, "
+                             f"warps up to 16)")
+        launches.append(HeadLaunch(int(positions), int(warps)))
     return launches
 
 
 def launch_name(launch: HeadLaunch) -> str:
-    return f"{launch.positions}x{launch.warps}" + ("p" if launch.prefetch else "")
+    return f"{launch.positions}x{launch.warps}"
 
 
 def timed(name: str, fn, moved_bytes: int, repeats: int) -> dict:
@@ -83,8 +82,7 @@ def launch_figures(x: dict, launch: HeadLaunch, repeats: int, want: list[torch.T
                 head_prep_backward(x["k"], x["k"], *k_tables, None, launch)[0])
 
     plane = (x["q"].numel() + x["k"].numel()) * 2  # bytes of the queries and keys, bf16
-    figures = {"launch": launch_name(launch), "positions": launch.positions, "warps": launch.warps,
-               "prefetch": launch.prefetch}
+    figures = {"launch": launch_name(launch), "positions": launch.positions, "warps": launch.warps}
     figures |= timed("forward", forward, 2 * plane, repeats)  # read, write
     figures |= timed("backward", backward, 3 * plane, repeats)  # read the gradient and the input, write
     figures["outputs_equal_default"] = all(torch.equal(a, b) for a, b in zip((*forward(), *backward()), want))

@@ -103,7 +103,7 @@ def heads(kernel):
             return "*fp32" if name in ("cos_ptr", "sin_ptr", "gain_ptr", "gain_rows_ptr") else "*bf16"
         return "fp32" if name == "eps" else "i32"
     launch = elementwise.HEAD_LAUNCH
-    constants = {"HEAD_DIM": 64, "ROPE_HALF": 8, "POSITIONS": launch.positions, "PREFETCH": launch.prefetch}
+    constants = {"HEAD_DIM": 64, "ROPE_HALF": 8, "POSITIONS": launch.positions}
     return build(kernel, types, constants, launch.warps, 3)
 
 

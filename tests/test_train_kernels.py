@@ -60,8 +60,8 @@ def test_head_prep_forward_and_gradients(rope_dims, per_sequence, t):
 
 def test_head_kernels_give_the_same_numbers_at_every_launch_shape():
     """Positions per program change only how the rows are split among programs (the last
-    one part-filled at 37 positions), and a prefetch only when each head's rows are loaded:
-    the default and the shapes bench/head_kernels_speed.py times give the same bits, with
+    one part-filled at 37 positions): the default and the shapes bench/head_kernels_speed.py
+    times give the same bits, with
     each key head stored once and twice (whose gradients the backward adds up)."""
     from windowgpt_cli.kernels import elementwise, elementwise_backward
 
@@ -69,7 +69,7 @@ def test_head_kernels_give_the_same_numbers_at_every_launch_shape():
     x, gain = torch.randn(1, 37, 3, 16), torch.rand(3) + 0.5
     cos, sin = elementwise.head_tables(x, *rotary_tables(37, rotary_inv_freq(8, 10000.0, 37, 37)), 8)
     launches = (elementwise.HEAD_LAUNCH, elementwise.HeadLaunch(32, 4), elementwise.HeadLaunch(8, 2),
-                elementwise.HeadLaunch(16, 4, prefetch=True), elementwise.HeadLaunch(32, 8, prefetch=True))
+                elementwise.HeadLaunch(32, 8))
     for copies in (1, 2):
         grad = torch.randn(1, 37, 3 * copies, 16)
         results = [(elementwise.head_prep(x, cos, sin, gain, torch.float32, launch, copies),

@@ -38,13 +38,10 @@ class HeadLaunch:
     """Positions per program and warps of a kernel that loops over each position's heads
     (`head_prep`, `elementwise_backward.head_prep_backward`; bench/head_kernels_speed.py
     times others). 16 positions: the backward 14% faster than with 32 on an H200, the
-    forward the same. prefetch: each head's load issued before the head in hand is computed
-    and stored (a store may alias a later load, so the compiler keeps them in program order:
-    without it a program has one head's rows in flight at a time)."""
+    forward the same."""
 
     positions: int = 16
     warps: int = HEAD_WARPS
-    prefetch: bool = False
 
 
 HEAD_LAUNCH = HeadLaunch()
@@ -187,29 +184,20 @@ def pair_partners(x, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.c
 @triton.jit(do_not_specialize=["positions", "heads", "has_gain", "rows_per_seq", "copies"])
 def _head_prep_kernel(x_ptr, cos_ptr, sin_ptr, gain_ptr, out_ptr, positions, rows_per_seq, x_stride, cos_seq_stride,
                       cos_row_stride, eps, heads, has_gain, copies, HEAD_DIM: tl.constexpr,
-                      ROPE_HALF: tl.constexpr, POSITIONS: tl.constexpr, PREFETCH: tl.constexpr):
+                      ROPE_HALF: tl.constexpr, POSITIONS: tl.constexpr):
     """Every head at POSITIONS positions (`head_positions`): each normed, its first
     2 * ROPE_HALF channels rotated (pairs c, c + ROPE_HALF), times its gain if has_gain, and
     stored `copies` times, as heads h * copies .. h * copies + copies - 1 of out. A rotated
     channel is the sum of two products, each rounded to out's dtype first. The rotary tables
     are read once per position, for all its heads. x's positions lie x_stride elements apart
-    (its heads contiguous within one: a slice of a stacked product's output reads in place).
-    PREFETCH: the next head's load issued before this head's arithmetic (`HeadLaunch`)."""
+    (its heads contiguous within one: a slice of a stacked product's output reads in place)."""
     position, col, live, seq, pos = head_positions(positions, rows_per_seq, HEAD_DIM, POSITIONS)
     in_first = col < ROPE_HALF
     rotated = col < 2 * ROPE_HALF
     cos, sin = rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_stride, ROPE_HALF)
     dtype = out_ptr.dtype.element_ty
-    x_at = x_ptr + position * x_stride + col
-    if PREFETCH:
-        x_next = tl.load(x_at, mask=live, other=0.0)
     for head in range(heads):
-        if PREFETCH:
-            x = x_next
-            x_next = tl.load(x_at + (head + 1) * HEAD_DIM, mask=live & (head + 1 < heads), other=0.0)
-        else:
-            x = tl.load(x_ptr + position * x_stride + head * HEAD_DIM + col, mask=live, other=0.0)
-        x = x.to(tl.float32)
+        x = tl.load(x_ptr + position * x_stride + head * HEAD_DIM + col, mask=live, other=0.0).to(tl.float32)
         x_partner = pair_partners(x, POSITIONS, HEAD_DIM, ROPE_HALF)
         inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
         x, x_partner = x * inv_rms, x_partner * inv_rms
@@ -401,7 +389,7 @@ def head_prep(x: Tensor, cos: Tensor, sin: Tensor, gain: Tensor | None, dtype: t
     _head_prep_kernel[(triton.cdiv(b * t, launch.positions),)](
         x, cos, sin, float32_values(gain, cos), out, b * t, t, x_stride, *head_table_strides(cos), FLOAT32_EPS,
         heads, int(gain is not None), copies, HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1),
-        POSITIONS=launch.positions, PREFETCH=launch.prefetch, num_warps=launch.warps)
+        POSITIONS=launch.positions, num_warps=launch.warps)
     return out
 
 

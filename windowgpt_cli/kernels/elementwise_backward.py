@@ -48,30 +48,18 @@ def summed_copies(grad_ptr, row, copies, col, mask, POSITIONS: tl.constexpr, HEA
 def _head_prep_backward_kernel(grad_ptr, x_ptr, cos_ptr, sin_ptr, gain_ptr, dx_ptr, gain_rows_ptr, positions,
                                rows_per_seq, x_stride, dx_stride, cos_seq_stride, cos_row_stride, eps, heads,
                                has_gain, copies, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr,
-                               POSITIONS: tl.constexpr, PREFETCH: tl.constexpr):
+                               POSITIONS: tl.constexpr):
     """The gradient of `_head_prep_kernel` (of its `copies` copies of each head, whose
     gradients add up) for every head at POSITIONS positions: with respect to x (stored in
     dx's dtype) and, if has_gain, each row's (head's at a position) share of its head's gain
     gradient (float32). x's positions lie x_stride elements apart, as in the forward, and dx's
-    dx_stride (a slice of a gradient that holds other heads too). PREFETCH: the next head's
-    loads issued before this head's arithmetic, as in the forward."""
+    dx_stride (a slice of a gradient that holds other heads too)."""
     position, col, live, seq, pos = head_positions(positions, rows_per_seq, HEAD_DIM, POSITIONS)
     cos, sin = rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_stride, ROPE_HALF)
-    x_at = x_ptr + position * x_stride + col
-    if PREFETCH:
-        x_next = tl.load(x_at, mask=live, other=0.0)
-        grad_next = summed_copies(grad_ptr, position * heads, copies, col, live, POSITIONS, HEAD_DIM)
     for head in range(heads):
         row = position * heads + head
-        if PREFETCH:
-            x, grad = x_next, grad_next
-            more = live & (head + 1 < heads)
-            x_next = tl.load(x_at + (head + 1) * HEAD_DIM, mask=more, other=0.0)
-            grad_next = summed_copies(grad_ptr, row + 1, copies, col, more, POSITIONS, HEAD_DIM)
-        else:
-            x = tl.load(x_ptr + position * x_stride + head * HEAD_DIM + col, mask=live, other=0.0)
-            grad = summed_copies(grad_ptr, row, copies, col, live, POSITIONS, HEAD_DIM)
-        x = x.to(tl.float32)
+        x = tl.load(x_ptr + position * x_stride + head * HEAD_DIM + col, mask=live, other=0.0).to(tl.float32)
+        grad = summed_copies(grad_ptr, row, copies, col, live, POSITIONS, HEAD_DIM)
         inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
         normed = x * inv_rms
         if has_gain:
@@ -147,8 +135,7 @@ def head_prep_backward(grad: Tensor, x: Tensor, cos: Tensor, sin: Tensor, gain: 
     _head_prep_backward_kernel[(triton.cdiv(b * t, launch.positions),)](
         grad.contiguous(), x, cos, sin, float32_values(gain, cos), dx, gain_rows, b * t, t, x_stride, dx.stride(1),
         *head_table_strides(cos), FLOAT32_EPS, heads, int(gain is not None), grad.size(2) // heads,
-        HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1), POSITIONS=launch.positions, PREFETCH=launch.prefetch,
-        num_warps=launch.warps)
+        HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1), POSITIONS=launch.positions, num_warps=launch.warps)
     return dx, (gain_rows.view(-1, heads).sum(0) if gain is not None else None)
 
 
