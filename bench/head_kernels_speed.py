@@ -9,7 +9,8 @@ for the same head steps.
 
 positions: one forward pass of the record step (two micro-batches of 48 x 2,048 on one
 H200), 8 query heads over 4 key heads of 64, 16 rotated channels. A launch PxW is
-`elementwise.HeadLaunch(positions=P, warps=W)`. For each: milliseconds (the median of
+`elementwise.HeadLaunch(positions=P, warps=W)`; PxWs the same with the forward's rotated
+channels computed apart (`rotated_apart`). For each: milliseconds (the median of
 `repeats`) and GB/s forward and backward, queries and keys together, and whether its outputs
 equal the default launch's. Prints the JSON object; --json writes it to a file.
 """
@@ -31,23 +32,20 @@ from windowgpt_cli.kernels.elementwise_backward import head_prep_backward  # noq
 from windowgpt_cli.model.ops import TORCH_OPS  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, ROPE_DIMS = 8, 4, 64, 16
-DEFAULT_LAUNCHES = "16x4,32x4,32x8,64x4,8x4"
+DEFAULT_LAUNCHES = "16x4,32x4,32x8,64x4,8x4,16x4s,32x4s,32x8s,64x8s"
 
 
 def parse_launches(text: str) -> list[HeadLaunch]:
     launches = []
     for item in text.split(","):
-        positions, _, warps = item.partition("x")
+        apart = item.endswith("s")
+        positions, _, warps = item.removesuffix("s").partition("x")
         if not (positions.isdigit() and warps.isdigit() and int(positions) > 0 and int(positions) & (int(positions) - 1)
                 == 0 and int(warps) in (1, 2, 4, 8, 16)):
-            raise SystemExit(f"--launches: {item!r} is not POSITIONSxWARPS (e.g. 32x4; each a power of two, "
+            raise SystemExit(f"--launches: {item!r} is not POSITIONSxWARPS[s] (e.g. 32x4, 16x4s; each a power of two, "
                              f"warps up to 16)")
-        launches.append(HeadLaunch(int(positions), int(warps)))
+        launches.append(HeadLaunch(int(positions), int(warps), apart))
     return launches
-
-
-def launch_name(launch: HeadLaunch) -> str:
-    return f"{launch.positions}x{launch.warps}"
 
 
 def timed(name: str, fn, moved_bytes: int, repeats: int) -> dict:
@@ -82,7 +80,8 @@ def launch_figures(x: dict, launch: HeadLaunch, repeats: int, want: list[torch.T
                 head_prep_backward(x["k"], x["k"], *k_tables, None, launch)[0])
 
     plane = (x["q"].numel() + x["k"].numel()) * 2  # bytes of the queries and keys, bf16
-    figures = {"launch": launch_name(launch), "positions": launch.positions, "warps": launch.warps}
+    figures = {"launch": launch.name, "positions": launch.positions, "warps": launch.warps,
+               "rotated_apart": launch.rotated_apart}
     figures |= timed("forward", forward, 2 * plane, repeats)  # read, write
     figures |= timed("backward", backward, 3 * plane, repeats)  # read the gradient and the input, write
     figures["outputs_equal_default"] = all(torch.equal(a, b) for a, b in zip((*forward(), *backward()), want))
@@ -107,7 +106,7 @@ def measure(positions: int, launches: list[HeadLaunch], repeats: int) -> dict:
     result["launches"] = [launch_figures(x, launch, repeats, want) for launch in launches]
     best = min(result["launches"], key=lambda f: f["forward_ms"] + f["backward_ms"])
     result["best"] = best["launch"]
-    result["default"] = launch_name(HEAD_LAUNCH)
+    result["default"] = HEAD_LAUNCH.name
     result["xsa"] = xsa_figures(x, repeats)
     return result
 
@@ -128,7 +127,7 @@ def xsa_figures(x: dict, repeats: int) -> dict:
 
 def main() -> None:
     p = pass_parser(__doc__.split("\n\n")[0])
-    p.add_argument("--launches", default=DEFAULT_LAUNCHES, help="POSITIONSxWARPS shapes, comma-separated")
+    p.add_argument("--launches", default=DEFAULT_LAUNCHES, help="POSITIONSxWARPS[s] shapes, comma-separated")
     args = p.parse_args()
     check_pass_args(args, "head_kernels_speed.py")
     result = measure(args.positions, parse_launches(args.launches), args.repeats)

@@ -442,14 +442,16 @@ def test_the_one_pass_benches_check_their_arguments(argv, message, monkeypatch):
 
 
 def test_the_head_kernels_bench_reads_its_launch_shapes_and_names_them_back():
-    """bench/head_kernels_speed.py's --launches: POSITIONSxWARPS; each shape named back as it
-    was given; a wrong one is one line."""
+    """bench/head_kernels_speed.py's --launches: POSITIONSxWARPS, an s after it for the
+    forward's rotated channels apart; each shape named back as it was given; a wrong one is
+    one line."""
     import head_kernels_speed as bench
     from windowgpt_cli.kernels.elementwise import HeadLaunch
 
-    assert bench.parse_launches("16x4,32x8") == [HeadLaunch(16, 4), HeadLaunch(32, 8)]
-    assert ",".join(map(bench.launch_name, bench.parse_launches(bench.DEFAULT_LAUNCHES))) == bench.DEFAULT_LAUNCHES
-    for wrong in ("16x3", "12x4", "16x4q", "16x4p", "x4"):
+    assert bench.parse_launches("16x4,32x8,16x4s") == [HeadLaunch(16, 4), HeadLaunch(32, 8),
+                                                       HeadLaunch(16, 4, rotated_apart=True)]
+    assert ",".join(launch.name for launch in bench.parse_launches(bench.DEFAULT_LAUNCHES)) == bench.DEFAULT_LAUNCHES
+    for wrong in ("16x3", "12x4", "16x4q", "16x4p", "x4", "16x4ss", "s16x4"):
         with pytest.raises(SystemExit, match="is not POSITIONSxWARPS"):
             bench.parse_launches(wrong)
 

@@ -36,10 +36,13 @@ def heads(t: int = 24, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch
     return torch.randn(2, t, 4, 16, generator=g), torch.rand(4, generator=g) + 0.5, cos, sin
 
 
-def with_heads() -> TorchOps:
-    """Training ops whose queries' and keys' steps are the fused op."""
+def with_heads(rotated_apart: bool = False) -> TorchOps:
+    """Training ops whose queries' and keys' steps are the fused op (its forward's rotated
+    channels apart if asked)."""
+    import functools
+
     ops = TorchOps()
-    ops.fused_heads = fused_head_prep
+    ops.fused_heads = functools.partial(fused_head_prep, rotated_apart=True) if rotated_apart else fused_head_prep
     return ops
 
 
@@ -191,22 +194,28 @@ def test_auto_is_on_for_a_cuda_device_where_triton_runs(monkeypatch):
     assert not trainer.fused_op_on("on", cuda)
 
 
-@pytest.mark.parametrize("setting, module, op, calls_per_forward", [
-    ("fused_head_prep", "fused_heads", "fused_head_prep", lambda model: 2 * model.num_layers),  # queries, keys
-    ("fused_xsa", "attention_output", "fused_attention_output", lambda model: model.xsa_last_n),
+@pytest.mark.parametrize("setting, module, op, calls_per_forward, values", [
+    ("fused_head_prep", "fused_heads", "fused_head_prep", lambda model: 2 * model.num_layers,  # queries, keys
+     ("off", "on", "apart")),
+    ("fused_xsa", "attention_output", "fused_attention_output", lambda model: model.xsa_last_n, ("off", "on")),
 ])
-def test_a_run_with_a_fused_op_on_passes_through_it(setting, module, op, calls_per_forward, tiny_data_dir,
+def test_a_run_with_a_fused_op_on_passes_through_it(setting, module, op, calls_per_forward, values, tiny_data_dir,
                                                       tmp_path, monkeypatch):
     """The setting reaches the training step (the op stood in for by one that counts its
     calls and leaves the tensors to torch: the interpreter's kernels would take minutes a
-    step), and the log, summary and configuration say which ran."""
+    step), and the log, summary and configuration say which ran; apart (the heads') is the
+    op with its forward's rotated channels apart."""
     import importlib
 
     monkeypatch.setattr(trainer, "triton_available", lambda device: True)
-    calls = {"off": 0, "on": 0}
+    calls = dict.fromkeys(values, 0)
+    apart_asked = []
     for value in calls:
-        monkeypatch.setattr(importlib.import_module(f"windowgpt_cli.kernels.{module}"), op,
-                            lambda *args, value=value: calls.update({value: calls[value] + 1}))
+        def counting(*args, value=value, **kwargs):
+            calls[value] += 1
+            apart_asked.append((value, kwargs.get("rotated_apart", False)))
+
+        monkeypatch.setattr(importlib.import_module(f"windowgpt_cli.kernels.{module}"), op, counting)
         cfg = tiny_cfg(tiny_data_dir, iterations=2, train_batch_tokens=2048, **{setting: value})
         train(cfg, tmp_path / value)
         assert f"{setting}:{value}" in (tmp_path / value / "train.log").read_text()
@@ -214,14 +223,40 @@ def test_a_run_with_a_fused_op_on_passes_through_it(setting, module, op, calls_p
         assert kernels[setting] == value and {kernels["fused_head_prep"], kernels["fused_xsa"]} <= {value, "off"}
         assert getattr(RunConfig.load(tmp_path / value / "config.json").train, setting) == value
     # in each training forward (2 micro-batches a step; validation adds more)
-    assert calls["off"] == 0 and calls["on"] >= calls_per_forward(cfg.model) * 2 * 2
+    assert calls["off"] == 0 and all(calls[value] >= calls_per_forward(cfg.model) * 2 * 2 for value in values[1:])
+    assert {asked for value, asked in apart_asked if value == "on"} == {False}
+    assert {asked for value, asked in apart_asked if value == "apart"} == ({True} if "apart" in values else set())
+
+
+def test_with_the_rotated_channels_apart_the_op_gives_the_same_numbers_in_one_graph():
+    """`rotated_apart` (the forward's rotated channels in a block of their own): the op's
+    output and gradients equal the op's without it, the pair op's too, each compiled into one
+    graph as the training step calls them (through functools.partial)."""
+    import functools
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    x, gain, cos, sin = heads()
+    stacked = torch.randn(2, 24, 6, 16, generator=torch.Generator().manual_seed(7))
+    for op, x, call in ((fused_head_prep, x, lambda op, x, g: op(x * 2, cos, sin, ROPE_DIMS, g)),
+                        (fused_head_prep_pair, stacked, lambda op, x, g: torch.cat(op(x * 2, cos, sin, ROPE_DIMS, g,
+                                                                                      4, 2), 2))):
+        counter = CompileCounterWithBackend("aot_eager")
+        torch._dynamo.reset()
+        apart = torch.compile(functools.partial(call, functools.partial(op, rotated_apart=True)), backend=counter,
+                              fullgraph=True)
+        out, grads = output_and_grads(apart, x, gain)
+        want, want_grads = output_and_grads(functools.partial(call, op), x, gain)
+        assert counter.frame_count == 1
+        assert torch.equal(out, want) and all(torch.equal(a, b) for a, b in zip(grads, want_grads))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_the_compiled_step_with_the_op_gives_the_same_loss_and_gradients():
+@pytest.mark.parametrize("rotated_apart", [False, True])
+def test_on_cuda_the_compiled_step_with_the_op_gives_the_same_loss_and_gradients(rotated_apart):
     """The full-size model's compiled training loss in bf16 autocast, at a micro-batch of 8
     sequences: within 1e-3 of the compiler's steps', the attention banks' and the gains'
-    gradients within 2% of their size."""
-    compiled_steps_agree(None, with_heads(), lambda model: [model.qo_bank.grad, model.kv_bank.grad,
-                                                            model.blocks[0].attn.q_gain.grad])
+    gradients within 2% of their size; with the forward's rotated channels apart too."""
+    compiled_steps_agree(None, with_heads(rotated_apart),
+                         lambda model: [model.qo_bank.grad, model.kv_bank.grad, model.blocks[0].attn.q_gain.grad])

@@ -58,26 +58,38 @@ def test_head_prep_forward_and_gradients(rope_dims, per_sequence, t):
         assert all(agree(f, r) for f, r in zip(fused_grads, reference_grads))
 
 
-def test_head_kernels_give_the_same_numbers_at_every_launch_shape():
+@pytest.mark.parametrize("rope_dims", [8, 0])  # part of each head rotated, or all of it
+def test_head_kernels_give_the_same_numbers_at_every_launch_shape(rope_dims):
     """Positions per program change only how the rows are split among programs (the last
-    one part-filled at 37 positions): the default and the shapes bench/head_kernels_speed.py
-    times give the same bits, with
-    each key head stored once and twice (whose gradients the backward adds up)."""
+    one part-filled at 37 positions), and the forward's rotated channels computed apart only
+    how its work is divided: the default and the shapes bench/head_kernels_speed.py times give
+    the same bits, with each key head stored once and twice (whose gradients the backward
+    adds up), with a gain and without, x whole or a slice of a stacked product's heads."""
     from windowgpt_cli.kernels import elementwise, elementwise_backward
 
     torch.manual_seed(0)
     x, gain = torch.randn(1, 37, 3, 16), torch.rand(3) + 0.5
-    cos, sin = elementwise.head_tables(x, *rotary_tables(37, rotary_inv_freq(8, 10000.0, 37, 37)), 8)
+    stacked = torch.cat([torch.randn(1, 37, 1, 16), x, torch.randn(1, 37, 2, 16)], dim=2)
+    cos, sin = elementwise.head_tables(x, *rotary_tables(37, rotary_inv_freq(rope_dims or 16, 10000.0, 37, 37)),
+                                       rope_dims)
     launches = (elementwise.HEAD_LAUNCH, elementwise.HeadLaunch(32, 4), elementwise.HeadLaunch(8, 2),
-                elementwise.HeadLaunch(32, 8))
-    for copies in (1, 2):
+                elementwise.HeadLaunch(32, 8), elementwise.HeadLaunch(16, 4, rotated_apart=True),
+                elementwise.HeadLaunch(8, 2, rotated_apart=True))
+
+    def run(launch, x, grad, g, copies, dx=None):
+        return (elementwise.head_prep(x, cos, sin, g, torch.float32, launch, copies),
+                *elementwise_backward.head_prep_backward(grad, x, cos, sin, g, launch, dx=dx))
+
+    for copies, g in ((1, gain), (2, gain), (2, None)):
         grad = torch.randn(1, 37, 3 * copies, 16)
-        results = [(elementwise.head_prep(x, cos, sin, gain, torch.float32, launch, copies),
-                    *elementwise_backward.head_prep_backward(grad, x, cos, sin, gain, launch))
-                   for launch in launches]
-        assert results[0][0].shape == (1, 37, 3 * copies, 16)
-        for other in results[1:]:
-            assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+        want = run(elementwise.HEAD_LAUNCH, x, grad, g, copies)
+        assert want[0].shape == (1, 37, 3 * copies, 16) and (want[2] is None) == (g is None)
+        for launch in launches:
+            dx = torch.zeros_like(stacked)
+            for result in (run(launch, x, grad, g, copies),
+                           run(launch, stacked[:, :, 1:4], grad, g, copies, dx=dx[:, :, 1:4])):
+                assert all(a is b is None or torch.equal(a, b) for a, b in zip(result, want)), launch
+            assert not dx[:, :, [0, 4, 5]].any()
 
 
 def test_leaky_square_forward_and_gradient():

@@ -238,8 +238,10 @@ class TrainConfig:
                                           "training step as one Triton kernel forward and one backward (an op "
                                           "the compiler keeps whole), each reading the heads once, where the "
                                           "compiler's kernels pass over the queries four times forward and "
-                                          "three times back. on, off (the compiler's kernels), or auto: on for "
-                                          "a CUDA device. Either runs only where Triton does (CUDA).")
+                                          "three times back. on, off (the compiler's kernels), auto: on for a "
+                                          "CUDA device, or apart: on, the forward computing each head's rotated "
+                                          "channels in a block of their own (the rotation's arithmetic on those "
+                                          "channels alone; the same numbers). Runs only where Triton does (CUDA).")
     fused_xsa: str = setting("auto", "XSA and the sparse output gate over the attention's output in the training "
                                     "step as one Triton kernel forward and one backward (an op the compiler "
                                     "keeps whole), each reading the heads and their values once. on, off (the "
@@ -818,7 +820,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "copy_kv_heads": ("auto", "on", "off"),
     "stack_qkv": ("auto", "on", "off", "qk"),
     "fold_output_scales": ("auto", "on", "off"),
-    "fused_head_prep": ("auto", "on", "off"),
+    "fused_head_prep": ("auto", "on", "off", "apart"),
     "fused_xsa": ("auto", "on", "off"),
 }
 LORA_TARGETS = ("q", "k", "v", "o", "up", "down", "head")  # ttt_lora_targets' names

@@ -38,10 +38,20 @@ class HeadLaunch:
     """Positions per program and warps of a kernel that loops over each position's heads
     (`head_prep`, `elementwise_backward.head_prep_backward`; bench/head_kernels_speed.py
     times others). 16 positions: the backward 14% faster than with 32 on an H200, the
-    forward the same."""
+    forward the same. `rotated_apart`: the forward computes a head's rotated channels in a
+    block of their own, 2 * ROPE_HALF wide, and only norms and scales the others, so that the
+    rotation's arithmetic runs on those channels alone (a quarter of a record model's head)
+    rather than on all of them: the same bits in fewer instructions and registers
+    (bench/head_kernels_sass.py). The backward is the same either way."""
 
     positions: int = 16
     warps: int = HEAD_WARPS
+    rotated_apart: bool = False
+
+    @property
+    def name(self) -> str:
+        """As bench/head_kernels_speed.py names it: 16x4, or 16x4s with the rotation apart."""
+        return f"{self.positions}x{self.warps}{'s' if self.rotated_apart else ''}"
 
 
 HEAD_LAUNCH = HeadLaunch()
@@ -181,34 +191,57 @@ def pair_partners(x, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.c
     return tl.reshape(tl.flip(groups, 2), (ROWS, HEAD_DIM))
 
 
+@triton.jit
+def rotated_normed(x, x_partner, inv_rms, cos, sin, dtype, WIDTH: tl.constexpr, ROPE_HALF: tl.constexpr):
+    """Rows of a head's first WIDTH channels x (each channel's pair partner given) times
+    inv_rms, their first 2 * ROPE_HALF rotated, in float32: a rotated channel is the sum of
+    two products, each rounded to dtype first."""
+    col = tl.arange(0, WIDTH)[None, :]
+    x, x_partner = x * inv_rms, x_partner * inv_rms
+    # (x1, x2) -> (x1 cos + x2 sin, x1 (-sin) + x2 cos), x1 the first channel of a pair
+    first = (x * cos).to(dtype).to(tl.float32) + (x_partner * sin).to(dtype).to(tl.float32)
+    second = (x_partner * -sin).to(dtype).to(tl.float32) + (x * cos).to(dtype).to(tl.float32)
+    return tl.where(col < ROPE_HALF, first, tl.where(col < 2 * ROPE_HALF, second, x))
+
+
 @triton.jit(do_not_specialize=["positions", "heads", "has_gain", "rows_per_seq", "copies"])
 def _head_prep_kernel(x_ptr, cos_ptr, sin_ptr, gain_ptr, out_ptr, positions, rows_per_seq, x_stride, cos_seq_stride,
                       cos_row_stride, eps, heads, has_gain, copies, HEAD_DIM: tl.constexpr,
-                      ROPE_HALF: tl.constexpr, POSITIONS: tl.constexpr):
+                      ROPE_HALF: tl.constexpr, POSITIONS: tl.constexpr, ROTATED_APART: tl.constexpr):
     """Every head at POSITIONS positions (`head_positions`): each normed, its first
-    2 * ROPE_HALF channels rotated (pairs c, c + ROPE_HALF), times its gain if has_gain, and
-    stored `copies` times, as heads h * copies .. h * copies + copies - 1 of out. A rotated
-    channel is the sum of two products, each rounded to out's dtype first. The rotary tables
-    are read once per position, for all its heads. x's positions lie x_stride elements apart
-    (its heads contiguous within one: a slice of a stacked product's output reads in place)."""
+    2 * ROPE_HALF channels rotated (pairs c, c + ROPE_HALF; `rotated_normed`), times its gain
+    if has_gain, and stored `copies` times, as heads h * copies .. h * copies + copies - 1 of
+    out. The rotary tables are read once per position, for all its heads. x's positions lie
+    x_stride elements apart (its heads contiguous within one: a slice of a stacked product's
+    output reads in place). ROTATED_APART: `HeadLaunch.rotated_apart`, the same bits."""
     position, col, live, seq, pos = head_positions(positions, rows_per_seq, HEAD_DIM, POSITIONS)
-    in_first = col < ROPE_HALF
-    rotated = col < 2 * ROPE_HALF
-    cos, sin = rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_stride, ROPE_HALF)
     dtype = out_ptr.dtype.element_ty
+    if ROTATED_APART:
+        col_rotated = tl.arange(0, 2 * ROPE_HALF)[None, :]
+        cos, sin = rotary_at(cos_ptr, sin_ptr, seq, pos, col_rotated, live, cos_seq_stride, cos_row_stride, ROPE_HALF)
+    else:
+        cos, sin = rotary_at(cos_ptr, sin_ptr, seq, pos, col, live, cos_seq_stride, cos_row_stride, ROPE_HALF)
     for head in range(heads):
-        x = tl.load(x_ptr + position * x_stride + head * HEAD_DIM + col, mask=live, other=0.0).to(tl.float32)
-        x_partner = pair_partners(x, POSITIONS, HEAD_DIM, ROPE_HALF)
+        x_at = x_ptr + position * x_stride + head * HEAD_DIM
+        x = tl.load(x_at + col, mask=live, other=0.0).to(tl.float32)
         inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
-        x, x_partner = x * inv_rms, x_partner * inv_rms
-        # (x1, x2) -> (x1 cos + x2 sin, x1 (-sin) + x2 cos), x1 the first channel of a pair
-        first = (x * cos).to(dtype).to(tl.float32) + (x_partner * sin).to(dtype).to(tl.float32)
-        second = (x_partner * -sin).to(dtype).to(tl.float32) + (x * cos).to(dtype).to(tl.float32)
-        out = tl.where(in_first, first, tl.where(rotated, second, x))
-        if has_gain:
-            out = out * tl.load(gain_ptr + head)
-        for copy in range(copies):
-            tl.store(out_ptr + ((position * heads + head) * copies + copy) * HEAD_DIM + col, out, mask=live)
+        if ROTATED_APART:
+            gain = tl.load(gain_ptr + head, mask=has_gain != 0, other=1.0)
+            rotated = tl.load(x_at + col_rotated, mask=live, other=0.0).to(tl.float32)
+            rotated = rotated_normed(rotated, pair_partners(rotated, POSITIONS, 2 * ROPE_HALF, ROPE_HALF), inv_rms,
+                                     cos, sin, dtype, 2 * ROPE_HALF, ROPE_HALF) * gain
+            plain = x * inv_rms * gain
+            for copy in range(copies):
+                out_at = out_ptr + ((position * heads + head) * copies + copy) * HEAD_DIM
+                tl.store(out_at + col, plain, mask=live & (col >= 2 * ROPE_HALF))
+                tl.store(out_at + col_rotated, rotated, mask=live)
+        else:
+            out = rotated_normed(x, pair_partners(x, POSITIONS, HEAD_DIM, ROPE_HALF), inv_rms, cos, sin, dtype,
+                                 HEAD_DIM, ROPE_HALF)
+            if has_gain:
+                out = out * tl.load(gain_ptr + head)
+            for copy in range(copies):
+                tl.store(out_ptr + ((position * heads + head) * copies + copy) * HEAD_DIM + col, out, mask=live)
 
 
 @triton.jit
@@ -389,7 +422,7 @@ def head_prep(x: Tensor, cos: Tensor, sin: Tensor, gain: Tensor | None, dtype: t
     _head_prep_kernel[(triton.cdiv(b * t, launch.positions),)](
         x, cos, sin, float32_values(gain, cos), out, b * t, t, x_stride, *head_table_strides(cos), FLOAT32_EPS,
         heads, int(gain is not None), copies, HEAD_DIM=head_dim, ROPE_HALF=cos.size(-1),
-        POSITIONS=launch.positions, num_warps=launch.warps)
+        POSITIONS=launch.positions, ROTATED_APART=launch.rotated_apart, num_warps=launch.warps)
     return out
 
 

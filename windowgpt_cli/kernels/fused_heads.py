@@ -22,17 +22,22 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .elementwise import head_prep, head_tables
+from .elementwise import HeadLaunch, head_prep, head_tables
 from .elementwise_backward import head_prep_backward
 
 
+def _launch(rotated_apart: bool) -> HeadLaunch:
+    return HeadLaunch(rotated_apart=rotated_apart)
+
+
 @torch.library.custom_op("windowgpt::head_prep", mutates_args=())
-def _head_prep_op(x: Tensor, cos: Tensor, sin: Tensor, gain: Optional[Tensor], copies: int) -> Tensor:
-    return head_prep(x, cos, sin, gain, x.dtype, copies=copies)
+def _head_prep_op(x: Tensor, cos: Tensor, sin: Tensor, gain: Optional[Tensor], copies: int,
+                  rotated_apart: bool) -> Tensor:
+    return head_prep(x, cos, sin, gain, x.dtype, _launch(rotated_apart), copies=copies)
 
 
 @_head_prep_op.register_fake
-def _head_prep_shape(x, cos, sin, gain, copies):
+def _head_prep_shape(x, cos, sin, gain, copies, rotated_apart):
     b, t, heads, head_dim = x.shape
     return x.new_empty(b, t, heads * copies, head_dim)
 
@@ -56,33 +61,34 @@ def _save_for_backward(ctx, inputs, output) -> None:
 def _head_prep_grads(ctx, grad):
     x, cos, sin, gain = ctx.saved_tensors
     dx, dgain = _head_prep_backward_op(grad, x, cos, sin, gain)
-    return dx, None, None, (dgain if gain is not None else None), None
+    return dx, None, None, (dgain if gain is not None else None), None, None
 
 
 _head_prep_op.register_autograd(_head_prep_grads, setup_context=_save_for_backward)
 
 
 def fused_head_prep(x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None,
-                    copies: int = 1) -> Tensor | None:
+                    copies: int = 1, rotated_apart: bool = False) -> Tensor | None:
     """`model.ops.TorchOps.head_prep` of queries or keys x [B, T, H, D] as the fused op, in
     x's dtype, [B, T, H * copies, D], differentiable in x and gain; None where the kernels
     cannot take x's heads (a head or its rotated half not a power of two: the caller runs
-    torch's steps)."""
+    torch's steps). rotated_apart: `elementwise.HeadLaunch.rotated_apart` for the forward."""
     tables = head_tables(x, cos, sin, rope_dims)
     if tables is None:
         return None
-    return _head_prep_op(x, *tables, gain, copies)
+    return _head_prep_op(x, *tables, gain, copies, rotated_apart)
 
 
 @torch.library.custom_op("windowgpt::head_prep_pair", mutates_args=())
 def _head_prep_pair_op(x: Tensor, cos: Tensor, sin: Tensor, gain: Optional[Tensor], q_heads: int,
-                       copies: int) -> tuple[Tensor, Tensor]:
-    return (head_prep(x[:, :, :q_heads], cos, sin, gain, x.dtype),
-            head_prep(x[:, :, q_heads:], cos, sin, None, x.dtype, copies=copies))
+                       copies: int, rotated_apart: bool) -> tuple[Tensor, Tensor]:
+    launch = _launch(rotated_apart)
+    return (head_prep(x[:, :, :q_heads], cos, sin, gain, x.dtype, launch),
+            head_prep(x[:, :, q_heads:], cos, sin, None, x.dtype, launch, copies=copies))
 
 
 @_head_prep_pair_op.register_fake
-def _head_prep_pair_shapes(x, cos, sin, gain, q_heads, copies):
+def _head_prep_pair_shapes(x, cos, sin, gain, q_heads, copies, rotated_apart):
     b, t, heads, head_dim = x.shape
     return x.new_empty(b, t, q_heads, head_dim), x.new_empty(b, t, (heads - q_heads) * copies, head_dim)
 
@@ -111,19 +117,19 @@ def _head_prep_pair_grads(ctx, grad_q, grad_k):
     x, cos, sin, gain = ctx.saved_tensors
     grad_q, grad_k = (x.new_zeros(shape) if grad is None else grad for grad, shape in zip((grad_q, grad_k), ctx.shapes))
     dx, dgain = _head_prep_pair_backward_op(grad_q, grad_k, x, cos, sin, gain, ctx.q_heads)
-    return dx, None, None, (dgain if gain is not None else None), None, None
+    return dx, None, None, (dgain if gain is not None else None), None, None, None
 
 
 _head_prep_pair_op.register_autograd(_head_prep_pair_grads, setup_context=_save_pair_for_backward)
 
 
 def fused_head_prep_pair(x: Tensor, cos: Tensor, sin: Tensor, rope_dims: int, gain: Tensor | None, q_heads: int,
-                         copies: int = 1) -> tuple[Tensor, Tensor] | None:
+                         copies: int = 1, rotated_apart: bool = False) -> tuple[Tensor, Tensor] | None:
     """`model.ops.TorchOps.head_prep_pair` of x [B, T, q_heads + key heads, D] as one fused op:
     (the queries, the first q_heads heads, with gain; the keys, each `copies` times), in x's
     dtype, differentiable in x (one gradient tensor, x's shape) and gain; None where the
-    kernels cannot take x's heads."""
+    kernels cannot take x's heads. rotated_apart: as `fused_head_prep`'s."""
     tables = head_tables(x, cos, sin, rope_dims)
     if tables is None:
         return None
-    return _head_prep_pair_op(x, *tables, gain, q_heads, copies)
+    return _head_prep_pair_op(x, *tables, gain, q_heads, copies, rotated_apart)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import signal
 import time
@@ -277,8 +278,9 @@ def pairs_heads(cfg: RunConfig, device: torch.device) -> bool:
 
 def fused_op_on(asked: str, device: torch.device) -> bool:
     """Whether the training step runs one of its fused Triton ops (`fused_head_prep`,
-    `fused_xsa`) set to `asked`: on, or auto on a CUDA device; either where Triton runs."""
-    return (asked == "on" or (asked == "auto" and device.type == "cuda")) and triton_available(device)
+    `fused_xsa`) set to `asked`: on (or the heads' apart), or auto on a CUDA device; either
+    where Triton runs."""
+    return (asked in ("on", "apart") or (asked == "auto" and device.type == "cuda")) and triton_available(device)
 
 
 def set_fused_ops(model: GPT, cfg: RunConfig, device: torch.device) -> None:
@@ -289,9 +291,12 @@ def set_fused_ops(model: GPT, cfg: RunConfig, device: torch.device) -> None:
     from ..kernels.attention_output import fused_attention_output  # imports Triton: only when used
     from ..kernels.fused_heads import fused_head_prep, fused_head_prep_pair
 
+    heads_op, pair_op = fused_head_prep, fused_head_prep_pair
+    if cfg.train.fused_head_prep == "apart":
+        heads_op, pair_op = (functools.partial(op, rotated_apart=True) for op in (heads_op, pair_op))
     model.train_ops = model.train_ops or TorchOps()
-    model.train_ops.fused_heads = fused_head_prep if heads else None
-    model.train_ops.fused_head_pair = fused_head_prep_pair if heads and pairs_heads(cfg, device) else None
+    model.train_ops.fused_heads = heads_op if heads else None
+    model.train_ops.fused_head_pair = pair_op if heads and pairs_heads(cfg, device) else None
     model.train_ops.fused_output = fused_attention_output if output else None
 
 
@@ -933,9 +938,17 @@ def step_kernels(model: GPT) -> dict[str, str]:
             "fold_output_scales": "on" if model.fold_output_scales else "off",
             "copy_kv_heads": "on" if any(block.attn.kv_copies > 1 for block in model.blocks) else "off",
             "stack_qkv": stacked_as(model),
-            "fused_head_prep": "on" if getattr(model.train_ops, "fused_heads", None) is not None else "off",
+            "fused_head_prep": heads_as(getattr(model.train_ops, "fused_heads", None)),
             "fused_xsa": "on" if getattr(model.train_ops, "fused_output", None) is not None else "off",
             "residual_in_product": "on" if getattr(model.train_ops, "sum_in_product", False) else "off"}
+
+
+def heads_as(fused_heads) -> str:
+    """How the training step's heads' op runs (`fused_head_prep`): off, on, or apart (the
+    forward's rotated channels in a block of their own)."""
+    if fused_heads is None:
+        return "off"
+    return "apart" if getattr(fused_heads, "keywords", {}).get("rotated_apart") else "on"
 
 
 def stacked_as(model: GPT) -> str:
