@@ -2,16 +2,17 @@
 any machine, no GPU needed: for each launch shape given, the forward
 (`elementwise._head_prep_kernel`) and the backward
 (`elementwise_backward._head_prep_backward_kernel`) built for sm_90 at the record model's
-heads (64 channels, 16 of them rotated), with the gain (the queries) and without (the keys),
-each head stored once; for each build its registers, spilled bytes and the instructions of
-one turn of its loop over a position's heads, in all and by kind.
+heads (64 channels, 16 of them rotated): the registers a thread takes and the bytes it
+spills, as a launch builds the kernel, and the instructions of one turn of its loop over a
+position's heads, in all and by kind, on the path of the queries (with their gain) and of
+the keys (without), each head stored once.
 
     python bench/head_kernels_sass.py [--launches 16x4,16x4s] [--json PATH]
 
 A turn handles one head at POSITIONS positions, each thread `channels_a_thread` of its
-values; a kernel that issues more instructions a turn than its bytes take to move is
-bounded by the issue rate, not by the memory. Launches as bench/head_kernels_speed.py takes
-them (16x4s: the forward's rotated channels apart). Prints the JSON object; --json writes it.
+values: its instructions lie between a head's load and the next head's, and the registers
+say how many programs share a multiprocessor. Launches as bench/head_kernels_speed.py takes
+them (16x4s: the forward's rotated channels apart). Prints a table; --json writes the JSON.
 """
 from __future__ import annotations
 
@@ -50,12 +51,16 @@ def _types(name: str) -> str:
 
 
 def build_figures(kernel, launch: HeadLaunch, has_gain: bool) -> dict:
+    """Registers and spilled bytes of the kernel as a launch builds it (copies and has_gain
+    run-time values), and the instructions of one turn of its loop on the path a launch with
+    one copy and has_gain takes (the two fixed, so the build holds that path alone)."""
     constants = {"HEAD_DIM": HEAD_DIM, "ROPE_HALF": ROPE_HALF, "POSITIONS": launch.positions,
-                 "ROTATED_APART": launch.rotated_apart, "copies": 1, "has_gain": int(has_gain)}
+                 "ROTATED_APART": launch.rotated_apart}
     constants = {name: value for name, value in constants.items() if name in kernel.arg_names}
-    compiled = compile_for_hopper(kernel, _types, constants, launch.warps, 3, ALIGNED)
-    regs, local = registers(compiled)
-    loop = longest_loop(sass_lines(compiled))
+    regs, local = registers(compile_for_hopper(kernel, _types, constants, launch.warps, 3, ALIGNED))
+    turn = compile_for_hopper(kernel, _types, {**constants, "copies": 1, "has_gain": int(has_gain)}, launch.warps, 3,
+                              ALIGNED)
+    loop = longest_loop(sass_lines(turn))
     kinds: dict[str, int] = {}
     for opcode, count in opcodes(loop).items():
         kinds[KINDS.get(opcode, "other")] = kinds.get(KINDS.get(opcode, "other"), 0) + count
