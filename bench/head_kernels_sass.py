@@ -44,7 +44,8 @@ ALIGNED = ("x_ptr", "cos_ptr", "sin_ptr", "gain_ptr", "out_ptr", "grad_ptr", "dx
            "dx_stride", "cos_seq_stride")
 
 
-def _types(name: str) -> str:
+def head_arg_types(name: str) -> str:
+    """The type of each argument of the heads' kernels that a build does not fix."""
     if name.endswith("_ptr"):
         return "*fp32" if name in ("cos_ptr", "sin_ptr", "gain_ptr", "gain_rows_ptr") else "*bf16"
     return "fp32" if name == "eps" else "i32"
@@ -57,9 +58,9 @@ def build_figures(kernel, launch: HeadLaunch, has_gain: bool) -> dict:
     constants = {"HEAD_DIM": HEAD_DIM, "ROPE_HALF": ROPE_HALF, "POSITIONS": launch.positions,
                  "ROTATED_APART": launch.rotated_apart}
     constants = {name: value for name, value in constants.items() if name in kernel.arg_names}
-    regs, local = registers(compile_for_hopper(kernel, _types, constants, launch.warps, 3, ALIGNED))
-    turn = compile_for_hopper(kernel, _types, {**constants, "copies": 1, "has_gain": int(has_gain)}, launch.warps, 3,
-                              ALIGNED)
+    regs, local = registers(compile_for_hopper(kernel, head_arg_types, constants, launch.warps, 3, ALIGNED))
+    turn = compile_for_hopper(kernel, head_arg_types, {**constants, "copies": 1, "has_gain": int(has_gain)},
+                              launch.warps, 3, ALIGNED)
     loop = longest_loop(sass_lines(turn))
     kinds: dict[str, int] = {}
     for opcode, count in opcodes(loop).items():

@@ -30,6 +30,7 @@ from windowgpt_cli.kernels import (attention_output, attention_sinks, elementwis
 
 sys.path.insert(0, "bench")
 import fp8_group_products  # noqa: E402
+from head_kernels_sass import head_arg_types  # noqa: E402
 from hopper_sass import compile_for_hopper  # noqa: E402
 
 
@@ -90,12 +91,8 @@ def xsa(kernel):
 def heads(kernel, launch=elementwise.HEAD_LAUNCH):
     """The heads' norm, rotation and gain at the record model's head size and rotated half,
     at the default launch (or another: the forward's rotated channels apart)."""
-    def types(name):
-        if name.endswith("_ptr"):
-            return "*fp32" if name in ("cos_ptr", "sin_ptr", "gain_ptr", "gain_rows_ptr") else "*bf16"
-        return "fp32" if name == "eps" else "i32"
     constants = {"HEAD_DIM": 64, "ROPE_HALF": 8, "POSITIONS": launch.positions, "ROTATED_APART": launch.rotated_apart}
-    return build(kernel, types, {k: v for k, v in constants.items() if k in kernel.arg_names}, launch.warps, 3)
+    return build(kernel, head_arg_types, {k: v for k, v in constants.items() if k in kernel.arg_names}, launch.warps, 3)
 
 
 def sinks(kernel):
